@@ -1,0 +1,1 @@
+"""The multi-process machine: cluster life, engine bootstrap, lockstep cells."""

@@ -1,0 +1,134 @@
+"""Run one cell on a set of ranks and collect what each rank produced, in order.
+
+ipyparallel's client reads replies and outputs on its own IO thread. Its per-message
+``iopub_callbacks`` give us every output in the order the rank produced it; we register them
+through ``message_future_hook``, before the request is sent, so no early output is missed.
+The IO thread only puts events on a queue: the notebook's main thread consumes them, which
+is where streaming to the notebook must happen (ipykernel routes output by the main
+thread's current cell).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from spmd.kernel.outputs import Output, RankCell, output_from_message
+
+_REPLY, _IDLE = "reply", "idle"
+
+
+@dataclass
+class CellRun:
+    """One cell sent to some ranks; ``poll`` advances it, ``cells`` holds the results."""
+
+    client: object
+    engine_ids: dict[int, int]  # rank -> ipyparallel engine id
+    code: str
+    on_output: Callable[[int, Output], None] | None = None
+    cells: dict[int, RankCell] = field(default_factory=dict)
+    started: float = 0.0
+    stopped_by: str = ""  # why the wait ended before every rank finished, if it did
+    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _pending: dict[int, set] = field(default_factory=dict)
+
+    def send(self) -> None:
+        client = self.client
+        self.started = time.monotonic()
+        for rank, eid in self.engine_ids.items():
+            self.cells[rank] = RankCell(rank)
+            self._pending[rank] = {_REPLY, _IDLE}
+            ident = client._engines[eid].encode("utf8")
+            client.send_execute_request(
+                # the DirectView socket: one engine addressed by its identity
+                client._mux_socket,
+                self.code,
+                silent=False,
+                ident=ident,
+                message_future_hook=lambda fut, r=rank: self._watch(r, fut),
+            )
+
+    def _watch(self, rank: int, fut) -> None:
+        events = self._events
+        fut.iopub_callbacks.append(
+            lambda msg: events.put((rank, msg["header"]["msg_type"], msg["content"]))
+        )
+        fut.add_done_callback(lambda _f: events.put((rank, _REPLY, None)))
+        fut.output.add_done_callback(lambda _f: events.put((rank, _IDLE, None)))
+
+    @property
+    def busy_ranks(self) -> list[int]:
+        return sorted(r for r, left in self._pending.items() if left)
+
+    @property
+    def finished(self) -> bool:
+        return not self.busy_ranks
+
+    def poll(self, wait: float) -> None:
+        """Handle every event that arrives within ``wait`` seconds (at least one, if any)."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                rank, kind, content = self._events.get(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
+            except queue.Empty:
+                return
+            self._handle(rank, kind, content)
+            if self.finished or time.monotonic() >= deadline:
+                # drain what is already here without waiting more
+                while not self._events.empty():
+                    self._handle(*self._events.get_nowait())
+                return
+
+    def _handle(self, rank: int, kind: str, content: dict | None) -> None:
+        cell = self.cells[rank]
+        if kind in (_REPLY, _IDLE):
+            self._pending[rank].discard(kind)
+            if not self._pending[rank]:
+                cell.seconds = time.monotonic() - self.started
+                cell.finish()
+            return
+        out = output_from_message(kind, content or {})
+        if out is None:
+            return
+        cell.add(out)
+        if self.on_output is not None:
+            self.on_output(rank, out)
+
+    def wait(
+        self,
+        until: float | None = None,
+        tick: Callable[[CellRun], None] | None = None,
+        poll: float = 0.1,
+    ) -> bool:
+        """Wait until every rank finished (True) or the monotonic time ``until`` (False)."""
+        while not self.finished:
+            if until is not None and time.monotonic() >= until:
+                return False
+            self.poll(poll if until is None else min(poll, max(0.0, until - time.monotonic())))
+            if tick is not None:
+                tick(self)
+        return True
+
+
+def rank_set(ranks: Iterable[int]) -> str:
+    """'0-3', '0,2', '0-2,5': ranks written the short way."""
+    ranks = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def rank_label(ranks: Iterable[int]) -> str:
+    """'[rank 2]' or '[ranks 0-3]'."""
+    ranks = sorted(set(ranks))
+    return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {rank_set(ranks)}]"

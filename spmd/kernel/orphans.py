@@ -1,0 +1,30 @@
+"""No orphans: a process we start ends when the notebook process that started it is gone.
+
+The notebook kernel ends its cluster at exit (atexit), but a kernel killed with SIGKILL runs
+no atexit. Each engine and the controller therefore watch their parent: when it is gone, they
+exit. This is a thread in the child, not a signal, so it works on every POSIX system.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+PARENT_ENV = "SPMD_PARENT_PID"
+
+
+def watch_parent(period: float = 1.0) -> None:
+    """Exit this process soon after the notebook process (``$SPMD_PARENT_PID``) ends."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    parent_pid = int(parent)
+
+    def watch() -> None:
+        while True:
+            time.sleep(period)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="spmd-parent-watch", daemon=True).start()

@@ -1,0 +1,95 @@
+"""What one cell produced on each rank, in the order the rank produced it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# Gloo writes this to the C-level stdout of every process on its first collective; it says
+# nothing the user asked for.
+_GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\..*\n?", re.M)
+
+
+def drop_chatter(text: str) -> str:
+    return _GLOO_CHATTER.sub("", text) if "[Gloo]" in text else text
+
+
+@dataclass
+class Output:
+    """One output of one rank: a stream chunk, a display, a result or an error.
+
+    ``kind`` is ``stdout``, ``stderr``, ``display``, ``result`` or ``error``. Streams carry
+    ``text``; displays and results carry a MIME bundle in ``data``; errors carry ``ename``,
+    ``evalue`` and the ``traceback`` lines.
+    """
+
+    kind: str
+    text: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+
+    def key(self) -> Any:
+        """What makes two outputs 'the same' for grouping across ranks."""
+        if self.kind in ("stdout", "stderr"):
+            return (self.kind, self.text)
+        if self.kind == "error":
+            return (self.kind, "\n".join(self.traceback) or f"{self.ename}: {self.evalue}")
+        return (self.kind, _freeze(self.data))
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@dataclass
+class RankCell:
+    """One rank's part of one cell."""
+
+    rank: int
+    outputs: list[Output] = field(default_factory=list)
+    done: bool = False
+    seconds: float | None = None
+
+    @property
+    def error(self) -> Output | None:
+        return next((o for o in self.outputs if o.kind == "error"), None)
+
+    def add(self, out: Output) -> None:
+        """Append, merging a stream chunk into the previous chunk of the same stream."""
+        if out.kind in ("stdout", "stderr") and self.outputs and self.outputs[-1].kind == out.kind:
+            self.outputs[-1].text += out.text
+        else:
+            self.outputs.append(out)
+
+    def finish(self) -> None:
+        for out in self.outputs:
+            if out.kind in ("stdout", "stderr"):
+                out.text = drop_chatter(out.text)
+        self.outputs = [o for o in self.outputs if o.kind not in ("stdout", "stderr") or o.text]
+        self.done = True
+
+
+def output_from_message(msg_type: str, content: dict) -> Output | None:
+    """Turn one iopub message of an engine into an Output (None for the rest)."""
+    if msg_type == "stream":
+        return Output(kind=content["name"], text=content["text"])
+    if msg_type == "display_data":
+        return Output("display", data=content["data"], metadata=content.get("metadata", {}))
+    if msg_type == "execute_result":
+        return Output("result", data=content["data"], metadata=content.get("metadata", {}))
+    if msg_type == "error":
+        return Output(
+            "error",
+            ename=content.get("ename", ""),
+            evalue=content.get("evalue", ""),
+            traceback=list(content.get("traceback", [])),
+        )
+    return None

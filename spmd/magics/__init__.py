@@ -1,0 +1,1 @@
+"""The notebook surface: %spmd / %%spmd / %%local, auto mode, rendering."""

@@ -1,0 +1,50 @@
+"""Auto mode: every cell runs on all ranks, through a public IPython hook.
+
+An input transformer (``shell.input_transformers_cleanup``) rewrites a cell into a call of the
+``%%spmd`` cell magic. It runs before IPython's own escapes (``%``, ``!``) are translated, so
+the engines receive the cell exactly as the user wrote it and run its magics themselves.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+# Cells that begin with one of these stay in the notebook.
+_LOCAL_PREFIXES = ("%spmd", "%%spmd", "%%local")
+
+
+def stays_local(lines: list[str]) -> bool:
+    first = next((ln.lstrip() for ln in lines if ln.strip()), "")
+    return not first or first.startswith(_LOCAL_PREFIXES)
+
+
+class AutoMode:
+    """The transformer, and the switch that turns it on and off."""
+
+    def __init__(self, shell) -> None:
+        self.shell = shell
+        self.on = False
+        self._paused = 0
+
+    def install(self) -> None:
+        if self.transform not in self.shell.input_transformers_cleanup:
+            self.shell.input_transformers_cleanup.append(self.transform)
+
+    def uninstall(self) -> None:
+        if self.transform in self.shell.input_transformers_cleanup:
+            self.shell.input_transformers_cleanup.remove(self.transform)
+
+    @contextmanager
+    def paused(self):
+        """Leave cells alone inside this block (``%%local`` compiles its cell here)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def transform(self, lines: list[str]) -> list[str]:
+        if not self.on or self._paused or stays_local(lines):
+            return lines
+        cell = "".join(lines)
+        return [f"get_ipython().run_cell_magic('spmd', '', {cell!r})\n"]

@@ -1,0 +1,323 @@
+"""``%spmd``, ``%%spmd`` and ``%%local``: the notebook's handle on the SPMD cluster."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shlex
+import signal
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser
+
+from spmd.kernel.lockstep import rank_set
+from spmd.kernel.session import OutOfStep, Session, Settings, StartError
+from spmd.magics.automode import AutoMode
+from spmd.magics.render import LiveView, RankErrors, group_errors, group_outputs, show_group
+
+BACKENDS = ("jax", "torch", "none")
+NOT_RUNNING = "No SPMD cluster is running: start one with %spmd start -n 4."
+
+
+def _count(what: str, example: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be a whole number of at least 1, like {example}, not {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a timeout is a number of seconds above 0, not {text!r}")
+    return value
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        ranks = []
+    if not ranks or ranks[0] < 0:
+        raise argparse.ArgumentTypeError(f"--ranks takes rank numbers like 0,2, not {text!r}")
+    return ranks
+
+
+class _Parser(MagicArgumentParser):
+    """argparse that raises UsageError with one sentence that says what to do."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}. See %spmd? for the options.")
+
+
+def _start_parser() -> _Parser:
+    p = _Parser(prog="%spmd start", add_help=False)
+    p.add_argument("-n", "--processes", type=_count("-n", "-n 4"), required=True)
+    p.add_argument("-d", "--devices-per-process", type=_count("--devices-per-process", "-d 2"))
+    p.add_argument("--backend", choices=BACKENDS, default="jax")
+    p.add_argument("--timeout", type=_seconds, default=None)
+    return p
+
+
+def _cell_parser() -> _Parser:
+    p = _Parser(prog="%%spmd", add_help=False)
+    p.add_argument("--ranks", type=_ranks, default=None)
+    p.add_argument("--timeout", type=_seconds, default=None)
+    return p
+
+
+@magics_class
+class SpmdMagics(Magics):
+    """The notebook surface. One Session per IPython shell."""
+
+    def __init__(self, shell) -> None:
+        super().__init__(shell)
+        self.session: Session | None = None
+        self.auto = AutoMode(shell)
+        self.auto.install()
+
+    # -- %spmd / %%spmd -------------------------------------------------------------------
+
+    @line_cell_magic
+    def spmd(self, line: str, cell: str | None = None):
+        """Drive N processes of one SPMD program from this notebook.
+
+        Line magic::
+
+            %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S]
+            %spmd stop | restart | status | interrupt | on | off
+
+        ``start`` launches N engine processes on 127.0.0.1, joins them into one distributed
+        job (``jax.distributed.initialize``) and turns auto mode on: from then on every cell
+        runs on every rank, in lockstep. ``-d K`` gives each process K CPU devices.
+
+        Cell magic (runs one cell on the cluster, also when auto mode is off)::
+
+            %%spmd [--ranks 0,2] [--timeout S]
+            print(jax.process_index())
+
+        ``%%local`` runs one cell in the notebook only.
+        """
+        if cell is not None:
+            return self._run_cell(line, cell)
+        words = shlex.split(line)
+        if not words:
+            raise UsageError("Say what to do: %spmd start -n 4, or stop, restart, status, on, off.")
+        command, args = words[0], words[1:]
+        handler = getattr(self, f"_cmd_{command}", None)
+        if handler is None:
+            raise UsageError(
+                f"%spmd has no command {command!r}: use start, stop, restart, status, "
+                "interrupt, on or off."
+            )
+        return handler(args)
+
+    @cell_magic
+    def local(self, line: str, cell: str):
+        """Run this cell in the notebook's own process only, also in auto mode.
+
+        Example::
+
+            %%local
+            results = []   # a notebook variable, not on the ranks
+        """
+        with self.auto.paused():
+            code = self.shell.transform_cell(cell)
+        tree = ast.parse(code)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        ns = self.shell.user_ns
+        exec(compile(tree, "<local cell>", "exec"), ns)
+        if last is not None:
+            return eval(compile(ast.Expression(last.value), "<local cell>", "eval"), ns)
+        return None
+
+    # -- commands -------------------------------------------------------------------------
+
+    def _cmd_start(self, args: list[str]) -> None:
+        opts = _start_parser().parse_args(args)
+        if self.session is not None and self.session.running:
+            raise UsageError(
+                f"A cluster of {self.session.settings.n} processes is already running: "
+                "use %spmd stop or %spmd restart first."
+            )
+        _warn_if_notebook_joined_jax()
+        settings = Settings(
+            n=opts.processes,
+            cpu_devices=opts.devices_per_process,
+            backend=opts.backend,
+            cell_timeout=opts.timeout,
+        )
+        self._start(settings)
+
+    def _start(self, settings: Settings) -> None:
+        session = Session(settings)
+        try:
+            session.start()
+        except StartError as exc:
+            raise UsageError(str(exc)) from None
+        self.session = session
+        self.auto.on = True
+        print(_summary(session))
+
+    def _cmd_stop(self, args: list[str]) -> None:
+        self._no_args("stop", args)
+        session = self._require_session()
+        t0 = time.perf_counter()
+        session.stop()
+        self.auto.on = False
+        print(
+            f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; "
+            "auto mode is off."
+        )
+
+    def _cmd_restart(self, args: list[str]) -> None:
+        self._no_args("restart", args)
+        session = self._require_session(allow_stopped=True)
+        session.stop()
+        self._start(session.settings)
+
+    def _cmd_status(self, args: list[str]) -> None:
+        self._no_args("status", args)
+        session = self._require_session(allow_stopped=True)
+        print(_status_table(session, self.auto.on))
+
+    def _cmd_interrupt(self, args: list[str]) -> None:
+        self._no_args("interrupt", args)
+        self._require_session().signal(signal.SIGINT)
+        print("Sent SIGINT to every rank.")
+
+    def _cmd_on(self, args: list[str]) -> None:
+        self._no_args("on", args)
+        self.auto.on = True
+        print("Auto mode on: every cell runs on all ranks (%%local for the notebook only).")
+
+    def _cmd_off(self, args: list[str]) -> None:
+        self._no_args("off", args)
+        self.auto.on = False
+        print("Auto mode off: cells run in the notebook (%%spmd for the ranks).")
+
+    def _no_args(self, command: str, args: list[str]) -> None:
+        if args:
+            raise UsageError(f"%spmd {command} takes no arguments, got {' '.join(args)!r}.")
+
+    def _require_session(self, allow_stopped: bool = False) -> Session:
+        s = self.session
+        if s is None or not (s.running or allow_stopped):
+            raise UsageError(NOT_RUNNING)
+        return s
+
+    # -- cells ----------------------------------------------------------------------------
+
+    def _run_cell(self, line: str, cell: str) -> None:
+        opts = _cell_parser().parse_args(shlex.split(line))
+        session = self._require_session()
+        n = session.settings.n
+        ranks = opts.ranks
+        if ranks is not None:
+            if ranks[-1] >= n:
+                raise UsageError(f"--ranks {rank_set(ranks)}: this cluster has ranks 0-{n - 1}.")
+            if len(ranks) < n:
+                print(
+                    f"Running on ranks {rank_set(ranks)} only: a collective in this cell would "
+                    "hang, waiting for the other ranks.",
+                    file=sys.stderr,
+                )
+        if not cell.strip():
+            return None
+        live = LiveView()
+        try:
+            run = session.run_cell(
+                cell, ranks=ranks, timeout=opts.timeout, on_output=live.add, tick=live.tick
+            )
+        except OutOfStep as exc:
+            raise UsageError(f"Cell not run: {exc}") from None
+        finally:
+            live.close()
+        for group in group_outputs(run.cells):
+            show_group(*group)
+        errors = group_errors(run.cells)
+        if errors or run.stopped_by:
+            note = ""
+            if run.stopped_by:
+                note = session.out_of_step[0].upper() + session.out_of_step[1:]
+            raise RankErrors(errors, sorted(run.cells), note=note)
+        return None
+
+
+def _summary(session: Session) -> str:
+    s, first = session.settings, session.ranks[0]
+    devices = (
+        f", {first.local_devices} devices per process, {first.global_devices} global devices"
+        if s.backend != "none"
+        else ""
+    )
+    return (
+        f"Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s. "
+        "Auto mode on: every cell now runs on all ranks."
+    )
+
+
+def _status_table(session: Session, auto_on: bool) -> str:
+    head = ("rank", "host", "pid", "state", "devices", "last cell")
+    rows = [
+        (
+            str(r.rank),
+            r.host,
+            str(r.pid),
+            r.state,
+            str(r.local_devices),
+            "-" if r.last_seconds is None else f"{r.last_seconds:.2f} s",
+        )
+        for r in session.ranks
+    ]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+    state = "running" if session.running else "stopped"
+    lines.append(
+        f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
+    )
+    return "\n".join(lines)
+
+
+def _warn_if_notebook_joined_jax() -> None:
+    """The notebook must not be a member of the job: a failing rank would abort it."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is not None and getattr(bridge, "_backends", None):
+        print(
+            "Warning: jax has initialized its backends in this notebook process. The notebook "
+            "does not join the job (only the ranks do), so run jax code on the ranks.",
+            file=sys.stderr,
+        )
+
+
+_magics: dict[int, SpmdMagics] = {}
+
+
+def register(shell) -> SpmdMagics:
+    magics = _magics.get(id(shell))
+    if magics is None:
+        magics = _magics[id(shell)] = SpmdMagics(shell)
+        shell.register_magics(magics)
+    return magics
+
+
+def unregister(shell) -> None:
+    magics = _magics.pop(id(shell), None)
+    if magics is not None:
+        if magics.session is not None:
+            magics.session.stop()
+        magics.auto.uninstall()

@@ -1,0 +1,149 @@
+"""Show one cell's per-rank outputs in the notebook, grouped so sameness is visible.
+
+Outputs are aligned by position: the k-th output of every rank is compared with the k-th
+output of the others. Ranks whose k-th outputs are identical are shown once, under their rank
+set (``[ranks 0-3]``); the others follow, each under its own ranks, in rank order. In SPMD
+every rank usually produces the same sequence of outputs, so this lines up what belongs
+together without any diffing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.display import display
+
+from spmd.kernel.lockstep import rank_label, rank_set
+from spmd.kernel.outputs import Output, RankCell
+
+Group = tuple[list[int], Output]
+
+
+def group_outputs(cells: dict[int, RankCell]) -> list[Group]:
+    """Every non-error output, as (ranks that produced it identically, output)."""
+    per_rank = {r: [o for o in c.outputs if o.kind != "error"] for r, c in sorted(cells.items())}
+    depth = max((len(outs) for outs in per_rank.values()), default=0)
+    groups: list[Group] = []
+    for k in range(depth):
+        by_key: dict[object, Group] = {}
+        for rank, outs in per_rank.items():
+            if k < len(outs):
+                out = outs[k]
+                by_key.setdefault(out.key(), ([], out))[0].append(rank)
+        groups.extend(by_key.values())  # dicts keep insertion order: lowest rank first
+    return groups
+
+
+def group_errors(cells: dict[int, RankCell]) -> list[Group]:
+    by_key: dict[object, Group] = {}
+    for rank, cell in sorted(cells.items()):
+        if cell.error is not None:
+            by_key.setdefault(cell.error.key(), ([], cell.error))[0].append(rank)
+    return list(by_key.values())
+
+
+def labelled(label: str, text: str) -> str:
+    """'[rank 0] 8 2' for one line; the label on a line of its own above several."""
+    body = text[:-1] if text.endswith("\n") else text
+    return f"{label} {body}\n" if "\n" not in body else f"{label}\n{body}\n"
+
+
+def show_group(ranks: list[int], out: Output) -> None:
+    label = rank_label(ranks)
+    if out.kind in ("stdout", "stderr"):
+        stream = sys.stdout if out.kind == "stdout" else sys.stderr
+        stream.write(labelled(label, out.text))
+        stream.flush()
+        return
+    data = dict(out.data)
+    plain = data.get("text/plain")
+    if set(data) <= {"text/plain"}:
+        data["text/plain"] = labelled(label, plain or "").rstrip("\n")
+    else:
+        # A picture or HTML: the label goes on a line of its own, visible in any frontend;
+        # the bundle keeps its MIME types, and a text/plain form for saved notebooks.
+        sys.stdout.write(label + "\n")
+        sys.stdout.flush()
+        if plain is None:
+            data["text/plain"] = f"<{', '.join(sorted(data))}>"
+    display(data, metadata=out.metadata or None, raw=True)
+
+
+class RankErrors(Exception):
+    """A cell failed on some ranks, or did not finish on them; the notebook cell fails.
+
+    ``errors`` are the tracebacks grouped by identical text; ``note`` says what else happened
+    (a timeout, an interrupt) and what to do next.
+    """
+
+    def __init__(self, errors: list[Group], ranks: list[int], note: str = "") -> None:
+        self.errors = errors
+        self.ranks = ranks
+        self.note = note
+        self.failed_ranks = sorted(r for rs, _ in errors for r in rs)
+        if errors:
+            first = errors[0][1]
+            message = f"{rank_label(self.failed_ranks)} {first.ename}: {first.evalue}"
+        else:
+            message = note
+        super().__init__(message)
+
+    def _render_traceback_(self) -> list[str]:
+        failed, n = self.failed_ranks, len(self.ranks)
+        ok = sorted(set(self.ranks) - set(failed))
+        lines = []
+        if failed:
+            lines.append(
+                f"Error on {len(failed)} of {n} ranks ({rank_set(failed)})"
+                + (f"; ranks {rank_set(ok)} did not raise." if ok else ".")
+            )
+        if self.note:
+            lines.append(self.note)
+        for ranks, err in self.errors:
+            lines.append("")
+            lines.append(f"{rank_label(ranks)} {err.ename}: {err.evalue}")
+            lines.extend(err.traceback)
+        return lines
+
+
+class LiveView:
+    """The last lines of every rank's streams, shown while a long cell runs.
+
+    Fast cells never show it. When the cell ends, the grouped outputs are printed and the live
+    view is emptied, so a saved notebook keeps the grouped form only.
+    """
+
+    delay = 1.0  # seconds a cell runs before its streams are shown live
+    every = 0.25  # seconds between updates
+    keep = 20  # lines shown
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.lines: list[str] = []
+        self.handle = None
+        self._shown_at = 0.0
+        self._dirty = False
+
+    def add(self, rank: int, out: Output) -> None:
+        if out.kind not in ("stdout", "stderr") or not out.text:
+            return
+        self.lines.extend(f"[rank {rank}] {ln}" for ln in out.text.splitlines())
+        del self.lines[: -self.keep]
+        self._dirty = True
+
+    def tick(self, _run=None) -> None:
+        now = time.monotonic()
+        if not self._dirty or now - self.started < self.delay or now - self._shown_at < self.every:
+            return
+        bundle = {"text/plain": "\n".join(self.lines)}
+        if self.handle is None:
+            self.handle = display(bundle, raw=True, display_id=True)
+        else:
+            self.handle.update(bundle, raw=True)
+        self._shown_at, self._dirty = now, False
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update({"text/plain": ""}, raw=True)
+            self.handle = None
