@@ -76,7 +76,12 @@ def cluster_config(
         # (subclasses read their parent class's section of the config too)
         c[launcher_cls].engine_cmd = [sys.executable, "-m", "spmd.kernel.engine"]
         c[launcher_cls].environment = env
-        c[launcher_cls].engine_args = ["--log-level=WARN"]
+        c[launcher_cls].engine_args = [
+            "--log-level=WARN",
+            # The nanny is one more process per engine, for signals sent through the controller;
+            # local engines are signalled by their launcher's process handle instead.
+            "--IPEngine.enable_nanny=False",
+        ]
     c.LocalEngineSetLauncher.delay = 0.0
     # A rank that ignores SIGTERM (blocked in a collective) is killed after this long.
     c.LocalProcessLauncher.stop_seconds_until_kill = 1

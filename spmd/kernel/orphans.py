@@ -14,6 +14,17 @@ import time
 PARENT_ENV = "SPMD_PARENT_PID"
 
 
+def _end_children() -> None:
+    # The controller forks a heartbeat process; os._exit would leave it behind.
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
 def watch_parent(period: float = 1.0) -> None:
     """Exit this process soon after the notebook process (``$SPMD_PARENT_PID``) ends."""
     parent = os.environ.get(PARENT_ENV)
@@ -25,6 +36,7 @@ def watch_parent(period: float = 1.0) -> None:
         while True:
             time.sleep(period)
             if os.getppid() != parent_pid:
+                _end_children()
                 os._exit(1)
 
     threading.Thread(target=watch, name="spmd-parent-watch", daemon=True).start()

@@ -106,6 +106,7 @@ class Session:
             ),
             engine_timeout=int(s.start_timeout),
             log_level=40,  # errors only: the notebook is not ipyparallel's log
+            shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
         self.cluster.launch_sync(s.n)
 

@@ -1,0 +1,141 @@
+"""Cells on two real ranks: lockstep, grouping, errors, auto mode, %%local, status, stop."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+from conftest import run
+
+from spmd.magics.render import RankErrors
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster(shell):
+    started = run(shell, "%spmd start -n 2 -d 2")
+    assert started.error is None, started.stderr
+    yield shell
+    if shell.magics_manager.registry["SpmdMagics"].session.running:
+        run(shell, "%spmd stop")
+
+
+def test_start_prints_one_summary_line(cluster):
+    session = cluster.magics_manager.registry["SpmdMagics"].session
+    assert [r.rank for r in session.ranks] == [0, 1]
+    assert all(r.local_devices == 2 and r.global_devices == 4 for r in session.ranks)
+
+
+def test_same_output_shown_once_and_different_output_per_rank(cluster):
+    out = run(cluster, "import jax\nprint(jax.device_count(), jax.local_device_count())")
+    assert out.error is None
+    assert out.stdout == "[ranks 0-1] 4 2\n"
+    out = run(cluster, "print(jax.process_index())")
+    assert out.stdout == "[rank 0] 0\n[rank 1] 1\n"
+
+
+def test_cross_process_psum_gives_the_global_sum(cluster):
+    out = run(
+        cluster,
+        "xs = jax.numpy.ones(jax.local_device_count())\n"
+        "jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')(xs)",
+    )
+    assert out.error is None
+    assert out.texts == ["[ranks 0-1] Array([4., 4.], dtype=float32)"]
+
+
+def test_cells_run_in_lockstep(cluster):
+    # rank 1 sleeps; the next cell must not start on rank 0 before rank 1 has finished
+    run(cluster, "import time\nif jax.process_index() == 1: time.sleep(1.0)\nt_end = time.time()")
+    out = run(cluster, "print(time.time() >= t_end)")
+    assert out.stdout == "[ranks 0-1] True\n"
+    ends = run(cluster, "print(round(t_end, 1))").stdout
+    assert ends.count("[rank") == 2  # different end times, shown per rank
+
+
+def test_a_failing_rank_fails_the_cell_and_keeps_the_others_output(cluster):
+    out = run(
+        cluster,
+        "print('before', jax.process_index())\n"
+        "if jax.process_index() == 1:\n"
+        "    raise ValueError('rank one is unhappy')\n"
+        "print('after')",
+    )
+    assert isinstance(out.error, RankErrors)
+    assert out.error.failed_ranks == [1]
+    assert "[rank 0] before 0\nafter\n" in out.stdout or "[rank 0]\nbefore 0\nafter\n" in out.stdout
+    rendered = "\n".join(out.error._render_traceback_())
+    assert "Error on 1 of 2 ranks (1); ranks 0 did not raise." in rendered
+    assert "[rank 1] ValueError: rank one is unhappy" in rendered
+    # the cluster is still usable after an ordinary exception
+    assert run(cluster, "print('fine')").stdout == "[ranks 0-1] fine\n"
+
+
+def test_identical_tracebacks_are_shown_once(cluster):
+    out = run(cluster, "1 / 0")
+    assert isinstance(out.error, RankErrors)
+    assert [ranks for ranks, _ in out.error.errors] == [[0, 1]]
+    assert "[ranks 0-1] ZeroDivisionError: division by zero" in out.error._render_traceback_()
+
+
+def test_rich_outputs_keep_their_mime_bundle_with_a_rank_label(cluster):
+    out = run(cluster, "from IPython.display import HTML\nHTML(f'<b>{jax.process_index()}</b>')")
+    assert out.error is None
+    assert [o["text/html"] for o in out.outputs] == ["<b>0</b>", "<b>1</b>"]
+    assert out.stdout == "[rank 0]\n[rank 1]\n"
+    assert all("text/plain" in o for o in out.outputs)
+
+
+def test_matplotlib_figure_from_each_rank(cluster):
+    out = run(
+        cluster,
+        "%matplotlib inline\n"
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([0, 1], [0, jax.process_index() + 1])\n"
+        "plt.title(f'rank {jax.process_index()}')\n"
+        "plt.show()",
+    )
+    assert out.error is None, out.error
+    pngs = [o for o in out.outputs if "image/png" in o]
+    assert len(pngs) == 2 and pngs[0]["image/png"] != pngs[1]["image/png"]
+    assert all(o["text/plain"].startswith("<Figure") for o in pngs)
+
+
+def test_auto_mode_off_keeps_cells_local_and_spmd_cell_magic_still_works(cluster):
+    run(cluster, "%spmd off")
+    local = run(cluster, "import os\nos.getpid()")
+    assert local.error is None
+    assert cluster.user_ns["_"] == psutil.Process().pid
+    remote = run(cluster, "%%spmd\nimport os\nprint(os.getpid() != 0)")
+    assert remote.stdout == "[ranks 0-1] True\n"
+    run(cluster, "%spmd on")
+    assert run(cluster, "%%local\nnotebook_only = 41 + 1\nnotebook_only").error is None
+    assert cluster.user_ns["notebook_only"] == 42
+    out = run(cluster, "print('notebook_only' in globals())")
+    assert out.stdout == "[ranks 0-1] False\n"
+
+
+def test_a_subset_of_ranks_warns_that_collectives_would_hang(cluster):
+    out = run(cluster, "%%spmd --ranks 1\nprint(jax.process_index())")
+    assert out.stdout == "[rank 1] 1\n"
+    assert "Running on ranks 1 only: a collective in this cell would hang" in out.stderr
+
+
+def test_status_lists_every_rank(cluster):
+    out = run(cluster, "%spmd status")
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["rank", "host", "pid", "state", "devices", "last", "cell"]
+    assert [ln.split()[0] for ln in lines[1:3]] == ["0", "1"]
+    assert all(ln.split()[3] == "idle" and ln.split()[4] == "2" for ln in lines[1:3])
+
+
+def test_stop_ends_every_process_fast_and_turns_auto_mode_off(cluster):
+    magics = cluster.magics_manager.registry["SpmdMagics"]
+    session = magics.session
+    pids = [r.pid for r in session.ranks] + [session.cluster.controller.process.pid]
+    out = run(cluster, "%spmd stop")
+    assert out.error is None and "Stopped 2 processes" in out.stdout
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+    assert magics.auto.on is False
+    # a plain cell now runs in the notebook again
+    assert run(cluster, "x_local = 1").error is None and cluster.user_ns["x_local"] == 1

@@ -1,0 +1,89 @@
+"""Grouping of per-rank outputs, on hand-made outputs (no processes needed)."""
+
+from spmd.kernel.lockstep import rank_label, rank_set
+from spmd.kernel.outputs import Output, RankCell, drop_chatter
+from spmd.magics.render import group_errors, group_outputs, labelled
+
+
+def cells(*per_rank):
+    made = {}
+    for rank, outs in enumerate(per_rank):
+        cell = RankCell(rank)
+        for out in outs:
+            cell.add(out)
+        cell.finish()
+        made[rank] = cell
+    return made
+
+
+def test_rank_sets_are_written_short():
+    assert rank_set([0, 1, 2, 3]) == "0-3"
+    assert rank_set([2, 0]) == "0,2"
+    assert rank_set([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert rank_label([3]) == "[rank 3]"
+    assert rank_label([1, 0]) == "[ranks 0-1]"
+
+
+def test_identical_outputs_collapse_and_different_ones_stay_per_rank():
+    same = Output("stdout", "8 2\n")
+    groups = group_outputs(
+        cells(
+            [same, Output("stdout", "0\n")],
+            [Output("stdout", "8 2\n"), Output("stdout", "1\n")],
+        )
+    )
+    # stream chunks of one stream merge, so each rank has one stdout output
+    assert [(ranks, out.text) for ranks, out in groups] == [([0], "8 2\n0\n"), ([1], "8 2\n1\n")]
+
+
+def test_outputs_align_by_position_across_kinds():
+    fig = {"image/png": "AAAA", "text/plain": "<Figure>"}
+    groups = group_outputs(
+        cells(
+            [
+                Output("stdout", "a\n"),
+                Output("display", data=fig),
+                Output("result", data={"text/plain": "0"}),
+            ],
+            [
+                Output("stdout", "a\n"),
+                Output("display", data=fig),
+                Output("result", data={"text/plain": "1"}),
+            ],
+            [
+                Output("stdout", "b\n"),
+                Output("display", data=fig),
+                Output("result", data={"text/plain": "0"}),
+            ],
+        )
+    )
+    assert [(ranks, out.kind) for ranks, out in groups] == [
+        ([0, 1], "stdout"),
+        ([2], "stdout"),
+        ([0, 1, 2], "display"),
+        ([0, 2], "result"),
+        ([1], "result"),
+    ]
+
+
+def test_errors_group_by_identical_traceback():
+    boom = Output("error", ename="ValueError", evalue="boom", traceback=["tb", "ValueError: boom"])
+    other = Output("error", ename="KeyError", evalue="'x'", traceback=["tb", "KeyError: 'x'"])
+    groups = group_errors(cells([boom], [], [boom], [other]))
+    assert [(ranks, err.ename) for ranks, err in groups] == [
+        ([0, 2], "ValueError"),
+        ([3], "KeyError"),
+    ]
+
+
+def test_gloo_chatter_is_dropped_and_nothing_else():
+    text = (
+        "[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
+        "hello [Gloo]\n"
+    )
+    assert drop_chatter(text) == "hello [Gloo]\n"
+
+
+def test_labels_go_inline_for_one_line_and_above_for_several():
+    assert labelled("[rank 0]", "8 2\n") == "[rank 0] 8 2\n"
+    assert labelled("[ranks 0-1]", "a\nb\n") == "[ranks 0-1]\na\nb\n"

@@ -1,0 +1,131 @@
+"""Real notebooks, executed headlessly by nbclient in a real kernel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+from nbclient.exceptions import CellExecutionError
+
+from spmd.demo import cell_text, execute
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+
+
+def new_notebook(tmp_path: Path, *cells: str) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    path = tmp_path / "test.ipynb"
+    nbformat.write(nb, str(path))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quickstart_prints_what_the_guide_prints():
+    nb = execute(NOTEBOOKS / "quickstart.ipynb")
+    shown = {c.source: cell_text(c) for c in nb.cells if c.cell_type == "code"}
+    start = shown["%spmd start -n 4 --devices-per-process 2"]
+    assert start.startswith(
+        "Started 4 processes, 2 devices per process, 8 global devices (jax) in "
+    )
+    assert shown["import jax\nprint(jax.device_count(), jax.local_device_count())"] == (
+        "[ranks 0-3] 8 2\n"
+    )
+    assert shown["print(jax.process_index())"] == (
+        "[rank 0] 0\n[rank 1] 1\n[rank 2] 2\n[rank 3] 3\n"
+    )
+    psum = next(v for k, v in shown.items() if "psum" in k)
+    assert psum == "[ranks 0-3] Array([8., 8.], dtype=float32)\n"
+    assert shown["%spmd stop"].startswith("Stopped 4 processes in ")
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_rank_stops_run_all_and_figures_come_back(tmp_path):
+    path = new_notebook(
+        tmp_path,
+        "%load_ext spmd\n%spmd start -n 2",
+        "%matplotlib inline\nimport jax, matplotlib.pyplot as plt\n"
+        "plt.bar([0], [jax.process_index() + 1]); plt.show()",
+        "if jax.process_index() == 1:\n    raise RuntimeError('only rank 1 fails')\nprint('ok')",
+        "print('never runs')",
+    )
+    with pytest.raises(CellExecutionError) as failure:
+        execute(path)
+    assert "only rank 1 fails" in str(failure.value)
+    assert "Error on 1 of 2 ranks (1); ranks 0 did not raise." in str(failure.value)
+    # the kernel has shut down, and with it every process the cluster had
+    from conftest import spmd_children
+
+    assert not spmd_children()
+
+
+@pytest.mark.timeout(120)
+def test_figures_are_saved_with_png_and_text(tmp_path):
+    path = new_notebook(
+        tmp_path,
+        "%load_ext spmd\n%spmd start -n 2",
+        "%matplotlib inline\nimport jax, matplotlib.pyplot as plt\n"
+        "plt.bar([0], [jax.process_index() + 1]); plt.show()",
+        "%spmd stop",
+    )
+    nb = execute(path)
+    outputs = nb.cells[1].outputs
+    pictures = [o for o in outputs if o.output_type == "display_data"]
+    assert len(pictures) == 2
+    assert all({"image/png", "text/plain"} <= set(o.data) for o in pictures)
+    assert cell_text(nb.cells[1]).startswith("[rank 0]\n<Figure")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_notebook_kernel_leaves_no_engine_behind():
+    km, kc = start_new_kernel(kernel_name="python3")
+    outputs: list = []
+    try:
+        reply = kc.execute_interactive(
+            "%load_ext spmd\n%spmd start -n 2 --backend none\n"
+            "pids = [r.pid for r in get_ipython().magics_manager.registry['SpmdMagics'].session.ranks]\n"
+            "print(pids)",
+            timeout=60,
+            output_hook=lambda msg: outputs.append(msg),
+        )
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+    text = "".join(m["content"].get("text", "") for m in outputs if m["msg_type"] == "stream")
+    pids = [int(p) for p in text.strip().splitlines()[-1].strip("[]").split(",")]
+    kernel_pid = km.provisioner.process.pid
+    started = started_by(kernel_pid)
+    assert set(pids) < set(started)  # the engines, the controller and its heartbeat process
+    os.kill(kernel_pid, signal.SIGKILL)  # no atexit runs
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and started_by(kernel_pid):
+        time.sleep(0.1)
+    km.cleanup_resources()
+    assert not started_by(kernel_pid)
+
+
+def started_by(parent_pid: int) -> list[int]:
+    """Live processes that a notebook kernel's cluster started (they carry its pid)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (
+                proc.environ().get("SPMD_PARENT_PID") == str(parent_pid)
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
