@@ -53,6 +53,15 @@ def test_cells_run_in_lockstep(cluster):
     assert ends.count("[rank") == 2  # different end times, shown per rank
 
 
+def test_hundreds_of_quick_cells_all_come_back(cluster):
+    # Regression: requests sent on the raw socket behind ipyparallel's ZMQStream lost replies
+    # after a few cells, and the notebook waited forever.
+    for i in range(300):
+        out = run(cluster, f"%%spmd --timeout 20\nx = {i}")
+        assert out.error is None, f"cell {i}: {out.error}"
+    assert run(cluster, "print(x)").stdout == "[ranks 0-1] 299\n"
+
+
 def test_a_failing_rank_fails_the_cell_and_keeps_the_others_output(cluster):
     out = run(
         cluster,

@@ -42,8 +42,10 @@ class CellRun:
             self._pending[rank] = {_REPLY, _IDLE}
             ident = client._engines[eid].encode("utf8")
             client.send_execute_request(
-                # the DirectView socket: one engine addressed by its identity
-                client._mux_socket,
+                # DirectView's stream: one engine addressed by its identity. Not the raw
+                # socket: a send on it behind the ZMQStream's back loses the stream's read
+                # events (zmq's fd is edge-triggered), and replies then wait forever.
+                client._mux_stream,
                 self.code,
                 silent=False,
                 ident=ident,

@@ -1,0 +1,78 @@
+"""The floors: what the same work costs with nothing of ours or ipyparallel's in the way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from spmd.kernel.session import free_port
+
+_RANK = r"""
+import sys
+rank, n, port, k = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+import jax
+jax.config.update("jax_num_cpu_devices", k)
+addr = f"127.0.0.1:{port}"
+jax.distributed.initialize(addr, n, rank, coordinator_bind_address=addr)
+xs = jax.numpy.ones(jax.local_device_count())
+jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")(xs).block_until_ready()
+"""
+
+
+def bare_processes(n: int = 4, devices: int = 2) -> float:
+    """Seconds for n plain processes to import jax, initialize on 127.0.0.1 and run one psum."""
+    port = free_port()
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(n), str(port), str(devices)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for r in range(n)
+    ]
+    codes = [p.wait(timeout=120) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"a bare rank failed: exit codes {codes}")
+    return time.perf_counter() - t0
+
+
+_ECHO = r"""
+import sys, zmq
+sock = zmq.Context().socket(zmq.REP)
+sock.bind(f"tcp://127.0.0.1:{sys.argv[1]}")
+while True:
+    sock.send(sock.recv())
+"""
+
+
+class EchoServers:
+    """n processes that answer a zmq message at once: the physical floor of a cell's round trip."""
+
+    def __init__(self, n: int) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.procs, self.socks = [], []
+        for _ in range(n):
+            port = free_port()
+            self.procs.append(subprocess.Popen([sys.executable, "-c", _ECHO, str(port)]))
+            sock = self.ctx.socket(zmq.REQ)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            self.socks.append(sock)
+        self.round_trip()  # wait until every server answers
+
+    def round_trip(self) -> float:
+        t0 = time.perf_counter()
+        for sock in self.socks:
+            sock.send(b"x = 1")
+        for sock in self.socks:
+            sock.recv()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,274 @@
+"""``make bench``: jupyter-spmd's start, stop, restart, per-cell and output costs, side by side
+with the bare floor and with plain ipyparallel, alternated within one run.
+
+Absolute times on a shared 2-core machine drift; the ratios between figures taken in the same
+round hold. Every figure is the median of its rounds, with the min-max. Results go to
+``benchmarks/results.json``. ``--quick`` runs a one-minute subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import psutil
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+from ipyparallel import Cluster
+
+from benchmarks.floor import EchoServers, bare_processes
+from spmd.kernel.session import free_port
+
+PSUM = (
+    "import jax\nxs = jax.numpy.ones(jax.local_device_count())\n"
+    "jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')(xs).block_until_ready()"
+)
+RESULTS = Path(__file__).with_name("results.json")
+
+
+class Bench:
+    def __init__(self) -> None:
+        self.shell = InteractiveShell.instance()
+        self.shell.run_line_magic("load_ext", "spmd")
+        self.magics = self.shell.magics_manager.registry["SpmdMagics"]
+        self.samples: dict[str, list[float]] = defaultdict(list)
+        self.facts: dict[str, object] = {}
+
+    def cell(self, code: str) -> str:
+        with capture_output() as cap:
+            result = self.shell.run_cell(code)
+        if not result.success:
+            raise RuntimeError(f"benchmark cell failed: {code!r}: {cap.stderr}{result.error_in_exec}")
+        return cap.stdout
+
+    def record(self, name: str, seconds: float) -> None:
+        self.samples[name].append(seconds)
+
+    # -- start, stop, restart -----------------------------------------------------------
+
+    def spmd_lifecycle(self) -> None:
+        t0 = time.perf_counter()
+        self.cell("%spmd start -n 4 -d 2")
+        self.cell(PSUM)
+        self.record("start_to_ready/spmd", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.cell("%spmd restart")
+        self.cell(PSUM)
+        self.record("restart/spmd", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.cell("%spmd stop")
+        self.record("stop/spmd", time.perf_counter() - t0)
+
+    def ipyparallel_lifecycle(self) -> None:
+        with tempfile.TemporaryDirectory(prefix="ipp-bench-") as profile:
+            t0 = time.perf_counter()
+            cluster = Cluster(n=4, profile_dir=profile, log_level=40, shutdown_atexit=True)
+            client = cluster.start_and_connect_sync()
+            _init_by_hand(client)
+            self.record("start_to_ready/ipyparallel", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            cluster.restart_engines_sync()
+            client.wait_for_engines(8, timeout=120, interactive=False)  # ids 4-7 are the new ones
+            _init_by_hand(client, ids=sorted(client.ids)[-4:])
+            self.record("restart/ipyparallel", time.perf_counter() - t0)
+            client.close()
+            t0 = time.perf_counter()
+            cluster.stop_cluster_sync()
+            self.record("stop/ipyparallel", time.perf_counter() - t0)
+
+    # -- per cell -----------------------------------------------------------------------
+
+    def per_cell(self, n: int, cells: int) -> None:
+        self.cell(f"%spmd start -n {n} --backend none")
+        view = self.magics.session.client[:]
+        view.block = True
+        view.activate()  # %px on the very same engines
+        echo = EchoServers(n)
+        try:
+            for _ in range(cells):
+                self.magics.auto.on = True
+                t0 = time.perf_counter()
+                self.cell("x = 1")
+                self.record(f"cell_n{n}/spmd", time.perf_counter() - t0)
+                self.magics.auto.on = False
+                t0 = time.perf_counter()
+                self.cell("%px x = 1")
+                self.record(f"cell_n{n}/px", time.perf_counter() - t0)
+                self.record(f"cell_n{n}/zmq", echo.round_trip())
+        finally:
+            echo.close()
+            self.magics.auto.on = True
+            self.cell("%spmd stop")
+
+    def output(self, lines: int, rounds: int) -> None:
+        self.cell("%spmd start -n 4 --backend none")
+        view = self.magics.session.client[:]
+        view.block = True
+        view.activate()
+        code = f"import os\nr = os.environ['SPMD_RANK']\nfor i in range({lines}): print(r, i)"
+        try:
+            for _ in range(rounds):
+                self.magics.auto.on = True
+                t0 = time.perf_counter()
+                shown = self.cell(code)
+                self.record("output/spmd", time.perf_counter() - t0)
+                self.facts["output in rank order/spmd"] = _check_whole(shown, lines, "[rank {r}]\n")
+                self.magics.auto.on = False
+                t0 = time.perf_counter()
+                shown = self.cell("%%px\n" + code)
+                self.record("output/px", time.perf_counter() - t0)
+                self.facts["output in rank order/px"] = _check_whole(shown, lines, "[stdout:{r}] ")
+        finally:
+            self.magics.auto.on = True
+            self.cell("%spmd stop")
+
+    def memory(self, cells: int) -> None:
+        self.cell("%spmd start -n 4 --backend none")
+        try:
+            for _ in range(50):  # warm caches first
+                self.cell("x = 1")
+            before = psutil.Process().memory_info().rss
+            for _ in range(cells):
+                self.cell("x = 1")
+            growth = (psutil.Process().memory_info().rss - before) / 2**20
+            self.record(f"rss_growth_{cells}_cells_mb/spmd", growth)
+        finally:
+            self.cell("%spmd stop")
+
+
+def _init_by_hand(client, ids=None) -> None:
+    """What a user does without us: jax.distributed.initialize through %px, then a psum."""
+    ids = sorted(client.ids) if ids is None else ids
+    addr = f"127.0.0.1:{free_port()}"
+    pending = [
+        client[eid].execute(
+            "import jax\njax.config.update('jax_num_cpu_devices', 2)\n"
+            f"jax.distributed.initialize('{addr}', {len(ids)}, {rank}, coordinator_bind_address='{addr}')",
+            block=False,
+        )
+        for rank, eid in enumerate(ids)
+    ]
+    for ar in pending:
+        ar.get(timeout=120)
+    client[ids].execute(PSUM, block=True)
+
+
+def _check_whole(shown: str, lines: int, label: str) -> bool:
+    """Raise unless every rank's lines all arrived; return whether the ranks came in order."""
+    for r in range(4):
+        if shown.count(f"{r} ") < lines or f"{r} {lines - 1}\n" not in shown:
+            raise RuntimeError(f"rank {r}'s output did not arrive whole")
+    at = [shown.find(label.format(r=r)) for r in range(4)]
+    return -1 not in at and at == sorted(at)
+
+
+def summarize(samples: dict[str, list[float]]) -> dict[str, dict]:
+    return {
+        name: {
+            "median": statistics.median(xs),
+            "min": min(xs),
+            "max": max(xs),
+            "runs": len(xs),
+        }
+        for name, xs in samples.items()
+    }
+
+
+TARGETS = [
+    # (figure, anchor, target ratio or None, what the target says)
+    ("start_to_ready/spmd", "start_to_ready/floor", 1.25, "≤ 1.25 × floor"),
+    ("start_to_ready/spmd", "start_to_ready/ipyparallel", None, ""),
+    ("stop/spmd", "stop/ipyparallel", None, "≤ 1 s"),
+    ("restart/spmd", "start_to_ready/floor", 1.5, "≤ 1.5 × floor"),
+    ("restart/spmd", "restart/ipyparallel", None, ""),
+    ("cell_n2/spmd", "cell_n2/px", 1.0, "≤ 1.0 × %px"),
+    ("cell_n4/spmd", "cell_n4/px", 1.0, "≤ 1.0 × %px"),
+    ("cell_n8/spmd", "cell_n8/px", 1.0, "≤ 1.0 × %px"),
+    ("cell_n4/spmd", "cell_n4/zmq", None, ""),
+    ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
+]
+
+
+def table(stats: dict[str, dict]) -> str:
+    def fmt(name: str) -> str:
+        s = stats[name]
+        unit, k = ("ms", 1000) if s["median"] < 0.5 else ("s", 1)
+        return f"{s['median'] * k:.3g} {unit} ({s['min'] * k:.3g}-{s['max'] * k:.3g})"
+
+    rows = [("figure", "median (min-max)", "anchor", "anchor median", "ratio", "target")]
+    for fig, anchor, limit, says in TARGETS:
+        if fig not in stats or anchor not in stats:
+            continue
+        ratio = stats[fig]["median"] / stats[anchor]["median"]
+        if fig == "stop/spmd":
+            verdict = "met" if stats[fig]["median"] <= 1.0 else "missed"
+        elif limit is not None:
+            verdict = "met" if ratio <= limit else "missed"
+        else:
+            verdict = ""
+        rows.append((fig, fmt(fig), anchor, fmt(anchor), f"{ratio:.2f}", f"{says} {verdict}".strip()))
+    for name in stats:
+        if name.startswith("rss_growth"):
+            mb = stats[name]["median"]
+            rows.append((name, f"{mb:.1f} MB", "", "", "", f"< 20 MB {'met' if mb < 20 else 'missed'}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a one-minute subset")
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 3)
+    bench = Bench()
+    started = time.perf_counter()
+    for i in range(rounds):
+        print(f"round {i + 1}/{rounds}: start, restart, stop", file=sys.stderr, flush=True)
+        bench.record("start_to_ready/floor", bare_processes())
+        bench.spmd_lifecycle()
+        if not args.quick:
+            bench.ipyparallel_lifecycle()
+    sizes = (4,) if args.quick else (2, 4, 8)
+    for n in sizes:
+        print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
+        bench.per_cell(n, cells=30 if args.quick else 100)
+    print("output, 4 ranks", file=sys.stderr, flush=True)
+    bench.output(lines=10_000, rounds=1 if args.quick else 3)
+    print("memory", file=sys.stderr, flush=True)
+    bench.memory(cells=200 if args.quick else 1000)
+
+    stats = summarize(bench.samples)
+    machine = f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, {sys.platform}"
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "quick": args.quick,
+                "rounds": rounds,
+                "seconds": round(time.perf_counter() - started, 1),
+                "figures": stats,
+                "facts": bench.facts,
+            },
+            indent=2,
+        )
+    )
+    print(f"\njupyter-spmd benchmarks on {machine}; ratios from one run\n")
+    print(table(stats))
+    for name, value in bench.facts.items():
+        print(f"{name}: {value}")
+    print(f"\nwritten to {RESULTS} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
