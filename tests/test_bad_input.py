@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import run, spmd_children
 from IPython.core.error import UsageError
@@ -82,3 +84,19 @@ def test_jax_initialized_in_the_notebook_warns(shell):
         assert "Warning: jax has initialized its backends in this notebook process" in out.stderr
     finally:
         run(shell, "%spmd stop")
+
+
+def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, monkeypatch):
+    # sitecustomize runs first in every new Python on the path: rank 1's process exits at once
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('SPMD_RANK') == '1':\n"
+        "    print('rank 1 cannot start', file=sys.stderr)\n"
+        "    os._exit(3)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    t0 = time.monotonic()
+    message = usage_error(shell, "%spmd start -n 2 --backend none")
+    assert time.monotonic() - t0 < 30  # not the 120 s registration timeout
+    assert message.startswith("An engine process exited during start-up (rank 1)")
+    assert "rank 1 cannot start" in message

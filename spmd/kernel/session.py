@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
+
 from spmd.kernel import engine
 from spmd.kernel.cluster import LOOPBACK, SpmdCluster, cluster_config
 from spmd.kernel.lockstep import CellRun, rank_set
@@ -54,6 +56,14 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _exited(process) -> bool:
+    """Whether a psutil process handle has ended (a zombie has ended too)."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _init_failure(rank: int, exc: Exception) -> StartError:
@@ -113,14 +123,19 @@ class Session:
     def _init_client(self) -> None:
         s = self.settings
         client = self.client = self.cluster.connect_client_sync()
-        try:
-            client.wait_for_engines(s.n, timeout=s.start_timeout, interactive=False)
-        except TimeoutError:
-            dead = self._exited_engines()
-            raise StartError(
-                f"Only {len(client.ids)} of {s.n} engines registered within "
-                f"{s.start_timeout:.0f} s{dead}; check the engines' Python environment."
-            ) from None
+        deadline = time.monotonic() + s.start_timeout
+        # Poll rather than wait_for_engines(timeout): an engine that crashes at start should
+        # fail the start at once, not after the whole timeout.
+        while len(client.ids) < s.n:
+            exited = self._exited_engines()
+            if exited:
+                raise StartError(f"An engine process exited during start-up{exited}")
+            if time.monotonic() > deadline:
+                raise StartError(
+                    f"Only {len(client.ids)} of {s.n} engines registered within "
+                    f"{s.start_timeout:.0f} s: check the engines' Python environment."
+                )
+            time.sleep(0.01)
         # Rank = position in the sorted engine ids at start (ids change after a restart).
         self.ranks = [Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))]
 
@@ -149,12 +164,14 @@ class Session:
             time.sleep(0.005)
 
     def _exited_engines(self) -> str:
-        exited = [p for p in self.cluster.rank_launchers().values() if not p.running]
+        """'' while every engine runs; else which exited, and the end of one's log."""
+        exited = {r: p for r, p in self.cluster.rank_launchers().items() if _exited(p.process)}
         if not exited:
             return ""
-        log = exited[0].get_output()
-        tail = "\n".join(log.strip().splitlines()[-5:])
-        return f" ({len(exited)} exited; the last lines of one engine's log:\n{tail}\n)"
+        rank, launcher = min(exited.items())
+        with open(launcher.output_file, errors="replace") as log:
+            tail = "\n".join(log.read().strip().splitlines()[-5:]) or "(nothing)"
+        return f" (rank {rank}); the last lines it wrote:\n{tail}"
 
     @property
     def running(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import shlex
 import signal
 import sys
@@ -64,6 +65,7 @@ class _Parser(MagicArgumentParser):
         raise UsageError(f"{self.prog}: {message}. See %spmd? for the options.")
 
 
+@functools.cache
 def _start_parser() -> _Parser:
     p = _Parser(prog="%spmd start", add_help=False)
     p.add_argument("-n", "--processes", type=_count("-n", "-n 4"), required=True)
@@ -73,6 +75,7 @@ def _start_parser() -> _Parser:
     return p
 
 
+@functools.cache  # built once: %%spmd parses its line on every cell
 def _cell_parser() -> _Parser:
     p = _Parser(prog="%%spmd", add_help=False)
     p.add_argument("--ranks", type=_ranks, default=None)
