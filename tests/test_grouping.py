@@ -32,8 +32,27 @@ def test_identical_outputs_collapse_and_different_ones_stay_per_rank():
             [Output("stdout", "8 2\n"), Output("stdout", "1\n")],
         )
     )
-    # stream chunks of one stream merge, so each rank has one stdout output
-    assert [(ranks, out.text) for ranks, out in groups] == [([0], "8 2\n0\n"), ([1], "8 2\n1\n")]
+    # stream chunks of one stream merge; the lines both ranks printed first are shown once
+    assert [(ranks, out.text) for ranks, out in groups] == [
+        ([0, 1], "8 2\n"),
+        ([0], "0\n"),
+        ([1], "1\n"),
+    ]
+
+
+def test_lines_every_rank_printed_first_are_shown_once():
+    groups = group_outputs(
+        cells(
+            [Output("stdout", "same\nI am 0\n")],
+            [Output("stdout", "same\nI am 1\n")],
+            [Output("stdout", "same\n")],
+        )
+    )
+    assert [(ranks, out.text) for ranks, out in groups] == [
+        ([0, 1, 2], "same\n"),
+        ([0], "I am 0\n"),
+        ([1], "I am 1\n"),
+    ]
 
 
 def test_outputs_align_by_position_across_kinds():

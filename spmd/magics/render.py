@@ -26,13 +26,34 @@ def group_outputs(cells: dict[int, RankCell]) -> list[Group]:
     depth = max((len(outs) for outs in per_rank.values()), default=0)
     groups: list[Group] = []
     for k in range(depth):
+        at_k = {rank: outs[k] for rank, outs in per_rank.items() if k < len(outs)}
         by_key: dict[object, Group] = {}
-        for rank, outs in per_rank.items():
-            if k < len(outs):
-                out = outs[k]
-                by_key.setdefault(out.key(), ([], out))[0].append(rank)
+        for rank, out in _split_common_lines(at_k):
+            by_key.setdefault(out.key(), ([], out))[0].append(rank)
         groups.extend(by_key.values())  # dicts keep insertion order: lowest rank first
     return groups
+
+
+def _split_common_lines(at_k: dict[int, Output]) -> list[tuple[int, Output]]:
+    """When every rank printed to one stream and the texts differ, split off the lines they
+    all begin with, so ``print('same'); print(rank)`` shows 'same' once."""
+    outs = list(at_k.values())
+    kind = outs[0].kind
+    pairs = list(at_k.items())
+    if kind not in ("stdout", "stderr") or len(outs) < 2 or any(o.kind != kind for o in outs):
+        return pairs
+    if len({o.text for o in outs}) == 1:
+        return pairs
+    split = [o.text.splitlines(keepends=True) for o in outs]
+    common = 0
+    while all(common < len(lines) for lines in split) and len({ls[common] for ls in split}) == 1:
+        common += 1
+    if common == 0:
+        return pairs
+    head = Output(kind, "".join(split[0][:common]))
+    heads = [(rank, head) for rank in at_k]
+    tails = [(rank, Output(kind, "".join(ls[common:]))) for rank, ls in zip(at_k, split)]
+    return heads + [(rank, out) for rank, out in tails if out.text]
 
 
 def group_errors(cells: dict[int, RankCell]) -> list[Group]:
