@@ -103,6 +103,16 @@ def test_gloo_chatter_is_dropped_and_nothing_else():
     assert drop_chatter(text) == "hello [Gloo]\n"
 
 
+def test_gloo_chatter_from_two_device_threads_at_once_is_dropped():
+    # Two local devices connect at the same time and their C-level writes interleave.
+    text = (
+        "[Gloo] Rank 1[Gloo] Rank  is connected to 30 peer ranks.  is connected to Expected "
+        "number of connected peer ranks is : 33 peer ranks. \n"
+        "Expected number of connected peer ranks is : 3\n[4. 4.]\n"
+    )
+    assert drop_chatter(text) == "[4. 4.]\n"
+
+
 def test_labels_go_inline_for_one_line_and_above_for_several():
     assert labelled("[rank 0]", "8 2\n") == "[rank 0] 8 2\n"
     assert labelled("[ranks 0-1]", "a\nb\n") == "[ranks 0-1]\na\nb\n"

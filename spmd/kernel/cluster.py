@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
+import psutil
 from ipyparallel import Cluster
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets.config import Config
@@ -35,8 +37,43 @@ class RankedEngineLauncher(LocalEngineLauncher):
     def find_args(self) -> list[str]:
         return super().find_args() + [f"--IPEngine.id={self.identifier}"]
 
+    exit_code: int | None = None  # negative: the signal that ended the process
+    exited_at: float | None = None  # time.monotonic()
+
+    @property
+    def rank(self) -> int:
+        return int(self.identifier)
+
+    @property
+    def stack_file(self) -> str:
+        return os.path.join(self.profile_dir, "log", f"stacks-rank{self.identifier}.txt")
+
     def get_env(self) -> dict[str, str]:
-        return dict(super().get_env(), **{engine.RANK_ENV: str(self.identifier)})
+        return dict(
+            super().get_env(),
+            **{engine.RANK_ENV: str(self.identifier), engine.STACK_FILE_ENV: self.stack_file},
+        )
+
+    def _wait(self) -> None:
+        """ipyparallel's wait thread, keeping the exit code where the notebook can read it.
+
+        ipyparallel hands the exit code to its event loop, which does not turn while a cell
+        runs; a death must be seen within a fraction of a second, in the middle of a cell.
+        """
+        exit_code = None
+        while not self._stop_waiting.is_set() and self.state == "running":
+            try:
+                exit_code = self.process.wait(timeout=self.poll_seconds)
+            except psutil.TimeoutExpired:
+                continue
+            else:
+                break
+        if exit_code is not None or not self._stop_waiting.is_set():
+            self.exit_code, self.exited_at = exit_code, time.monotonic()
+        stop_data = dict(exit_code=exit_code, pid=self.pid, identifier=self.identifier)
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+        if self._popen_process:
+            self._popen_process.wait(0)
 
 
 class RankedEngineSetLauncher(LocalEngineSetLauncher):

@@ -12,6 +12,7 @@ for that thread and report this process's facts.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -28,6 +29,10 @@ RANK_ENV = "SPMD_RANK"
 NUM_PROCESSES_ENV = "SPMD_NUM_PROCESSES"
 COORDINATOR_ENV = "SPMD_COORDINATOR"
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
+STACK_FILE_ENV = "SPMD_STACK_FILE"
+
+# The notebook sends this signal to ask a busy rank where it is (``%spmd where``).
+WHERE_SIGNAL = signal.SIGUSR1
 
 # When this process reached each step of its start (time.time()), for the benchmarks.
 TIMELINE: dict[str, float] = {"process_start": time.time()}
@@ -134,11 +139,30 @@ def joined() -> dict:
         raise _join.error
     # Signal handlers can only be set from the main thread, which is where this runs.
     signal.signal(signal.SIGTERM, _exit_now)
-    return dict(_join.facts, timeline=dict(TIMELINE))
+    # faulthandler names threads by this id; the notebook picks the main thread's stack.
+    main_thread = threading.main_thread().ident
+    return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
+
+
+def listen_for_where() -> None:
+    """Dump every thread's Python stack to ``$SPMD_STACK_FILE`` on WHERE_SIGNAL.
+
+    faulthandler writes from C inside the signal handler, so it answers while the main thread
+    is blocked in a collective, holds the GIL, or never returns to the interpreter; the shell
+    channel, which ipyparallel would use, is busy with the cell. The file is opened for
+    appending, so the notebook reads each dump from the size the file had before it asked.
+    """
+    path = os.environ.get(STACK_FILE_ENV)
+    if path:
+        stacks = open(path, "a")  # noqa: SIM115 (open for the life of the process)
+        faulthandler.register(WHERE_SIGNAL, file=stacks, all_threads=True, chain=False)
+        # A crash (segfault, abort) dumps there too: the death report shows the cell line.
+        faulthandler.enable(file=stacks, all_threads=True)
 
 
 def main() -> None:
     _join.start()
+    listen_for_where()
     watch_parent()
     from ipyparallel.engine.app import main as engine_main
 

@@ -30,7 +30,8 @@ class CellRun:
     on_output: Callable[[int, Output], None] | None = None
     cells: dict[int, RankCell] = field(default_factory=dict)
     started: float = 0.0
-    stopped_by: str = ""  # why the wait ended before every rank finished, if it did
+    first_done: float | None = None  # when the first rank finished (time.monotonic())
+    stall: object | None = None  # a watchdog.Stall when the wait ended before every rank did
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _pending: dict[int, set] = field(default_factory=dict)
 
@@ -90,8 +91,11 @@ class CellRun:
         if kind in (_REPLY, _IDLE):
             self._pending[rank].discard(kind)
             if not self._pending[rank]:
-                cell.seconds = time.monotonic() - self.started
+                now = time.monotonic()
+                cell.seconds = now - self.started
                 cell.finish()
+                if self.first_done is None:
+                    self.first_done = now
             return
         out = output_from_message(kind, content or {})
         if out is None:
@@ -128,6 +132,11 @@ def rank_set(ranks: Iterable[int]) -> str:
         parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ",".join(parts)
+
+
+def rank_words(ranks: Iterable[int]) -> str:
+    """'rank 2' or 'ranks 0-3', for sentences."""
+    return rank_label(ranks)[1:-1]
 
 
 def rank_label(ranks: Iterable[int]) -> str:

@@ -6,13 +6,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# Gloo writes this to the C-level stdout of every process on its first collective; it says
-# nothing the user asked for.
-_GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\..*\n?", re.M)
+# Gloo writes this to the C-level stdout of every process when it connects; it says nothing
+# the user asked for. Two device threads connecting at once interleave their lines, so any
+# line with a piece of it goes.
+_GLOO_CHATTER = re.compile(
+    r"^.*(?:\[Gloo\] Rank|Expected number of connected peer ranks).*(?:\n|$)", re.M
+)
 
 
 def drop_chatter(text: str) -> str:
-    return _GLOO_CHATTER.sub("", text) if "[Gloo]" in text else text
+    if "[Gloo]" not in text and "Expected number of connected" not in text:
+        return text
+    return _GLOO_CHATTER.sub("", text)
 
 
 @dataclass

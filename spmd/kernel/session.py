@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import shutil
 import signal
 import socket
@@ -13,14 +14,15 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from spmd.kernel import engine
-from spmd.kernel.cluster import LOOPBACK, SpmdCluster, cluster_config
-from spmd.kernel.lockstep import CellRun, rank_set
+from spmd.kernel import engine, where
+from spmd.kernel.cluster import LOOPBACK, RankedEngineLauncher, SpmdCluster, cluster_config
+from spmd.kernel.lockstep import CellRun
 from spmd.kernel.outputs import Output
+from spmd.kernel.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
 
 
 class OutOfStep(RuntimeError):
-    """A cell was refused because an earlier one left the ranks out of step."""
+    """A cell was refused: an earlier one left the ranks out of step, or a rank died."""
 
 
 class StartError(RuntimeError):
@@ -35,6 +37,9 @@ class Settings:
     cpu_devices: int | None = None
     backend: str = "jax"
     cell_timeout: float | None = None
+    # Seconds the other ranks may still run after one finished before the watchdog reports
+    # them (None: never). Ranks of one SPMD program finish a cell together, give or take.
+    grace: float | None = 2.0
     start_timeout: float = 120.0
 
 
@@ -48,8 +53,9 @@ class Rank:
     host: str = ""
     local_devices: int = 0
     global_devices: int = 0
-    state: str = "idle"  # idle | busy | dead
+    state: str = "idle"  # idle | busy | died | stopped
     last_seconds: float | None = None
+    main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -83,8 +89,13 @@ class Session:
     start_seconds: float = 0.0
     cluster: SpmdCluster | None = None
     client: object | None = None
-    out_of_step: str = ""
+    out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
+    unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
+    death_report: list[str] = field(default_factory=list)  # the first death, for status
+    _launchers: dict[int, RankedEngineLauncher] = field(default_factory=dict)
     _profile_dir: str | None = None
+    # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
+    _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
 
     # -- life ---------------------------------------------------------------------------
 
@@ -138,6 +149,7 @@ class Session:
             time.sleep(0.01)
         # Rank = position in the sorted engine ids at start (ids change after a restart).
         self.ranks = [Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))]
+        self._launchers = self.cluster.rank_launchers()
 
     def _init_distributed(self) -> None:
         s = self.settings
@@ -157,6 +169,7 @@ class Session:
                 row.pid, row.host = facts["pid"], facts["host"]
                 row.local_devices = facts["local_devices"]
                 row.global_devices = facts["global_devices"]
+                row.main_thread = facts["main_thread"]
             if pending and time.monotonic() > deadline:
                 raise StartError(
                     f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
@@ -182,6 +195,8 @@ class Session:
         atexit.unregister(self.stop)
         client, cluster = self.client, self.cluster
         self.client = self.cluster = None
+        self._launchers = {}
+        self.unfinished = None
         if client is not None:
             client.close(linger=0)
         if cluster is not None:
@@ -189,7 +204,8 @@ class Session:
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
             cluster.stop_cluster_sync()
         for r in self.ranks:
-            r.state = "dead"
+            if r.state != "died":
+                r.state = "stopped"
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
             self._profile_dir = None
@@ -200,51 +216,199 @@ class Session:
             all_ranks = [r.rank for r in self.ranks]
             self.cluster.signal_ranks(all_ranks if ranks is None else ranks, signum)
 
-    # -- cells --------------------------------------------------------------------------
+    # -- cells ----------------------------------------------------------------------------
 
     def run_cell(
         self,
         code: str,
         ranks: list[int] | None = None,
         timeout: float | None = None,
+        grace: float | None = None,
         on_output: Callable[[int, Output], None] | None = None,
         tick: Callable[[CellRun], None] | None = None,
     ) -> CellRun:
         """Send ``code`` to the ranks and wait until every one has finished (lockstep).
 
-        On a timeout, or when the notebook is interrupted, the ranks still busy get SIGINT
-        and a short grace to finish; ``run.stopped_by`` then says why the wait ended early.
+        The wait ends early when a rank dies, when some ranks are still busy ``grace``
+        seconds after another finished (they diverged), on a timeout, or when the notebook
+        is interrupted. ``run.stall`` then says which, and where the busy ranks were.
         """
+        self.check_alive()
         if self.out_of_step:
             raise OutOfStep(self.out_of_step)
         targets = {r.rank: r.engine_id for r in self.ranks if ranks is None or r.rank in ranks}
         run = CellRun(self.client, targets, code, on_output=on_output)
+        self._cells.append(code)
         for rank in targets:
             self.ranks[rank].state = "busy"
         run.send()
         timeout = timeout or self.settings.cell_timeout
-        until = None if timeout is None else run.started + timeout
+        grace = self.settings.grace if grace is None else grace
         try:
-            if not run.wait(until=until, tick=tick):
-                run.stopped_by = f"timed out after {timeout:g} s"
-                self._interrupt(run)
-        except KeyboardInterrupt:
-            run.stopped_by = "interrupted"
-            self._interrupt(run)
+            try:
+                reason, seconds = self._wait(run, timeout, grace or None, tick)
+            except KeyboardInterrupt:
+                reason, seconds = INTERRUPTED, None
+            if reason:
+                run.stall = self._stop_waiting(run, reason, seconds)
         finally:
             for rank, cell in run.cells.items():
-                if cell.done:
+                if cell.done and self.ranks[rank].state == "busy":
                     self.ranks[rank].state = "idle"
                     self.ranks[rank].last_seconds = cell.seconds
         return run
 
-    def _interrupt(self, run: CellRun, grace: float = 2.0) -> None:
-        busy = run.busy_ranks
-        self.signal(signal.SIGINT, busy)
-        run.wait(until=time.monotonic() + grace)
-        # Ranks that were stopped inside a collective are out of step with the others: the
-        # next collective would hang. Only a restart brings them back together.
+    def _wait(
+        self,
+        run: CellRun,
+        timeout: float | None,
+        grace: float | None,
+        tick: Callable[[CellRun], None] | None,
+    ) -> tuple[str, float | None]:
+        """Poll the cell until it finishes ('', None) or a reason to stop waiting."""
+        until = None if timeout is None else run.started + timeout
+        while not run.finished:
+            now = time.monotonic()
+            if self._any_death():
+                return DIED, None
+            if until is not None and now >= until:
+                return TIMEOUT, timeout
+            diverged_at = (
+                None if grace is None or run.first_done is None else run.first_done + grace
+            )
+            if diverged_at is not None and now >= diverged_at:
+                return DIVERGED, grace
+            wake = min(t for t in (until, diverged_at, now + 0.1) if t is not None)
+            run.poll(max(0.0, wake - now))
+            if tick is not None:
+                tick(run)
+        # A rank that died at the very end may have had its reply faked by ipyparallel.
+        return (DIED, None) if self._any_death() else ("", None)
+
+    def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:
+        stall = Stall.at(reason, seconds, run.cells, deaths=self._deaths())
+        busy = stall.busy
+        # Where the busy ranks are, before an interrupt moves them.
+        stall.stacks = self.stacks(busy)
+        if reason == DIED:
+            self._end_after_death(stall.deaths)
+            return stall
+        stall.unresponsive = self._interrupt(run, busy)
+        what = {DIVERGED: "diverged", INTERRUPTED: "was interrupted"}.get(reason)
+        what = what or f"timed out after {seconds:g} s"
+        # Ranks stopped in the middle of a cell may be in the middle of a collective, or past
+        # one the others never reached: the next collective would hang or mix up data. Only
+        # a restart brings them back together.
         self.out_of_step = (
-            f"ranks {rank_set(busy)} were interrupted in the middle of a cell "
-            f"({run.stopped_by}), so the ranks are out of step: %spmd restart before going on."
+            f"the last cell {what}, so the ranks are out of step: %spmd restart before going on."
         )
+        return stall
+
+    def _interrupt(self, run: CellRun, busy: list[int], grace: float = 0.5) -> list[int]:
+        """SIGINT to the busy ranks; the ones still busy after ``grace`` seconds."""
+        self.signal(signal.SIGINT, busy)
+        run.wait(until=time.monotonic() + grace, poll=0.02)
+        left = [r for r in run.busy_ranks if r in busy]
+        self.unfinished = run if left else None
+        return left
+
+    # -- deaths and stacks --------------------------------------------------------------
+
+    def _any_death(self) -> bool:
+        return any(ln.exited_at is not None for ln in self._launchers.values())
+
+    def _deaths(self) -> list[Death]:
+        """Ranks whose processes ended while the cluster runs, first to die first."""
+        gone = [ln for ln in self._launchers.values() if ln.exited_at is not None]
+        gone.sort(key=lambda ln: ln.exited_at)
+        return [
+            Death(
+                ln.rank,
+                ln.pid,
+                ln.exit_code,
+                ln.exited_at,
+                last_lines(ln.output_file),
+                self._crash_stack(ln),
+            )
+            for ln in gone
+        ]
+
+    def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:
+        """Where a rank was when it crashed, from faulthandler's dump in its stack file."""
+        try:
+            with open(launcher.stack_file, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return None
+        at = text.rfind("Fatal Python error")
+        if at < 0:
+            return None
+        frames = where.parse_dump(text[at:], self.ranks[launcher.rank].main_thread)
+        if not frames:
+            return None
+        return where.Stack(
+            launcher.rank, where.with_sources(where.from_cell_on(frames), self._cells)
+        )
+
+    def notice_deaths(self) -> None:
+        """If a rank died since the last look, stop the others and say so from now on."""
+        if self._any_death():
+            self._end_after_death(self._deaths())
+
+    def check_alive(self) -> None:
+        """Raise OutOfStep if a rank died (now, or earlier) and the cluster is stopped."""
+        self.notice_deaths()
+        if self.death_report:
+            raise OutOfStep(self.out_of_step)
+
+    def _end_after_death(self, deaths: list[Death]) -> None:
+        first = deaths[0]
+        self.death_report = first.describe()
+        self.out_of_step = (
+            f"rank {first.rank} died ({first.how}) and the cluster was stopped: "
+            "%spmd restart starts a fresh one."
+        )
+        for d in deaths:
+            self.ranks[d.rank].state = "died"
+        self.stop()
+
+    def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
+        """The main-thread Python stack of each rank (None: it did not answer)."""
+        if not ranks or not self._launchers:
+            return {}
+        targets = {
+            r: (
+                self._launchers[r].process,
+                self._launchers[r].stack_file,
+                self.ranks[r].main_thread,
+            )
+            for r in ranks
+        }
+        dumped = where.dump(targets)
+        cells = list(self._cells)
+        return {
+            r: None
+            if frames is None
+            else where.Stack(r, where.with_sources(where.from_cell_on(frames), cells))
+            for r, frames in dumped.items()
+        }
+
+    def interrupt(self) -> tuple[list[int], list[int]]:
+        """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
+        busy = self.busy_ranks()
+        if not busy:
+            return [], []
+        return busy, self._interrupt(self.unfinished, busy)
+
+    def busy_ranks(self) -> list[int]:
+        """Ranks still running a cell the notebook stopped waiting for."""
+        run = self.unfinished
+        if run is None:
+            return []
+        run.poll(0)
+        for rank, cell in run.cells.items():
+            if cell.done and self.ranks[rank].state == "busy":
+                self.ranks[rank].state = "idle"
+        if run.finished:
+            self.unfinished = None
+        return run.busy_ranks

@@ -6,7 +6,6 @@ import argparse
 import ast
 import functools
 import shlex
-import signal
 import sys
 import time
 
@@ -14,8 +13,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from spmd.kernel.lockstep import rank_set
+from spmd.kernel.lockstep import rank_set, rank_words
 from spmd.kernel.session import OutOfStep, Session, Settings, StartError
+from spmd.kernel.watchdog import Stall, stack_section
 from spmd.magics.automode import AutoMode
 from spmd.magics.render import LiveView, RankErrors, group_errors, group_outputs, show_group
 
@@ -48,6 +48,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _grace(text: str) -> float:
+    """Seconds, or 'off' (0 and 'off' turn the divergence watchdog off)."""
+    if text.lower() in ("off", "none", "0"):
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--grace takes seconds (like 2) or off, not {text!r}")
+    return value
+
+
 def _ranks(text: str) -> list[int]:
     try:
         ranks = sorted({int(part) for part in text.split(",") if part.strip()})
@@ -72,6 +85,7 @@ def _start_parser() -> _Parser:
     p.add_argument("-d", "--devices-per-process", type=_count("--devices-per-process", "-d 2"))
     p.add_argument("--backend", choices=BACKENDS, default="jax")
     p.add_argument("--timeout", type=_seconds, default=None)
+    p.add_argument("--grace", type=_grace, default=Settings.grace)
     return p
 
 
@@ -80,6 +94,7 @@ def _cell_parser() -> _Parser:
     p = _Parser(prog="%%spmd", add_help=False)
     p.add_argument("--ranks", type=_ranks, default=None)
     p.add_argument("--timeout", type=_seconds, default=None)
+    p.add_argument("--grace", type=_grace, default=None)
     return p
 
 
@@ -101,8 +116,8 @@ class SpmdMagics(Magics):
 
         Line magic::
 
-            %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S]
-            %spmd stop | restart | status | interrupt | on | off
+            %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S] [--grace S]
+            %spmd stop | restart | status | interrupt | where | on | off
 
         ``start`` launches N engine processes on 127.0.0.1, joins them into one distributed
         job (``jax.distributed.initialize``) and turns auto mode on: from then on every cell
@@ -110,8 +125,13 @@ class SpmdMagics(Magics):
 
         Cell magic (runs one cell on the cluster, also when auto mode is off)::
 
-            %%spmd [--ranks 0,2] [--timeout S]
+            %%spmd [--ranks 0,2] [--timeout S] [--grace S]
             print(jax.process_index())
+
+        When some ranks are still busy ``--grace`` seconds (default 2, ``off`` to disable)
+        after another rank finished, or after ``--timeout`` seconds, or when you interrupt
+        the kernel, the cell fails with a report: which ranks raised, where the others were
+        blocked, and the likely cause. ``%spmd where`` shows the stack of every busy rank.
 
         ``%%local`` runs one cell in the notebook only.
         """
@@ -125,7 +145,7 @@ class SpmdMagics(Magics):
         if handler is None:
             raise UsageError(
                 f"%spmd has no command {command!r}: use start, stop, restart, status, "
-                "interrupt, on or off."
+                "interrupt, where, on or off."
             )
         return handler(args)
 
@@ -163,6 +183,7 @@ class SpmdMagics(Magics):
             cpu_devices=opts.devices_per_process,
             backend=opts.backend,
             cell_timeout=opts.timeout,
+            grace=opts.grace or None,
         )
         self._start(settings)
 
@@ -178,7 +199,13 @@ class SpmdMagics(Magics):
 
     def _cmd_stop(self, args: list[str]) -> None:
         self._no_args("stop", args)
-        session = self._require_session()
+        session = self._require_session(
+            allow_stopped=bool(self.session and self.session.death_report)
+        )
+        if not session.running:  # stopped already, after a rank died
+            self.auto.on = False
+            print(f"The cluster was already stopped ({session.out_of_step.split(' and ')[0]}).")
+            return
         t0 = time.perf_counter()
         session.stop()
         self.auto.on = False
@@ -200,8 +227,29 @@ class SpmdMagics(Magics):
 
     def _cmd_interrupt(self, args: list[str]) -> None:
         self._no_args("interrupt", args)
-        self._require_session().signal(signal.SIGINT)
-        print("Sent SIGINT to every rank.")
+        sent, still = self._require_session().interrupt()
+        if not sent:
+            print("No rank is running a cell: there is nothing to interrupt.")
+        elif still:
+            print(
+                f"Sent SIGINT to {rank_words(sent)}; {rank_words(still)} did not respond: "
+                "%spmd restart ends them."
+            )
+        else:
+            print(f"Interrupted {rank_words(sent)}; every rank is idle now.")
+
+    def _cmd_where(self, args: list[str]) -> None:
+        self._no_args("where", args)
+        session = self._require_session()
+        busy = session.busy_ranks()
+        if not busy:
+            n = session.settings.n
+            print(
+                f"No rank is running a cell: all {n} ranks are idle, so there is no stack to show."
+            )
+            return
+        stall = Stall("where", None, busy, session.stacks(busy))
+        print("\n".join(stack_section(stall)).lstrip("\n"))
 
     def _cmd_on(self, args: list[str]) -> None:
         self._no_args("on", args)
@@ -217,9 +265,17 @@ class SpmdMagics(Magics):
         if args:
             raise UsageError(f"%spmd {command} takes no arguments, got {' '.join(args)!r}.")
 
-    def _require_session(self, allow_stopped: bool = False) -> Session:
+    def _require_session(
+        self, allow_stopped: bool = False, refused: str = "The cluster is stopped"
+    ) -> Session:
         s = self.session
-        if s is None or not (s.running or allow_stopped):
+        if s is None:
+            raise UsageError(NOT_RUNNING)
+        if s.running:
+            s.notice_deaths()
+        if not (s.running or allow_stopped):
+            if s.death_report:
+                raise UsageError(_refusal(s, f"{refused}: {s.out_of_step}"))
             raise UsageError(NOT_RUNNING)
         return s
 
@@ -227,7 +283,7 @@ class SpmdMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> None:
         opts = _cell_parser().parse_args(shlex.split(line))
-        session = self._require_session()
+        session = self._require_session(refused="Cell not run")
         n = session.settings.n
         ranks = opts.ranks
         if ranks is not None:
@@ -244,21 +300,42 @@ class SpmdMagics(Magics):
         live = LiveView()
         try:
             run = session.run_cell(
-                cell, ranks=ranks, timeout=opts.timeout, on_output=live.add, tick=live.tick
+                cell,
+                ranks=ranks,
+                timeout=opts.timeout,
+                grace=opts.grace,
+                on_output=live.add,
+                tick=live.tick,
             )
         except OutOfStep as exc:
-            raise UsageError(f"Cell not run: {exc}") from None
+            raise UsageError(_refusal(session, f"Cell not run: {exc}")) from None
         finally:
             live.close()
         for group in group_outputs(run.cells):
             show_group(*group)
-        errors = group_errors(run.cells)
-        if errors or run.stopped_by:
-            note = ""
-            if run.stopped_by:
-                note = session.out_of_step[0].upper() + session.out_of_step[1:]
-            raise RankErrors(errors, sorted(run.cells), note=note)
+        stall = run.stall
+        errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
+        if errors or stall is not None:
+            notes = details = []
+            if stall is not None:
+                notes = stall.summary()
+                details = stack_section(stall)
+                if stall.deaths:
+                    details = ["", *stall.deaths[0].describe(), *details]
+            raise RankErrors(errors, sorted(run.cells), notes, details)
         return None
+
+
+def _interrupted_by_us(stall) -> set[int]:
+    """Ranks whose KeyboardInterrupt came from the watchdog's own SIGINT: not their error."""
+    return set() if stall is None else set(stall.busy)
+
+
+def _refusal(session: Session, text: str) -> str:
+    """A refusal, with the dead rank's report when a death is the reason."""
+    if session.death_report:
+        text += "\n" + "\n".join(session.death_report)
+    return text
 
 
 def _summary(session: Session) -> str:
@@ -293,6 +370,8 @@ def _status_table(session: Session, auto_on: bool) -> str:
     lines.append(
         f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
     )
+    if session.out_of_step:
+        lines.append(f"Cells are refused: {session.out_of_step}")
     return "\n".join(lines)
 
 

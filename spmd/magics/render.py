@@ -56,10 +56,13 @@ def _split_common_lines(at_k: dict[int, Output]) -> list[tuple[int, Output]]:
     return heads + [(rank, out) for rank, out in tails if out.text]
 
 
-def group_errors(cells: dict[int, RankCell]) -> list[Group]:
+def group_errors(cells: dict[int, RankCell], ignore: set[int] = frozenset()) -> list[Group]:
+    """Errors grouped by identical traceback; a KeyboardInterrupt on a rank in ``ignore``
+    (interrupted by the notebook itself) is left out."""
     by_key: dict[object, Group] = {}
     for rank, cell in sorted(cells.items()):
-        if cell.error is not None:
+        err = cell.error
+        if err is not None and not (rank in ignore and err.ename == "KeyboardInterrupt"):
             by_key.setdefault(cell.error.key(), ([], cell.error))[0].append(rank)
     return list(by_key.values())
 
@@ -94,20 +97,28 @@ def show_group(ranks: list[int], out: Output) -> None:
 class RankErrors(Exception):
     """A cell failed on some ranks, or did not finish on them; the notebook cell fails.
 
-    ``errors`` are the tracebacks grouped by identical text; ``note`` says what else happened
-    (a timeout, an interrupt) and what to do next.
+    ``errors`` are the tracebacks grouped by identical text. ``notes`` say what else happened
+    (a divergence, a timeout, a death) and what to do next; ``details`` follow the tracebacks
+    (where the busy ranks were, a dead rank's last lines).
     """
 
-    def __init__(self, errors: list[Group], ranks: list[int], note: str = "") -> None:
+    def __init__(
+        self,
+        errors: list[Group],
+        ranks: list[int],
+        notes: list[str] = (),
+        details: list[str] = (),
+    ) -> None:
         self.errors = errors
         self.ranks = ranks
-        self.note = note
+        self.notes = list(notes)
+        self.details = list(details)
         self.failed_ranks = sorted(r for rs, _ in errors for r in rs)
-        if errors:
+        if self.notes:
+            message = self.notes[0]
+        else:
             first = errors[0][1]
             message = f"{rank_label(self.failed_ranks)} {first.ename}: {first.evalue}"
-        else:
-            message = note
         super().__init__(message)
 
     def _render_traceback_(self) -> list[str]:
@@ -119,12 +130,12 @@ class RankErrors(Exception):
                 f"Error on {len(failed)} of {n} ranks ({rank_set(failed)})"
                 + (f"; ranks {rank_set(ok)} did not raise." if ok else ".")
             )
-        if self.note:
-            lines.append(self.note)
+        lines.extend(self.notes)
         for ranks, err in self.errors:
             lines.append("")
             lines.append(f"{rank_label(ranks)} {err.ename}: {err.evalue}")
             lines.extend(err.traceback)
+        lines.extend(self.details)
         return lines
 
 

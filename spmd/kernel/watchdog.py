@@ -1,0 +1,211 @@
+"""Why a cell stopped before every rank finished, said in plain words.
+
+In SPMD the classic failure is silent: one rank raises, or takes another branch, while the
+others wait in a collective forever. The session's wait loop notices four things (a rank that
+died, ranks still busy a grace period after another finished, a timeout, the user's
+interrupt); this module holds what it found and turns it into the report a student reads.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+
+from spmd.kernel.lockstep import rank_label, rank_words
+from spmd.kernel.outputs import RankCell, drop_chatter
+from spmd.kernel.where import Stack
+
+DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
+RESTART = "%spmd restart"
+
+
+@dataclass
+class Death:
+    """One rank's process ended on its own (not stopped by the notebook)."""
+
+    rank: int
+    pid: int
+    exit_code: int | None
+    at: float  # time.monotonic()
+    last_lines: list[str] = field(default_factory=list)
+    crash: Stack | None = None  # where it was, if it crashed with a Python stack to show
+
+    @property
+    def how(self) -> str:
+        """'killed by SIGKILL', 'exit code 1'."""
+        code = self.exit_code
+        if code is None:
+            return "it exited"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    @property
+    def how_and_why(self) -> str:
+        """``how``, with what usually sends that signal."""
+        return self.how + _SIGNAL_HINTS.get(self.how.removeprefix("killed by "), "")
+
+    def describe(self) -> list[str]:
+        lines = [f"Rank {self.rank} (pid {self.pid}) died: {self.how_and_why}."]
+        if self.crash is not None and self.crash.frames:
+            at = self.crash.cell_line
+            where = f" at cell line {at.line}: {at.source}" if at and at.source else ""
+            lines.append(f"It crashed{where}")
+            lines.extend(self.crash.lines())
+        if self.last_lines:
+            lines.append("The last lines it wrote:")
+            lines.extend(f"    {ln}" for ln in self.last_lines)
+        else:
+            lines.append("It wrote nothing to its stderr before it died.")
+        return lines
+
+
+_SIGNAL_HINTS = {
+    "SIGKILL": " (sent by hand, or by the out-of-memory killer)",
+    "SIGSEGV": " (a crash in C code)",
+    "SIGABRT": " (it aborted; jax does this when a peer process dies)",
+    "SIGBUS": " (a crash in C code)",
+}
+
+
+# ipyparallel's own log lines in the engine's log file ("2026-11-22 00:11:36.959 [IPEngine]
+# WARNING | ..."): start-up notices, not what the process said when it died.
+_IPP_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[IPEngine")
+
+
+def last_lines(log_path: str, count: int = 8, width: int = 400) -> list[str]:
+    """The end of what an engine wrote to its stdout and stderr (jax's fatal messages, a
+    crash's Python stack), without gloo's chatter and ipyparallel's own log lines."""
+    try:
+        with open(log_path, errors="replace") as f:
+            text = drop_chatter(f.read()[-50000:])
+    except OSError:
+        return []
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip() and not _IPP_LOG.match(ln)]
+    return [ln if len(ln) <= width else ln[: width - 3] + "..." for ln in lines[-count:]]
+
+
+@dataclass
+class Stall:
+    """The notebook stopped waiting for a cell before every rank finished."""
+
+    reason: str  # DIED | DIVERGED | TIMEOUT | INTERRUPTED
+    seconds: float | None  # the grace or the timeout that ran out
+    busy: list[int]  # ranks still running when the wait ended
+    stacks: dict[int, Stack | None]  # where each busy rank was, before any interrupt
+    finished: list[int] = field(default_factory=list)  # ranks done when the wait ended
+    raised: list[int] = field(default_factory=list)  # those of them that raised
+    unresponsive: list[int] = field(default_factory=list)  # busy after SIGINT and a grace
+    deaths: list[Death] = field(default_factory=list)  # first to die first
+
+    @classmethod
+    def at(cls, reason: str, seconds: float | None, cells: dict[int, RankCell], **kw) -> Stall:
+        """A Stall for ``cells`` as they are now: call it before interrupting anyone."""
+        dead = {d.rank for d in kw.get("deaths", [])}
+        finished = sorted(r for r, c in cells.items() if c.done and r not in dead)
+        raised = [r for r in finished if cells[r].error is not None]
+        busy = sorted(r for r, c in cells.items() if not c.done and r not in dead)
+        return cls(reason, seconds, busy, {}, finished, raised, **kw)
+
+    def summary(self) -> list[str]:
+        """The headline, the likely cause and the next step."""
+        lines = [self._headline(self.finished, self.raised)]
+        if self.unresponsive:
+            lines.append(
+                f"{rank_words(self.unresponsive).capitalize()} did not respond to the interrupt "
+                "(still inside C code); a restart ends them."
+            )
+        if self.reason == DIED:
+            lines.append(f"The other ranks were stopped. Next: {RESTART} starts a fresh cluster.")
+        else:
+            lines.append(
+                f"Next: {RESTART}. Until then cells are refused: the ranks are out of step, "
+                "and the next collective would hang."
+            )
+        return lines
+
+    def _in_collective(self) -> list[int]:
+        return [r for r in self.busy if (s := self.stacks.get(r)) and s.waiting_in_collective]
+
+    def _headline(self, finished: list[int], raised: list[int]) -> str:
+        busy, waiting = self.busy, self._in_collective()
+        if self.reason == DIED:
+            first = self.deaths[0]
+            text = f"Rank {first.rank} died: {first.how_and_why}."
+            later = [d.rank for d in self.deaths[1:]]
+            if later:
+                aborted = all(d.exit_code == -signal.SIGABRT for d in self.deaths[1:])
+                text += f" Then {rank_words(later)} " + (
+                    "aborted (jax ends every process of the job when one dies)."
+                    if aborted
+                    else "exited too."
+                )
+            if waiting:
+                text += f" {rank_words(waiting).capitalize()} {_be(waiting)} waiting in a collective for it."
+            return text
+        if self.reason == DIVERGED:
+            grace = f"{self.seconds:g} s"
+            if waiting:
+                why = (
+                    f"{rank_words(raised)} raised an error first"
+                    if raised
+                    else f"{rank_words(finished)} finished the cell without it (a different "
+                    "branch, loop count or input shape)"
+                )
+                return (
+                    f"The ranks diverged: {rank_words(waiting)} {_be(waiting)} waiting in a "
+                    f"collective that {rank_words(finished)} never reached: {why}."
+                )
+            return (
+                f"The ranks diverged: {rank_words(busy)} {_be(busy)} still running {grace} after "
+                f"{rank_words(finished)} finished; the ranks took different paths through the "
+                "cell, or some have more work (allow more with %%spmd --grace S)."
+            )
+        if self.reason == TIMEOUT:
+            text = (
+                f"Timed out after {self.seconds:g} s: {rank_words(busy)} {_be(busy)} still running"
+            )
+        else:
+            text = f"Interrupted: {rank_words(busy)} {_be(busy)} running"
+        if finished:
+            text += f" while {rank_words(finished)} had finished"
+        if waiting and waiting == busy:
+            text += (
+                "; all of them inside a collective or a jax computation (a collective that "
+                "cannot complete, such as different shapes on different ranks, or slow work)"
+            )
+        return text + "."
+
+
+def _be(ranks: list[int]) -> str:
+    return "is" if len(ranks) == 1 else "are"
+
+
+def group_stacks(stall: Stall) -> list[tuple[list[int], Stack | None]]:
+    """Busy ranks with identical stacks together, lowest rank first."""
+    groups: dict[object, tuple[list[int], Stack | None]] = {}
+    for rank in stall.busy:
+        stack = stall.stacks.get(rank)
+        # by what is shown: cell files are named after each rank's pid, so frames differ
+        key = None if stack is None else tuple(stack.lines())
+        groups.setdefault(key, ([], stack))[0].append(rank)
+    return list(groups.values())
+
+
+def stack_section(stall: Stall) -> list[str]:
+    """Where each busy rank was, grouped; a line per rank that did not answer."""
+    lines: list[str] = []
+    for ranks, stack in group_stacks(stall):
+        lines.append("")
+        if stack is None or not stack.frames:
+            lines.append(f"{rank_label(ranks)} did not say where it was (no stack dump).")
+            continue
+        at = stack.cell_line
+        where = f" at cell line {at.line}: {at.source}" if at and at.source else ""
+        lines.append(f"{rank_label(ranks)} was running{where}")
+        lines.extend(stack.lines())
+    return lines
