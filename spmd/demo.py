@@ -37,7 +37,8 @@ def output_text(output) -> str:
     if kind == "stream":
         return output.get("text", "")
     if kind in ("display_data", "execute_result"):
-        return output.get("data", {}).get("text/plain", "") + "\n"
+        text = output.get("data", {}).get("text/plain", "")
+        return text + "\n" if text else ""  # an emptied live view shows nothing
     if kind == "error":
         return _ANSI.sub("", "\n".join(output.get("traceback", []))) + "\n"
     return ""
@@ -49,11 +50,18 @@ def cell_text(cell) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebook")
+    parser.add_argument("notebooks", nargs="+", metavar="notebook")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per cell")
     args = parser.parse_args(argv)
-    src = Path(args.notebook)
-    nb = execute(src, timeout=args.timeout)
+    for path in args.notebooks:
+        show(Path(path), args.timeout)
+    return 0
+
+
+def show(src: Path, timeout: int) -> None:
+    """Execute one notebook, save the executed copy, and print its cells and outputs."""
+    print(f"=== {src} ===\n")
+    nb = execute(src, timeout=timeout)
     out = src.with_name(src.stem + ".executed.ipynb")
     nbformat.write(nb, str(out))
     for cell in nb.cells:
@@ -66,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if shown:
             print(shown)
         print()
-    print(f"Executed notebook written to {out}")
-    return 0
+    print(f"Executed notebook written to {out}\n")
 
 
 if __name__ == "__main__":

@@ -197,7 +197,9 @@ def test_a_rank_that_crashes_shows_its_last_lines(cluster):
     )
     text = report(out)
     assert text.startswith("Rank 1 died: killed by SIGABRT")
-    assert "The last lines it wrote:" in text and "about to crash" in text
+    assert "The last lines rank 1 wrote (its stdout and stderr):" in text
+    assert "    about to crash" in text
+    assert "Rank 1 crashed at cell line 4: os.abort()" in text
     restart_and_psum(cluster)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -49,6 +50,39 @@ def test_quickstart_prints_what_the_guide_prints():
     psum = next(v for k, v in shown.items() if "psum" in k)
     assert psum == "[ranks 0-3] Array([8., 8.], dtype=float32)\n"
     assert shown["%spmd stop"].startswith("Stopped 4 processes in ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run():
+    nb = execute(NOTEBOOKS / "pitfalls.ipynb")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = [cell_text(c) for c in code]
+    failing = [i for i, c in enumerate(code) if "raises-exception" in c.metadata.get("tags", [])]
+    shapes, last_batch, order = (shown[i] for i in failing)
+    assert shapes.startswith("[rank 0] (2, 4) [8. 8. 8.]\n")  # a wrong answer on rank 0
+    assert (
+        "The ranks diverged: ranks 1-3 are waiting in a collective that rank 0 never reached"
+        in shapes
+    )
+    assert (
+        "The ranks diverged: ranks 0-1 are waiting in a collective that ranks 2-3 never "
+        "reached: ranks 2-3 finished the cell without it" in last_batch
+    )
+    assert "[ranks 2-3] steps 2 total 8.0\n" in last_batch
+    # each process salts string hashes its own way: 'save' sits at its own place on each rank
+    positions = re.findall(r"(\d) stages before save", order)
+    if len(set(positions)) > 1:
+        assert "The ranks diverged: " in order and "%spmd restart" in order
+    for i in failing:
+        assert shown[i + 1].startswith("Started 4 processes")  # the restart after each
+    fixes = [shown[i + 2] for i in failing]
+    assert fixes == [
+        "[ranks 0-3] (2, 8) [8. 8. 8.]\n",
+        "[ranks 0-3] steps 2 total 8.0\n",
+        "[ranks 0-3] [32768. 32768.]\n",
+    ]
+    assert shown[-1].startswith("Stopped 4 processes")
 
 
 @pytest.mark.timeout(300)
@@ -114,6 +148,38 @@ def test_a_killed_notebook_kernel_leaves_no_engine_behind():
         time.sleep(0.1)
     km.cleanup_resources()
     assert not started_by(kernel_pid)
+
+
+@pytest.mark.timeout(120)
+def test_kernel_interrupt_reaches_blocked_ranks_and_comes_back_within_seconds():
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        reply = kc.execute_interactive("%load_ext spmd\n%spmd start -n 2", timeout=60)
+        assert reply["content"]["status"] == "ok"
+        # rank 1 sleeps, rank 0 waits for it in a psum; the watchdog is off, so only the
+        # user's interrupt can end this cell
+        msg_id = kc.execute(
+            "%%spmd --grace off\nimport time, jax\nif jax.process_index() == 1:\n"
+            "    time.sleep(120)\n"
+            "print(jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')("
+            "jax.numpy.ones(jax.local_device_count())))"
+        )
+        time.sleep(3)
+        t0 = time.monotonic()
+        km.interrupt_kernel()  # Kernel > Interrupt: SIGINT to the notebook's kernel
+        reply = kc.get_shell_msg(timeout=30)
+        back = time.monotonic() - t0
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["status"] == "error"
+        text = "\n".join(reply["content"]["traceback"])
+        assert "Interrupted: ranks 0-1 are running." in text
+        assert "[rank 1] was running at cell line 3: time.sleep(120)" in text
+        assert back < 10  # about 1 s
+        after = kc.execute_interactive("%spmd restart\n%spmd stop", timeout=60)
+        assert after["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def started_by(parent_pid: int) -> list[int]:

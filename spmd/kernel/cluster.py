@@ -118,6 +118,7 @@ def cluster_config(
             # The nanny is one more process per engine, for signals sent through the controller;
             # local engines are signalled by their launcher's process handle instead.
             "--IPEngine.enable_nanny=False",
+            "--IPEngine.out_stream_factory=spmd.kernel.streams.OutStream",
         ]
     c.LocalEngineSetLauncher.delay = 0.0
     # A rank that ignores SIGTERM (blocked in a collective) is killed after this long.

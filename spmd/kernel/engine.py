@@ -161,6 +161,9 @@ def listen_for_where() -> None:
 
 
 def main() -> None:
+    # ipykernel does not capture C-level output under pytest; a rank is not pytest, and
+    # must behave the same in the tests as in a notebook.
+    os.environ.pop("PYTEST_CURRENT_TEST", None)
     _join.start()
     listen_for_where()
     watch_parent()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import random
 import shutil
 import signal
 import socket
@@ -58,7 +59,23 @@ class Rank:
     main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
 
 
+# The coordinator's port is chosen now and bound a second later, by rank 0, after its jax
+# import. In between, the controller binds random ports (zmq: 49152-65535) and every
+# connection takes an ephemeral one (Linux: 32768-60999); a port below both is not taken by
+# this start itself. A collision with another program is still possible, hence the retry.
+_COORDINATOR_PORTS = (20000, 32768)
+
+
 def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from."""
+    for _ in range(100):
+        port = random.randrange(*_COORDINATOR_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -102,15 +119,22 @@ class Session:
     def start(self) -> None:
         """Start the engines and join them into one distributed job. Raises StartError."""
         t0 = time.perf_counter()
-        self._profile_dir = tempfile.mkdtemp(prefix="spmd-")
-        atexit.register(self.stop)
-        try:
-            self._init_cluster()
-            self._init_client()
-            self._init_distributed()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in (1, 2):
+            self._profile_dir = tempfile.mkdtemp(prefix="spmd-")
+            atexit.register(self.stop)
+            try:
+                self._init_cluster()
+                self._init_client()
+                self._init_distributed()
+                break
+            except StartError as exc:
+                self.stop()
+                # another program took the coordinator's port in the meantime: once more
+                if attempt == 2 or "Failed to start RPC server" not in str(exc):
+                    raise
+            except BaseException:
+                self.stop()
+                raise
         self.start_seconds = time.perf_counter() - t0
 
     def _init_cluster(self) -> None:

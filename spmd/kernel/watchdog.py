@@ -49,25 +49,26 @@ class Death:
         """``how``, with what usually sends that signal."""
         return self.how + _SIGNAL_HINTS.get(self.how.removeprefix("killed by "), "")
 
-    def describe(self) -> list[str]:
-        lines = [f"Rank {self.rank} (pid {self.pid}) died: {self.how_and_why}."]
+    def describe(self, headline: bool = True) -> list[str]:
+        """Where it crashed, if it did, and its last lines; ``headline`` adds who and how."""
+        lines = [f"Rank {self.rank} (pid {self.pid}) died: {self.how_and_why}."] if headline else []
         if self.crash is not None and self.crash.frames:
             at = self.crash.cell_line
             where = f" at cell line {at.line}: {at.source}" if at and at.source else ""
-            lines.append(f"It crashed{where}")
+            lines.append(f"Rank {self.rank} crashed{where}")
             lines.extend(self.crash.lines())
         if self.last_lines:
-            lines.append("The last lines it wrote:")
+            lines.append(f"The last lines rank {self.rank} wrote (its stdout and stderr):")
             lines.extend(f"    {ln}" for ln in self.last_lines)
         else:
-            lines.append("It wrote nothing to its stderr before it died.")
+            lines.append(f"Rank {self.rank} wrote nothing to its stdout or stderr before it died.")
         return lines
 
 
 _SIGNAL_HINTS = {
     "SIGKILL": " (sent by hand, or by the out-of-memory killer)",
     "SIGSEGV": " (a crash in C code)",
-    "SIGABRT": " (it aborted; jax does this when a peer process dies)",
+    "SIGABRT": " (it aborted: jax does this on a fatal error, or when another rank died)",
     "SIGBUS": " (a crash in C code)",
 }
 

@@ -105,7 +105,12 @@ class Stack:
 
 
 def _frame_lines(f: Frame) -> list[str]:
-    where = "Cell" if f.in_cell else f'File "{f.file}"'
+    if f.in_cell:
+        where = "Cell"
+    else:
+        # an installed package's file from its package on ('jax/_src/array.py')
+        m = _PACKAGES.search(f.file)
+        where = f'File "{f.file[m.start(1) :] if m else f.file}"'
     head = f"  {where}, line {f.line}, in {f.function}"
     return [head, f"    {f.source}"] if f.source else [head]
 

@@ -204,7 +204,8 @@ class SpmdMagics(Magics):
         )
         if not session.running:  # stopped already, after a rank died
             self.auto.on = False
-            print(f"The cluster was already stopped ({session.out_of_step.split(' and ')[0]}).")
+            first = session.out_of_step.split(" (")[0]  # 'rank 1 died'
+            print(f"The cluster was already stopped after {first}; auto mode is off.")
             return
         t0 = time.perf_counter()
         session.stop()
@@ -321,7 +322,7 @@ class SpmdMagics(Magics):
                 notes = stall.summary()
                 details = stack_section(stall)
                 if stall.deaths:
-                    details = ["", *stall.deaths[0].describe(), *details]
+                    details = ["", *stall.deaths[0].describe(headline=False), *details]
             raise RankErrors(errors, sorted(run.cells), notes, details)
         return None
 
@@ -340,8 +341,9 @@ def _refusal(session: Session, text: str) -> str:
 
 def _summary(session: Session) -> str:
     s, first = session.settings, session.ranks[0]
+    per = "device" if first.local_devices == 1 else "devices"
     devices = (
-        f", {first.local_devices} devices per process, {first.global_devices} global devices"
+        f", {first.local_devices} {per} per process, {first.global_devices} global devices"
         if s.backend != "none"
         else ""
     )

@@ -1,0 +1,24 @@
+"""The ranks' stdout and stderr, as ipyparallel's engines send them to the notebook."""
+
+from __future__ import annotations
+
+from ipykernel import iostream
+
+
+class OutStream(iostream.OutStream):
+    """ipykernel's stream, except that C-level writes stay in the rank's log file.
+
+    Python's ``print`` and ``sys.stderr`` still reach the notebook. What C and C++ code
+    writes to the process's file descriptors does not, for two reasons:
+
+    - gloo writes "[Gloo] Rank 3 is connected to 7 peer ranks..." to stdout from its own
+      threads while the cell's ``print`` runs; merged into one stream, it lands in the middle
+      of the user's lines;
+    - jax's fatal message ("Terminating process because ...") is written just before the
+      process aborts: through ipykernel's pipe it would be lost with the process, while in
+      the log file it is there for the notebook's death report.
+    """
+
+    def __init__(self, session, pub_thread, name, **kwargs) -> None:
+        kwargs["watchfd"] = False
+        super().__init__(session, pub_thread, name, **kwargs)
