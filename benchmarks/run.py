@@ -16,6 +16,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,6 +34,7 @@ PSUM = (
     "jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')(xs).block_until_ready()"
 )
 RESULTS = Path(__file__).with_name("results.json")
+GRACE = 2.0  # the watchdog's default grace (spmd.kernel.session.Settings.grace)
 
 
 class Bench:
@@ -89,6 +91,50 @@ class Bench:
             t0 = time.perf_counter()
             cluster.stop_cluster_sync()
             self.record("stop/ipyparallel", time.perf_counter() - t0)
+
+    # -- faults: how soon the notebook says what went wrong, and how fast it recovers ------
+
+    def faults(self) -> None:
+        """A rank that raises before a psum, a rank killed in a collective (rank 0, then the
+        last rank); each report is timed, and so is the restart after it."""
+        setup = "import os, time, jax\nrank = jax.process_index()\n" + PSUM
+        self.cell("%spmd start -n 4 -d 2")
+        self.cell(setup)
+        t0 = time.perf_counter()
+        self._failing_cell(f"if rank == 0:\n    raise ValueError('diverge')\n{PSUM}")
+        total = time.perf_counter() - t0
+        self.record("divergence_report/spmd", total)
+        self.record("divergence_report_beyond_grace/spmd", total - GRACE)
+        self._restart(setup)
+        for victim, sleeper in ((0, 3), (3, 0)):
+            pid = self.magics.session.ranks[victim].pid
+            killed_at: list[float] = []
+
+            def kill(pid: int = pid, killed_at: list[float] = killed_at) -> None:
+                killed_at.append(time.perf_counter())
+                os.kill(pid, signal.SIGKILL)
+
+            timer = threading.Timer(1.0, kill)
+            timer.start()
+            self._failing_cell(
+                f"%%spmd --grace off\nif rank == {sleeper}:\n    time.sleep(60)\n{PSUM}"
+            )
+            self.record(f"death_report_rank{victim}/spmd", time.perf_counter() - killed_at[0])
+            timer.join()
+            self._restart(setup)
+        self.cell("%spmd stop")
+
+    def _failing_cell(self, code: str) -> None:
+        with capture_output():
+            result = self.shell.run_cell(code)
+        if result.success:
+            raise RuntimeError(f"benchmark cell was meant to fail: {code!r}")
+
+    def _restart(self, setup: str) -> None:
+        t0 = time.perf_counter()
+        self.cell("%spmd restart")
+        self.cell(setup)
+        self.record("restart_after_fault/spmd", time.perf_counter() - t0)
 
     # -- per cell -----------------------------------------------------------------------
 
@@ -207,6 +253,16 @@ TARGETS = [
     ("cell_n8/spmd", "cell_n8/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
+    ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
+]
+
+# Detection times: absolute, from the fault to the failed cell in the notebook. Plain
+# ipyparallel has no figure here: its cells wait for ever.
+DETECTION = [
+    ("divergence_report/spmd", GRACE + 2.0, "≤ grace (2 s) + 2 s"),
+    ("divergence_report_beyond_grace/spmd", 2.0, "≤ 2 s"),
+    ("death_report_rank0/spmd", 2.0, "≤ 2 s"),
+    ("death_report_rank3/spmd", 2.0, "≤ 2 s"),
 ]
 
 
@@ -230,6 +286,10 @@ def table(stats: dict[str, dict]) -> str:
         rows.append(
             (fig, fmt(fig), anchor, fmt(anchor), f"{ratio:.2f}", f"{says} {verdict}".strip())
         )
+    for name, limit, says in DETECTION:
+        if name in stats:
+            verdict = "met" if stats[name]["median"] <= limit else "missed"
+            rows.append((name, fmt(name), "", "", "", f"{says} {verdict}"))
     for name in stats:
         if name.startswith("rss_growth"):
             mb = stats[name]["median"]
@@ -258,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.spmd_lifecycle()
         if not args.quick:
             bench.ipyparallel_lifecycle()
+        print(f"round {i + 1}/{rounds}: faults", file=sys.stderr, flush=True)
+        bench.faults()
     sizes = (4,) if args.quick else (2, 4, 8)
     for n in sizes:
         print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
