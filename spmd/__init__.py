@@ -20,3 +20,15 @@ def unload_ipython_extension(ipython) -> None:
     from spmd.magics.magics import unregister
 
     unregister(ipython)
+
+
+def show_sharding(x, title: str = "") -> None:
+    """Display one picture of jax.Array ``x``: which process and device holds each block.
+
+    Call it in a cell on the ranks (``spmd.show_sharding(y)``); every process draws the same
+    picture from the sharding alone, so the notebook shows it once. ``%spmd sharding y`` draws
+    it from the shards each process reports instead.
+    """
+    from spmd.kernel.shards import show
+
+    show(x, title)

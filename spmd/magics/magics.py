@@ -5,17 +5,21 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import re
 import shlex
 import sys
 import time
 
+import numpy as np
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
+from IPython.display import display
 
 from spmd.kernel.lockstep import rank_set, rank_words
 from spmd.kernel.session import OutOfStep, Session, Settings, StartError
 from spmd.kernel.watchdog import Stall, stack_section
+from spmd.magics import arrays
 from spmd.magics.automode import AutoMode
 from spmd.magics.render import LiveView, RankErrors, group_errors, group_outputs, show_group
 
@@ -118,6 +122,9 @@ class SpmdMagics(Magics):
 
             %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S] [--grace S]
             %spmd stop | restart | status | interrupt | where | on | off
+            %spmd sharding EXPR          one picture: which process and device holds what
+            %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
+            %spmd push NAME [NAME ...]   notebook variables to every rank
 
         ``start`` launches N engine processes on 127.0.0.1, joins them into one distributed
         job (``jax.distributed.initialize``) and turns auto mode on: from then on every cell
@@ -137,17 +144,17 @@ class SpmdMagics(Magics):
         """
         if cell is not None:
             return self._run_cell(line, cell)
-        words = shlex.split(line)
-        if not words:
+        command, _, rest = line.strip().partition(" ")
+        if not command:
             raise UsageError("Say what to do: %spmd start -n 4, or stop, restart, status, on, off.")
-        command, args = words[0], words[1:]
         handler = getattr(self, f"_cmd_{command}", None)
         if handler is None:
             raise UsageError(
                 f"%spmd has no command {command!r}: use start, stop, restart, status, "
-                "interrupt, where, on or off."
+                "interrupt, where, sharding, gather, push, on or off."
             )
-        return handler(args)
+        # Python expressions keep their quotes and spaces; other commands take shell words.
+        return handler(rest.strip() if command in _EXPRESSION_COMMANDS else shlex.split(rest))
 
     @cell_magic
     def local(self, line: str, cell: str):
@@ -262,6 +269,34 @@ class SpmdMagics(Magics):
         self.auto.on = False
         print("Auto mode off: cells run in the notebook (%%spmd for the ranks).")
 
+    def _cmd_sharding(self, expr: str) -> None:
+        if not expr:
+            raise UsageError("Say which array: %spmd sharding x draws the layout of x.")
+        session = self._require_session()
+        display(arrays.sharding_bundle(session, expr), raw=True)
+
+    def _cmd_gather(self, text: str):
+        expr, name, max_bytes = _gather_options(text)
+        session = self._require_session()
+        value = arrays.gather(session, expr, max_bytes)
+        if name is None:
+            return value
+        self.shell.user_ns[name] = value
+        what = (
+            f"numpy {value.dtype}{list(value.shape)}"
+            if isinstance(value, np.ndarray)
+            else (f"a list of {len(value)} values, by rank")
+        )
+        print(f"{name} = {what}, from {expr} on the ranks.")
+        return None
+
+    def _cmd_push(self, names: list[str]) -> None:
+        if not names or not all(n.isidentifier() for n in names):
+            raise UsageError(
+                "Say which notebook variables: %spmd push x y sends x and y to every rank."
+            )
+        print(arrays.push(self._require_session(), names, self.shell.user_ns))
+
     def _no_args(self, command: str, args: list[str]) -> None:
         if args:
             raise UsageError(f"%spmd {command} takes no arguments, got {' '.join(args)!r}.")
@@ -337,6 +372,34 @@ def _refusal(session: Session, text: str) -> str:
     if session.death_report:
         text += "\n" + "\n".join(session.death_report)
     return text
+
+
+_EXPRESSION_COMMANDS = ("sharding", "gather")
+
+
+def _gather_options(text: str) -> tuple[str, str | None, int]:
+    """'x[0] -o first --max-bytes 1e6' -> ('x[0]', 'first', 1000000)."""
+    name = None
+    max_bytes = arrays.DEFAULT_MAX_BYTES
+    m = re.search(r"(?:^|\s)-o\s+(\S+)", text)
+    if m:
+        name = m.group(1)
+        if not name.isidentifier():
+            raise UsageError(f"-o takes a variable name, like -o full, not {name!r}.")
+        text = text[: m.start()] + text[m.end() :]
+    m = re.search(r"(?:^|\s)--max-bytes\s+(\S+)", text)
+    if m:
+        try:
+            max_bytes = int(float(m.group(1)))
+        except ValueError:
+            max_bytes = 0
+        if max_bytes < 1:
+            raise UsageError(f"--max-bytes takes a number of bytes, like 1e9, not {m.group(1)!r}.")
+        text = text[: m.start()] + text[m.end() :]
+    expr = text.strip()
+    if not expr:
+        raise UsageError("Say which value: %spmd gather x [-o NAME] [--max-bytes N].")
+    return expr, name, max_bytes
 
 
 def _summary(session: Session) -> str:

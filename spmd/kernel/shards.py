@@ -1,0 +1,151 @@
+"""On a rank: what this process holds of a distributed array, as plain data.
+
+The notebook calls these through ipyparallel's ``apply`` (signed messages; numpy buffers
+travel without copies). Nothing here runs a collective: ``%spmd gather`` and
+``%spmd sharding`` must work when the ranks are out of step, so each process only reports its
+own addressable shards, and the notebook puts the pieces together.
+
+A layout is a dict of plain values (no jax objects), so the notebook, which never imports
+jax's backends, can draw it:
+
+    shape, dtype, nbytes, sharding (its repr), mesh ({axis: size} or None), spec (or None),
+    devices ({device id: process index} for every device the array lives on),
+    blocks [(device id, process index, starts, stops, replica id)], process (this rank)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NotAnArray(TypeError):
+    """The expression's value is not a jax.Array."""
+
+
+class TooLarge(ValueError):
+    """The value is bigger than the notebook agreed to receive."""
+
+
+def _evaluate(expr: str) -> Any:
+    from IPython import get_ipython
+
+    return eval(expr, get_ipython().user_ns)  # the user's own namespace on this rank
+
+
+def _jax_array(value: Any, expr: str):
+    import jax
+
+    if not isinstance(value, jax.Array):
+        name = type(value).__name__
+        article = "an" if name[:1].lower() in "aeiou" else "a"
+        raise NotAnArray(f"{expr} is {article} {name}, not a jax.Array")
+    return value
+
+
+def _bounds(index: tuple, shape: tuple) -> tuple[list[int], list[int]]:
+    starts, stops = [], []
+    for sl, size in zip(index, shape):
+        start, stop, _ = sl.indices(size)
+        starts.append(start)
+        stops.append(stop)
+    return starts, stops
+
+
+def layout(x, everywhere: bool = False) -> dict:
+    """The layout of jax.Array ``x``: this process's shards, or (``everywhere``) every
+    device's, as jax computes them from the sharding without asking anyone."""
+    import jax
+
+    sharding = x.sharding
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    blocks = []
+    if everywhere:
+        seen: dict[tuple, int] = {}
+        for device, index in sorted(
+            sharding.devices_indices_map(x.shape).items(), key=lambda kv: kv[0].id
+        ):
+            starts, stops = _bounds(index, x.shape)
+            key = (tuple(starts), tuple(stops))
+            replica = seen[key] = seen.get(key, -1) + 1
+            blocks.append((device.id, device.process_index, starts, stops, replica))
+    else:
+        for shard in x.addressable_shards:
+            starts, stops = _bounds(shard.index, x.shape)
+            blocks.append(
+                (shard.device.id, shard.device.process_index, starts, stops, shard.replica_id)
+            )
+    return {
+        "shape": list(x.shape),
+        "dtype": str(x.dtype),
+        "nbytes": int(x.size) * x.dtype.itemsize,
+        "sharding": repr(sharding),
+        "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
+        "spec": None if spec is None else _spec_text(spec),
+        "devices": {d.id: d.process_index for d in sharding.device_set},
+        "blocks": blocks,
+        "process": jax.process_index(),
+    }
+
+
+def _spec_text(spec) -> str:
+    parts = []
+    for entry in spec:
+        if entry is None:
+            parts.append("None")
+        elif isinstance(entry, tuple):
+            parts.append("(" + ", ".join(repr(e) for e in entry) + ")")
+        else:
+            parts.append(repr(entry))
+    return f"P({', '.join(parts)})"
+
+
+def describe(expr: str) -> dict:
+    """This process's layout of the jax.Array that ``expr`` names."""
+    return layout(_jax_array(_evaluate(expr), expr))
+
+
+def fetch(expr: str, max_bytes: int) -> dict:
+    """What this process holds of ``expr``'s value, for ``%spmd gather``.
+
+    A jax.Array: its layout and the data of the shards this process holds first copies of
+    (replica 0), as numpy. Anything else: the value itself (the notebook lists it by rank).
+    """
+    value = _evaluate(expr)
+    import jax
+    import numpy as np
+
+    if not isinstance(value, jax.Array):
+        size = getattr(value, "nbytes", 0)
+        if size > max_bytes:
+            raise TooLarge(f"{expr} is {size:,} bytes on this rank, over --max-bytes {max_bytes:,}")
+        return {"kind": "value", "value": value}
+    info = layout(value)
+    if info["nbytes"] > max_bytes:
+        raise TooLarge(f"{expr} is {info['nbytes']:,} bytes in all, over --max-bytes {max_bytes:,}")
+    data = [
+        (*_bounds(shard.index, value.shape), np.asarray(shard.data))
+        for shard in value.addressable_shards
+        if shard.replica_id == 0
+    ]
+    return {"kind": "array", "layout": info, "data": data}
+
+
+def receive(name: str, value: Any) -> None:
+    """``%spmd push``: put ``value`` in this rank's namespace under ``name``."""
+    from IPython import get_ipython
+
+    get_ipython().user_ns[name] = value
+
+
+def show(x, title: str = "") -> None:
+    """Display one picture of ``x``'s layout over every process and device.
+
+    Call it in a cell on the ranks: every process computes the same picture from the
+    sharding alone (no communication), so the notebook shows it once.
+    """
+    from IPython.display import display
+
+    from spmd.magics.picture import bundle
+
+    display(bundle(layout(_jax_array(x, title or "x"), everywhere=True), title), raw=True)

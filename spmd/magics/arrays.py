@@ -1,0 +1,138 @@
+"""``%spmd sharding``, ``%spmd gather`` and ``%spmd push``: distributed arrays in the notebook.
+
+Each asks every rank for its own part through ipyparallel's ``apply`` (signed messages) and
+puts the parts together here. No collective runs, so they work while the ranks are out of step
+(after a divergence report, before the restart); ranks still running a cell are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from IPython.core.error import UsageError
+
+from spmd.kernel import shards
+from spmd.kernel.lockstep import rank_words
+from spmd.kernel.session import Session
+from spmd.magics import picture
+
+ANSWER_SECONDS = 30.0
+DEFAULT_MAX_BYTES = 256 * 2**20
+
+
+def ask(session: Session, fn, *args, ranks: list[int] | None = None) -> dict[int, object]:
+    """``fn(*args)`` on every idle rank (or ``ranks``); their answers by rank.
+
+    Raises UsageError naming the ranks that raised, grouped by what they raised.
+    """
+    busy = set(session.busy_ranks())
+    targets = [r for r in (ranks if ranks is not None else range(session.settings.n))]
+    if busy & set(targets):
+        raise UsageError(
+            f"{rank_words(sorted(busy)).capitalize()} still {'runs' if len(busy) == 1 else 'run'} "
+            "a cell and cannot answer: %spmd restart first."
+        )
+    client = session.client
+    pending = {r: client[session.ranks[r].engine_id].apply_async(fn, *args) for r in targets}
+    deadline = time.monotonic() + ANSWER_SECONDS
+    for rank, ar in pending.items():
+        if not ar.wait(max(0.0, deadline - time.monotonic())):
+            raise UsageError(
+                f"Rank {rank} did not answer within {ANSWER_SECONDS:g} s: "
+                "%spmd where shows what it is doing."
+            )
+    answers, failures = {}, {}
+    for rank, ar in pending.items():
+        try:
+            answers[rank] = ar.get()
+        except Exception as exc:  # a RemoteError carries the rank's exception
+            failures[rank] = (
+                getattr(exc, "ename", type(exc).__name__),
+                getattr(exc, "evalue", str(exc)),
+            )
+    if failures:
+        raise _failure(failures, args[0] if args else "")
+    return answers
+
+
+def _failure(failures: dict[int, tuple[str, str]], expr: str) -> UsageError:
+    by_error: dict[tuple[str, str], list[int]] = {}
+    for rank, error in sorted(failures.items()):
+        by_error.setdefault(error, []).append(rank)
+    (ename, evalue), ranks = next(iter(by_error.items()))
+    where = f"on {rank_words(ranks)}"
+    if ename == "NameError":
+        return UsageError(
+            f"{expr} is not defined {where}: run the cell that defines it on every rank first."
+        )
+    if ename == "NotAnArray":
+        return UsageError(
+            f"{evalue} ({where}): %spmd sharding draws jax.Arrays; "
+            f"%spmd gather {expr} fetches any value, by rank."
+        )
+    if ename == "TooLarge":
+        return UsageError(f"{evalue}: gather a slice, like {expr}[:100], or raise --max-bytes.")
+    return UsageError(f"{expr} failed {where}: {ename}: {evalue}")
+
+
+def sharding_bundle(session: Session, expr: str) -> dict:
+    """The picture of ``expr``'s layout, from every process's own shards."""
+    layouts = list(ask(session, shards.describe, expr).values())
+    layout = picture.merge(layouts)
+    if not layout["shape"]:
+        devices = len(layout["devices"])
+        processes = len(set(layout["devices"].values()))
+        raise UsageError(
+            f"{expr} is a 0-d array (a scalar) on {devices} devices of {processes} processes: "
+            f"there is no layout to draw; %spmd gather {expr} gives its value."
+        )
+    return picture.bundle(layout, expr)
+
+
+def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
+    """The global value of ``expr``: numpy for a jax.Array, else a list by rank."""
+    parts = ask(session, shards.fetch, expr, max_bytes)
+    kinds = {p["kind"] for p in parts.values()}
+    if kinds == {"value"}:
+        return [parts[r]["value"] for r in sorted(parts)]
+    if kinds != {"array"}:
+        raise UsageError(f"{expr} is a jax.Array on some ranks and not on others.")
+    layout = picture.merge([p["layout"] for p in parts.values()])
+    out = np.empty(layout["shape"], dtype=_numpy_dtype(layout["dtype"]))
+    filled = np.zeros(layout["shape"], dtype=bool)
+    for part in parts.values():
+        for starts, stops, data in part["data"]:
+            region = tuple(slice(a, b) for a, b in zip(starts, stops))
+            out[region] = data
+            filled[region] = True
+    if not filled.all():
+        missing = picture.missing_devices(layout)
+        raise UsageError(
+            f"Part of {expr} lives on devices no rank reported ({missing}): "
+            "its value cannot be put together."
+        )
+    return out
+
+
+def _numpy_dtype(name: str):
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16 and friends: numpy knows them once ml_dtypes is imported
+        import ml_dtypes  # noqa: F401  (installed with jax)
+
+        return np.dtype(name)
+
+
+def push(session: Session, names: list[str], namespace: dict) -> str:
+    """Send notebook variables to every rank's namespace; a one-line summary."""
+    missing = [n for n in names if n not in namespace]
+    if missing:
+        raise UsageError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined in the "
+            "notebook: define it in a %%local cell first."
+        )
+    for name in names:
+        ask(session, shards.receive, name, namespace[name])
+    sizes = ", ".join(f"{n} ({type(namespace[n]).__name__})" for n in names)
+    return f"Pushed {sizes} to {rank_words(range(session.settings.n))}."

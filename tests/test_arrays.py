@@ -1,0 +1,252 @@
+"""Distributed arrays across 4 real processes x 2 CPU devices: the seed's parallel-programming
+examples (001), drawn with %spmd sharding, fetched with %spmd gather, checked against numpy
+and against what each process says it holds."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import re
+
+import numpy as np
+import pytest
+from conftest import run
+from IPython.core.error import UsageError
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SEED = """
+import time
+import jax, jax.numpy as jnp, numpy as np
+from functools import partial
+from jax.sharding import PartitionSpec as P
+from jax.experimental.shard_map import shard_map
+rank = jax.process_index()
+arr = jnp.arange(32.0).reshape(4, 8)
+# jax >= 0.7 makes Explicit mesh axes by default; the guide's with_sharding_constraint
+# needs the Auto axes it was written for.
+mesh = jax.make_mesh((2, 4), ('x', 'y'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+sharding = jax.sharding.NamedSharding(mesh, P('x', 'y'))
+arr_sharded = jax.device_put(arr, sharding)
+
+@jax.jit
+def f_contract(x):
+  return x.sum(axis=0)
+
+result = f_contract(arr_sharded)
+
+@jax.jit
+def f_contract_2(x):
+  out = x.sum(axis=0)
+  sharding = jax.sharding.NamedSharding(mesh, P('x'))
+  return jax.lax.with_sharding_constraint(out, sharding)
+
+result_2 = f_contract_2(arr_sharded)
+
+mesh8 = jax.make_mesh((8,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))
+x = jnp.arange(32)
+y = shard_map(lambda x: x * 2, mesh=mesh8, in_specs=P('x'), out_specs=P('x'))(x)
+sums = shard_map(lambda x: jnp.sum(x, keepdims=True), mesh=mesh8, in_specs=P('x'), out_specs=P('x'))(x)
+total = shard_map(lambda x: jax.lax.psum(x.sum(), 'x'), mesh=mesh8, in_specs=P('x'), out_specs=P())(x)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(shell):
+    started = run(shell, "%spmd start -n 4 -d 2")
+    assert started.error is None, started.stderr
+    seed = run(shell, SEED)
+    assert seed.error is None, seed.stdout + seed.stderr
+    yield shell
+    run(shell, "%spmd stop")
+
+
+def held_by_each_process(shell, expr: str) -> set[tuple[str, int, int]]:
+    """(slices, device, process) of every shard, as each process itself reports them."""
+    out = run(
+        shell,
+        "print(sorted((str([f'{s.start or 0}:{s.stop}' for s in sh.index]), sh.device.id, "
+        f"sh.device.process_index) for sh in {expr}.addressable_shards))",
+    )
+    assert out.error is None, out.stderr
+    held = set()
+    for line in out.stdout.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[rank") else line
+        for slices, device, process in ast.literal_eval(body):
+            held.add((", ".join(ast.literal_eval(slices)), device, process))
+    return held
+
+
+def drawn(shell, expr: str, tmp_path) -> tuple[str, set[tuple[str, int, int]]]:
+    """%spmd sharding's text form, the (slices, device, process) it names, and the PNG saved
+    in the test's folder."""
+    out = run(shell, f"%spmd sharding {expr}")
+    assert out.error is None, out.stderr
+    (bundle,) = out.outputs
+    png = base64.b64decode(bundle["image/png"])
+    assert png.startswith(b"\x89PNG")
+    (tmp_path / f"{expr}.png").write_bytes(png)
+    text = bundle["text/plain"]
+    named = set()
+    for slices, holders in re.findall(r"^  \[(.*?)\]\s+(CPU .*?)(?:   replicated.*)?$", text, re.M):
+        for device, process in re.findall(r"CPU (\d+) \(process (\d+)\)", holders):
+            named.add((slices, int(device), int(process)))
+    return text, named
+
+
+@pytest.mark.parametrize(
+    "expr, first_line, blocks",
+    [
+        (
+            "arr_sharded",
+            "arr_sharded: float32[4,8], mesh x=2, y=4, P('x', 'y'), 8 blocks on 8 devices of 4 processes",
+            8,
+        ),
+        (
+            "result",
+            "result: float32[8], mesh x=2, y=4, P('y'), 4 blocks on 8 devices of 4 processes",
+            4,
+        ),
+        (
+            "result_2",
+            "result_2: float32[8], mesh x=2, y=4, P('x'), 2 blocks on 8 devices of 4 processes",
+            2,
+        ),
+        ("y", "y: int32[32], mesh x=8, P('x'), 8 blocks on 8 devices of 4 processes", 8),
+        ("sums", "sums: int32[8], mesh x=8, P('x'), 8 blocks on 8 devices of 4 processes", 8),
+    ],
+)
+def test_the_picture_names_the_right_owner_of_every_block(
+    cluster, tmp_path, expr, first_line, blocks
+):
+    text, named = drawn(cluster, expr, tmp_path)
+    assert text.splitlines()[0] == first_line
+    assert len(text.splitlines()) == 1 + blocks
+    assert named == held_by_each_process(cluster, expr)
+
+
+def test_replication_is_shown_explicitly(cluster, tmp_path):
+    text, _ = drawn(cluster, "result", tmp_path)
+    # x.sum(axis=0) is partially replicated: each quarter lives on two devices of two processes
+    assert (
+        text.splitlines()[1] == "  [0:2]  CPU 0 (process 0), CPU 4096 (process 2)   replicated ×2"
+    )
+    assert all(line.endswith("replicated ×2") for line in text.splitlines()[1:])
+    text, _ = drawn(cluster, "result_2", tmp_path)
+    assert all(line.endswith("replicated ×4") for line in text.splitlines()[1:])
+
+
+def test_gather_gives_the_numbers_the_guide_prints(cluster):
+    shown = run(cluster, "%spmd gather arr_sharded")  # without -o: the cell's value
+    assert shown.error is None
+    assert "array([[ 0.,  1.,  2.,  3.,  4.,  5.,  6.,  7.]," in shown.stdout
+    out = run(cluster, "%spmd gather result -o summed")
+    assert out.error is None
+    assert out.stdout == "summed = numpy float32[8], from result on the ranks.\n"
+    assert cluster.user_ns["summed"].tolist() == [48.0, 52.0, 56.0, 60.0, 64.0, 68.0, 72.0, 76.0]
+    run(cluster, "%spmd gather result_2 -o constrained")
+    assert cluster.user_ns["constrained"].tolist() == cluster.user_ns["summed"].tolist()
+    run(cluster, "%spmd gather y -o doubled")
+    assert np.array_equal(cluster.user_ns["doubled"], np.arange(32) * 2)
+    run(cluster, "%spmd gather sums -o sums")
+    assert cluster.user_ns["sums"].tolist() == [6, 22, 38, 54, 70, 86, 102, 118]
+    run(cluster, "%spmd gather total -o total")
+    assert cluster.user_ns["total"] == 496 and cluster.user_ns["total"].shape == ()
+
+
+def test_gather_of_a_plain_value_is_a_list_by_rank(cluster):
+    run(cluster, "%spmd gather rank * 10 -o tens")
+    assert cluster.user_ns["tens"] == [0, 10, 20, 30]
+
+
+def test_jax_own_picture_is_shown_once_as_html_with_a_text_form(cluster):
+    out = run(cluster, "jax.debug.visualize_array_sharding(arr_sharded)")
+    assert out.error is None
+    assert out.stdout == "[ranks 0-3]\n"  # one label, one picture
+    (bundle,) = out.outputs
+    assert {"text/html", "text/plain"} <= set(bundle)
+    assert "CPU 2048" in bundle["text/plain"]
+
+
+def test_show_sharding_inside_code_draws_once(cluster):
+    out = run(cluster, "import spmd\nspmd.show_sharding(result, 'result')")
+    assert out.error is None
+    (bundle,) = out.outputs
+    assert "image/png" in bundle
+    assert bundle["text/plain"].splitlines()[0].startswith("result: float32[8], mesh x=2, y=4")
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (
+            "%spmd sharding rank",
+            "rank is an int, not a jax.Array (on ranks 0-3): %spmd sharding draws jax.Arrays",
+        ),
+        (
+            "%spmd sharding total",
+            "total is a 0-d array (a scalar) on 8 devices of 4 processes: there is no layout to draw; %spmd gather total gives its value.",
+        ),
+        (
+            "%spmd gather nowhere",
+            "nowhere is not defined on ranks 0-3: run the cell that defines it on every rank first.",
+        ),
+        ("%spmd sharding", "Say which array: %spmd sharding x draws the layout of x."),
+        ("%spmd gather arr_sharded -o 1x", "-o takes a variable name, like -o full, not '1x'."),
+        (
+            "%spmd gather arr_sharded --max-bytes lots",
+            "--max-bytes takes a number of bytes, like 1e9, not 'lots'.",
+        ),
+        ("%spmd push", "Say which notebook variables: %spmd push x y sends x and y to every rank."),
+        (
+            "%spmd push not_in_the_notebook",
+            "not_in_the_notebook is not defined in the notebook: define it in a %%local cell first.",
+        ),
+    ],
+)
+def test_bad_input_says_what_to_do(cluster, line, says):
+    out = run(cluster, line)
+    assert isinstance(out.error, UsageError)
+    assert str(out.error).startswith(says)
+
+
+def test_a_name_missing_on_some_ranks_names_them(cluster):
+    assert run(cluster, "if rank == 0:\n    only_here = jnp.ones(3)").error is None
+    out = run(cluster, "%spmd gather only_here")
+    assert str(out.error) == (
+        "only_here is not defined on ranks 1-3: run the cell that defines it on every rank first."
+    )
+
+
+def test_a_huge_array_is_refused_before_anything_moves(cluster):
+    made = run(
+        cluster,
+        "big = jax.jit(lambda: jnp.zeros((8192, 10240)), out_shardings=sharding)()",
+    )
+    assert made.error is None
+    out = run(cluster, "%spmd gather big")
+    assert str(out.error) == (
+        "big is 335,544,320 bytes in all, over --max-bytes 268,435,456: gather a slice, "
+        "like big[:100], or raise --max-bytes."
+    )
+    run(cluster, "del big")
+
+
+def test_push_sends_a_notebook_variable_to_every_rank(cluster):
+    run(cluster, "%%local\nimport numpy as np\nweights = np.arange(3)")
+    out = run(cluster, "%spmd push weights")
+    assert out.stdout == "Pushed weights (ndarray) to ranks 0-3.\n"
+    assert run(cluster, "print(int(weights.sum()) + rank)").stdout == (
+        "[rank 0] 3\n[rank 1] 4\n[rank 2] 5\n[rank 3] 6\n"
+    )
+
+
+def test_gather_works_while_the_ranks_are_out_of_step(cluster):
+    failed = run(
+        cluster, "%%spmd --grace 0.5\nif rank == 0:\n    raise ValueError('x')\ntime.sleep(30)"
+    )
+    assert failed.error is not None
+    assert isinstance(run(cluster, "x").error, UsageError)  # cells are refused...
+    out = run(cluster, "%spmd gather arr_sharded -o still_there")  # ...gather is not
+    assert out.error is None, out.error
+    assert np.array_equal(cluster.user_ns["still_there"], np.arange(32.0).reshape(4, 8))
