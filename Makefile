@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m spmd.demo notebooks/quickstart.ipynb notebooks/pitfalls.ipynb
+	$(BIN)/python -m spmd.demo notebooks/quickstart.ipynb notebooks/sharding.ipynb notebooks/pitfalls.ipynb
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

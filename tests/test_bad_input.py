@@ -41,9 +41,22 @@ def test_bad_start_lines(shell, line, says):
 
 
 @pytest.mark.parametrize(
-    "line", ["%%spmd\nprint(1)", "%spmd stop", "%spmd status", "%spmd interrupt"]
+    "line",
+    [
+        "%%spmd\nprint(1)",
+        "%spmd stop",
+        "%spmd status",
+        "%spmd interrupt",
+        "%spmd where",
+        "%spmd sharding x",
+        "%spmd gather x",
+        "%spmd push x",
+    ],
 )
 def test_commands_that_need_a_cluster_say_how_to_start_one(shell, line):
+    # as in a fresh notebook: no cluster was ever started (earlier modules stopped theirs)
+    shell.magics_manager.registry["SpmdMagics"].session = None
+    shell.user_ns["x"] = 1
     assert (
         usage_error(shell, line) == "No SPMD cluster is running: start one with %spmd start -n 4."
     )

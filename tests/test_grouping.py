@@ -1,7 +1,7 @@
 """Grouping of per-rank outputs, on hand-made outputs (no processes needed)."""
 
 from spmd.kernel.lockstep import rank_label, rank_set
-from spmd.kernel.outputs import Output, RankCell, drop_chatter
+from spmd.kernel.outputs import Output, RankCell, drop_chatter, same_on_every_rank
 from spmd.magics.render import group_errors, group_outputs, labelled
 
 
@@ -116,3 +116,14 @@ def test_gloo_chatter_from_two_device_threads_at_once_is_dropped():
 def test_labels_go_inline_for_one_line_and_above_for_several():
     assert labelled("[rank 0]", "8 2\n") == "[rank 0] 8 2\n"
     assert labelled("[ranks 0-1]", "a\nb\n") == "[ranks 0-1]\na\nb\n"
+
+
+def test_cell_file_names_that_differ_only_by_pid_are_made_the_same():
+    warning = (
+        "/tmp/ipykernel_22203/2177033046.py:1: DeprecationWarning: jax.experimental.shard_map "
+        "is deprecated\n"
+    )
+    assert same_on_every_rank(warning) == (
+        "<cell>:1: DeprecationWarning: jax.experimental.shard_map is deprecated\n"
+    )
+    assert same_on_every_rank(warning.replace("22203", "22206")) == same_on_every_rank(warning)

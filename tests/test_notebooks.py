@@ -85,6 +85,45 @@ def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run():
     assert shown[-1].startswith("Stopped 4 processes")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_sharding_guide_gives_one_picture_per_array_and_the_guides_numbers():
+    nb = execute(NOTEBOOKS / "sharding.ipynb")
+    cells = [c for c in nb.cells if c.cell_type == "code"]  # sources repeat: keep them all
+    code = {c.source: c for c in cells}
+    shown = {src: cell_text(c) for src, c in code.items()}
+    pictures = [
+        o
+        for c in cells
+        if c.source.startswith("%spmd sharding")
+        for o in c.outputs
+        if o.output_type == "display_data"
+    ]
+    assert len(pictures) == 4 and all({"image/png", "text/plain"} <= set(o.data) for o in pictures)
+    gathered = [cell_text(c) for c in cells if c.source.startswith("%spmd gather")]
+    assert gathered[0].startswith("array([[ 0.,  1.,  2.,  3.,  4.,  5.,  6.,  7.],")
+    assert (
+        gathered[1]
+        == gathered[2]
+        == ("array([48., 52., 56., 60., 64., 68., 72., 76.], dtype=float32)\n")
+    )
+    assert gathered[-2] == "array([  6,  22,  38,  54,  70,  86, 102, 118], dtype=int32)\n"
+    assert gathered[-1] == "array(496, dtype=int32)\n"
+    # jax's own picture: once, for all four ranks
+    builtin = code["jax.debug.visualize_array_sharding(arr_sharded)"].outputs
+    assert cell_text(code["jax.debug.visualize_array_sharding(arr_sharded)"]).startswith(
+        "[ranks 0-3]\n"
+    )
+    assert sum(o.output_type == "display_data" for o in builtin) == 1
+    traced = next(v for k, v in shown.items() if k.startswith("x = jnp.arange(32)"))
+    assert traced == (
+        "[ranks 0-3]\nglobal shape: x.shape=(32,)\ndevice local shape: x.shape=(4,)\n"
+    )
+    # the deprecation warning names each rank's cell file; it is still shown once
+    imports = next(v for k, v in shown.items() if k.startswith("from jax.experimental"))
+    assert imports.count("[ranks 0-3]") == 1 and "[rank 1]" not in imports
+
+
 @pytest.mark.timeout(300)
 def test_a_failing_rank_stops_run_all_and_figures_come_back(tmp_path):
     path = new_notebook(

@@ -82,10 +82,20 @@ class RankCell:
         self.done = True
 
 
+# ipykernel names each cell's code after the process's pid (/tmp/ipykernel_4242/31337.py), so
+# a warning about line 1 of a cell would differ on every rank only by that name.
+_CELL_PATH = re.compile(r"\S*[/\\]ipykernel_\d+[/\\]\d+\.py")
+
+
+def same_on_every_rank(text: str) -> str:
+    """``text`` with the per-process names of cells replaced by '<cell>'."""
+    return _CELL_PATH.sub("<cell>", text) if "ipykernel_" in text else text
+
+
 def output_from_message(msg_type: str, content: dict) -> Output | None:
     """Turn one iopub message of an engine into an Output (None for the rest)."""
     if msg_type == "stream":
-        return Output(kind=content["name"], text=content["text"])
+        return Output(kind=content["name"], text=same_on_every_rank(content["text"]))
     if msg_type == "display_data":
         return Output("display", data=content["data"], metadata=content.get("metadata", {}))
     if msg_type == "execute_result":
@@ -95,6 +105,6 @@ def output_from_message(msg_type: str, content: dict) -> Output | None:
             "error",
             ename=content.get("ename", ""),
             evalue=content.get("evalue", ""),
-            traceback=list(content.get("traceback", [])),
+            traceback=[same_on_every_rank(line) for line in content.get("traceback", [])],
         )
     return None
