@@ -195,13 +195,17 @@ def dump(
     while time.monotonic() < deadline:
         time.sleep(0.005)
         now = time.monotonic()
-        for rank, (_, path, _) in targets.items():
+        waiting = 0
+        for rank, (process, path, _) in targets.items():
             size = _size(path)
             if size > sizes[rank]:
                 sizes[rank], grew_at[rank] = size, now
-        # faulthandler writes a dump within one signal handler: 20 ms without growth after
-        # the first bytes means the dump is complete.
-        if len(grew_at) == len(targets) and all(now - t > 0.02 for t in grew_at.values()):
+            # faulthandler writes a dump within one signal handler: 20 ms without growth
+            # after the first bytes means it is complete. A process that is gone never answers.
+            answered = rank in grew_at and now - grew_at[rank] > 0.02
+            if not answered and _alive(process):
+                waiting += 1
+        if not waiting:
             break
     result: dict[int, list[Frame] | None] = {}
     for rank, (_, path, thread) in targets.items():
@@ -212,6 +216,13 @@ def dump(
             f.seek(start[rank])
             result[rank] = parse_dump(f.read(), thread)
     return result
+
+
+def _alive(process) -> bool:
+    try:
+        return process.is_running() and process.status() != "zombie"
+    except Exception:  # psutil.NoSuchProcess and friends
+        return False
 
 
 def _size(path: str) -> int:
