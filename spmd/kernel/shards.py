@@ -83,6 +83,7 @@ def layout(x, everywhere: bool = False) -> dict:
         "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
         "spec": None if spec is None else _spec_text(spec),
         "devices": {d.id: d.process_index for d in sharding.device_set},
+        "platform": next(iter(sharding.device_set)).platform,
         "blocks": blocks,
         "process": jax.process_index(),
     }
@@ -105,11 +106,13 @@ def describe(expr: str) -> dict:
     return layout(_jax_array(_evaluate(expr), expr))
 
 
-def fetch(expr: str, max_bytes: int) -> dict:
+def fetch(expr: str, max_bytes: int) -> list:
     """What this process holds of ``expr``'s value, for ``%spmd gather``.
 
-    A jax.Array: its layout and the data of the shards this process holds first copies of
-    (replica 0), as numpy. Anything else: the value itself (the notebook lists it by rank).
+    A jax.Array: ``[info, data, data, ...]``: its layout and, in ``info["pieces"]``, where each
+    following numpy array goes (the shards this process holds first copies of, replica 0).
+    The arrays are top-level items so that ipyparallel sends them as raw buffers, not
+    inside a pickle. Anything else: ``[{"kind": "value", "value": value}]``.
     """
     value = _evaluate(expr)
     import jax
@@ -119,16 +122,15 @@ def fetch(expr: str, max_bytes: int) -> dict:
         size = getattr(value, "nbytes", 0)
         if size > max_bytes:
             raise TooLarge(f"{expr} is {size:,} bytes on this rank, over --max-bytes {max_bytes:,}")
-        return {"kind": "value", "value": value}
+        return [{"kind": "value", "value": value}]
     info = layout(value)
     if info["nbytes"] > max_bytes:
         raise TooLarge(f"{expr} is {info['nbytes']:,} bytes in all, over --max-bytes {max_bytes:,}")
-    data = [
-        (*_bounds(shard.index, value.shape), np.asarray(shard.data))
-        for shard in value.addressable_shards
-        if shard.replica_id == 0
+    shards = [s for s in value.addressable_shards if s.replica_id == 0]
+    pieces = [_bounds(s.index, value.shape) for s in shards]
+    return [{"kind": "array", "layout": info, "pieces": pieces}] + [
+        np.asarray(s.data) for s in shards
     ]
-    return {"kind": "array", "layout": info, "data": data}
 
 
 def receive(name: str, value: Any) -> None:

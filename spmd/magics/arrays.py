@@ -92,7 +92,8 @@ def sharding_bundle(session: Session, expr: str) -> dict:
 
 def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
     """The global value of ``expr``: numpy for a jax.Array, else a list by rank."""
-    parts = ask(session, shards.fetch, expr, max_bytes)
+    answers = ask(session, shards.fetch, expr, max_bytes)
+    parts = {rank: answer[0] for rank, answer in answers.items()}
     kinds = {p["kind"] for p in parts.values()}
     if kinds == {"value"}:
         return [parts[r]["value"] for r in sorted(parts)]
@@ -100,13 +101,13 @@ def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
         raise UsageError(f"{expr} is a jax.Array on some ranks and not on others.")
     layout = picture.merge([p["layout"] for p in parts.values()])
     out = np.empty(layout["shape"], dtype=_numpy_dtype(layout["dtype"]))
-    filled = np.zeros(layout["shape"], dtype=bool)
-    for part in parts.values():
-        for starts, stops, data in part["data"]:
-            region = tuple(slice(a, b) for a, b in zip(starts, stops))
-            out[region] = data
-            filled[region] = True
-    if not filled.all():
+    covered = 0
+    for rank, answer in answers.items():
+        for (starts, stops), data in zip(parts[rank]["pieces"], answer[1:]):
+            out[tuple(slice(a, b) for a, b in zip(starts, stops))] = data
+            covered += int(np.prod([b - a for a, b in zip(starts, stops)]))
+    # replica 0 of each block exists once: the pieces do not overlap, so counting suffices
+    if covered != out.size:
         missing = picture.missing_devices(layout)
         raise UsageError(
             f"Part of {expr} lives on devices no rank reported ({missing}): "

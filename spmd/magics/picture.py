@@ -35,6 +35,11 @@ def missing_devices(layout: dict) -> list[int]:
     return sorted(int(d) for d in layout["devices"] if int(d) not in have)
 
 
+def _kind(layout: dict) -> str:
+    """'CPU', 'GPU' or 'TPU': how jax names the devices in its own pictures."""
+    return layout.get("platform", "cpu").upper()
+
+
 def _slices(starts, stops) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in zip(starts, stops)) + "]"
 
@@ -70,7 +75,8 @@ def text(layout: dict, title: str) -> str:
     regions = _holders(layout)
     width = max(len(_slices(*r)) for r in regions)
     for (starts, stops), holders in regions.items():
-        who = ", ".join(f"CPU {d} (process {p})" for d, p, *_ in holders)
+        kind = _kind(layout)
+        who = ", ".join(f"{kind} {d} (process {p})" for d, p, *_ in holders)
         copies = f"   replicated ×{len(holders)}" if len(holders) > 1 else ""
         lines.append(f"  {_slices(starts, stops).ljust(width)}  {who}{copies}")
     gone = missing_devices(layout)
@@ -148,7 +154,7 @@ def draw(layout: dict, title: str) -> bytes:
                 ax.text(
                     x0 + stripe / 2,
                     (r0 + r1) / 2,
-                    f"CPU {device}",
+                    f"{_kind(layout)} {device}",
                     ha="center",
                     va="center",
                     color="white",
