@@ -13,7 +13,7 @@ import pytest
 from conftest import run
 from IPython.core.error import UsageError
 
-from spmd.magics.render import RankErrors
+from spmd.magics.render import LiveView, RankErrors
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,6 +130,23 @@ def test_where_shows_busy_ranks_and_interrupt_says_who_did_not_respond(cluster):
     restart_and_psum(cluster)
 
 
+def test_a_long_cell_shows_the_line_each_busy_rank_is_on(cluster, monkeypatch):
+    monkeypatch.setattr(LiveView, "look_after", 1.0)
+    monkeypatch.setattr(LiveView, "look_every", 1.0)
+    out = run(cluster, "%%spmd --grace off --timeout 4\nif rank == 1:\n    time.sleep(60)\n" + PSUM)
+    shown = [o.get("text/plain", "") for o in out.outputs]
+    live = next(text for text in shown if text.startswith("Still running after"))
+    assert "  rank 0 at cell line 3: " + PSUM + "   (waiting inside jax)" in live
+    assert "  rank 1 at cell line 2: time.sleep(60)" in live
+    assert "The ranks are on different lines" in live
+    assert shown[-1] == ""  # the live view is emptied when the cell ends
+    assert report(out).startswith(
+        "Timed out after 4 s: ranks 0-1 are still running; rank 0 is waiting in a collective "
+        "for rank 1, still in its own code."
+    )
+    restart_and_psum(cluster)
+
+
 def test_where_with_no_busy_rank_says_so(cluster):
     out = run(cluster, "%spmd where")
     assert out.error is None
@@ -148,7 +165,10 @@ def test_interrupting_the_notebook_reaches_every_rank_within_a_second(cluster):
     back = time.monotonic() - t0 - 1.0
     timer.cancel()  # if the cell came back early, no stray SIGINT may hit pytest
     text = report(out)
-    assert text.startswith("Interrupted: ranks 0-1 are running.")
+    assert text.startswith(
+        "Interrupted: ranks 0-1 are running; rank 0 is waiting in a collective for rank 1, "
+        "still in its own code."
+    )
     assert "[rank 1] was running at cell line 2: time.sleep(60)" in text
     assert "[rank 0] was running at cell line 3:" in text
     assert back < 5  # about 1 s here: the stacks, the SIGINT, a short wait

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from spmd.kernel.lockstep import rank_label, rank_words
 from spmd.kernel.outputs import RankCell, drop_chatter
-from spmd.kernel.where import Stack
+from spmd.kernel.where import COLLECTIVE_LIBRARIES, Stack
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
 RESTART = "%spmd restart"
@@ -179,6 +179,12 @@ class Stall:
                 "; all of them inside a collective or a jax computation (a collective that "
                 "cannot complete, such as different shapes on different ranks, or slow work)"
             )
+        elif waiting:
+            others = [r for r in busy if r not in waiting]
+            text += (
+                f"; {rank_words(waiting)} {_be(waiting)} waiting in a collective for "
+                f"{rank_words(others)}, still in {'its' if len(others) == 1 else 'their'} own code"
+            )
         return text + "."
 
 
@@ -209,4 +215,27 @@ def stack_section(stall: Stall) -> list[str]:
         where = f" at cell line {at.line}: {at.source}" if at and at.source else ""
         lines.append(f"{rank_label(ranks)} was running{where}")
         lines.extend(stack.lines())
+    return lines
+
+
+def progress_lines(stacks: dict[int, Stack | None], seconds: float) -> list[str]:
+    """Where the busy ranks of a long cell are, a line per group of ranks on the same line."""
+    groups: dict[str, list[int]] = {}
+    for rank, stack in sorted(stacks.items()):
+        at = stack.cell_line if stack is not None else None
+        if at is None:
+            where = "(no stack)" if stack is None else "outside the cell's code"
+        else:
+            where = f"at cell line {at.line}: {at.source}"
+            if stack.innermost_library in COLLECTIVE_LIBRARIES:
+                where += f"   (waiting inside {stack.innermost_library})"
+        groups.setdefault(where, []).append(rank)
+    lines = [f"Still running after {seconds:.0f} s:"]
+    lines += [f"  {rank_words(ranks)} {where}" for where, ranks in groups.items()]
+    if len(groups) > 1:
+        lines.append(
+            "  The ranks are on different lines: if they stay there, they are waiting for "
+            "each other."
+        )
+    lines.append("Kernel > Interrupt stops the cell with a report of where every rank is.")
     return lines

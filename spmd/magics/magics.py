@@ -333,7 +333,7 @@ class SpmdMagics(Magics):
                 )
         if not cell.strip():
             return None
-        live = LiveView()
+        live = LiveView(where=session.stacks)
         try:
             run = session.run_cell(
                 cell,

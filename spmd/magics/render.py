@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 from IPython.display import display
 
 from spmd.kernel.lockstep import rank_label, rank_set
 from spmd.kernel.outputs import Output, RankCell
+from spmd.kernel.watchdog import progress_lines
 
 Group = tuple[list[int], Output]
 
@@ -140,7 +142,8 @@ class RankErrors(Exception):
 
 
 class LiveView:
-    """The last lines of every rank's streams, shown while a long cell runs.
+    """What a long cell is doing, shown while it runs: the last lines of every rank's streams
+    and, after ``look_after`` seconds, the line each busy rank is on.
 
     Fast cells never show it. When the cell ends, the grouped outputs are printed and the live
     view is emptied, so a saved notebook keeps the grouped form only.
@@ -149,12 +152,17 @@ class LiveView:
     delay = 1.0  # seconds a cell runs before its streams are shown live
     every = 0.25  # seconds between updates
     keep = 20  # lines shown
+    look_after = 10.0  # seconds a cell runs before the busy ranks' lines are shown
+    look_every = 10.0  # seconds between two looks (each is a stack dump of the busy ranks)
 
-    def __init__(self) -> None:
+    def __init__(self, where: Callable[[list[int]], dict] | None = None) -> None:
         self.started = time.monotonic()
         self.lines: list[str] = []
+        self.status: list[str] = []
         self.handle = None
+        self.where = where
         self._shown_at = 0.0
+        self._looked_at = 0.0
         self._dirty = False
 
     def add(self, rank: int, out: Output) -> None:
@@ -164,11 +172,21 @@ class LiveView:
         del self.lines[: -self.keep]
         self._dirty = True
 
-    def tick(self, _run=None) -> None:
+    def tick(self, run=None) -> None:
         now = time.monotonic()
+        if (
+            self.where is not None
+            and run is not None
+            and now - self.started >= self.look_after
+            and now - self._looked_at >= self.look_every
+            and run.busy_ranks
+        ):
+            self._looked_at = now
+            self.status = progress_lines(self.where(run.busy_ranks), now - self.started)
+            self._dirty = True
         if not self._dirty or now - self.started < self.delay or now - self._shown_at < self.every:
             return
-        bundle = {"text/plain": "\n".join(self.lines)}
+        bundle = {"text/plain": "\n".join(self.status + self.lines)}
         if self.handle is None:
             self.handle = display(bundle, raw=True, display_id=True)
         else:
