@@ -48,6 +48,11 @@ x = jnp.arange(32)
 y = shard_map(lambda x: x * 2, mesh=mesh8, in_specs=P('x'), out_specs=P('x'))(x)
 sums = shard_map(lambda x: jnp.sum(x, keepdims=True), mesh=mesh8, in_specs=P('x'), out_specs=P('x'))(x)
 total = shard_map(lambda x: jax.lax.psum(x.sum(), 'x'), mesh=mesh8, in_specs=P('x'), out_specs=P())(x)
+
+# beyond the guide: fully replicated, and on the devices of processes 0-1 only
+everywhere = jax.device_put(arr, jax.sharding.NamedSharding(mesh, P()))
+sub = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('a', 'b'))
+half = jax.device_put(jnp.arange(16.0).reshape(4, 4), jax.sharding.NamedSharding(sub, P('a', 'b')))
 """
 
 
@@ -65,8 +70,9 @@ def held_by_each_process(shell, expr: str) -> set[tuple[str, int, int]]:
     """(slices, device, process) of every shard, as each process itself reports them."""
     out = run(
         shell,
-        "print(sorted((str([f'{s.start or 0}:{s.stop}' for s in sh.index]), sh.device.id, "
-        f"sh.device.process_index) for sh in {expr}.addressable_shards))",
+        "print(sorted((str([f'{a}:{b}' for a, b, _ in (sl.indices(n) for sl, n in "
+        f"zip(sh.index, {expr}.shape))]), sh.device.id, sh.device.process_index) "
+        f"for sh in {expr}.addressable_shards))",
     )
     assert out.error is None, out.stderr
     held = set()
@@ -114,6 +120,16 @@ def drawn(shell, expr: str, tmp_path) -> tuple[str, set[tuple[str, int, int]]]:
         ),
         ("y", "y: int32[32], mesh x=8, P('x'), 8 blocks on 8 devices of 4 processes", 8),
         ("sums", "sums: int32[8], mesh x=8, P('x'), 8 blocks on 8 devices of 4 processes", 8),
+        (
+            "everywhere",
+            "everywhere: float32[4,8], mesh x=2, y=4, P(), 1 block on 8 devices of 4 processes",
+            1,
+        ),
+        (
+            "half",
+            "half: float32[4,4], mesh a=2, b=2, P('a', 'b'), 4 blocks on 4 devices of 2 processes",
+            4,
+        ),
     ],
 )
 def test_the_picture_names_the_right_owner_of_every_block(
@@ -150,6 +166,10 @@ def test_gather_gives_the_numbers_the_guide_prints(cluster):
     assert np.array_equal(cluster.user_ns["doubled"], np.arange(32) * 2)
     run(cluster, "%spmd gather sums -o sums")
     assert cluster.user_ns["sums"].tolist() == [6, 22, 38, 54, 70, 86, 102, 118]
+    run(cluster, "%spmd gather half -o half")  # on processes 0-1 only: 2-3 hold nothing
+    assert np.array_equal(cluster.user_ns["half"], np.arange(16.0).reshape(4, 4))
+    run(cluster, "%spmd gather everywhere -o everywhere")
+    assert np.array_equal(cluster.user_ns["everywhere"], np.arange(32.0).reshape(4, 8))
     run(cluster, "%spmd gather total -o total")
     assert cluster.user_ns["total"] == 496 and cluster.user_ns["total"].shape == ()
 
