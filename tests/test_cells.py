@@ -74,7 +74,7 @@ def test_a_failing_rank_fails_the_cell_and_keeps_the_others_output(cluster):
     assert out.error.failed_ranks == [1]
     assert "[rank 0] before 0\nafter\n" in out.stdout or "[rank 0]\nbefore 0\nafter\n" in out.stdout
     rendered = "\n".join(out.error._render_traceback_())
-    assert "Error on 1 of 2 ranks (1); ranks 0 did not raise." in rendered
+    assert "Error on 1 of 2 ranks (1); rank 0 did not raise." in rendered
     assert "[rank 1] ValueError: rank one is unhappy" in rendered
     # the cluster is still usable after an ordinary exception
     assert run(cluster, "print('fine')").stdout == "[ranks 0-1] fine\n"

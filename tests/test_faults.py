@@ -65,7 +65,7 @@ def test_a_rank_that_raises_before_a_psum_gets_a_divergence_report(cluster):
     )
     seconds = time.monotonic() - t0
     text = report(out)
-    assert text.startswith("Error on 1 of 2 ranks (0); ranks 1 did not raise.\n")
+    assert text.startswith("Error on 1 of 2 ranks (0); rank 1 did not raise.\n")
     assert (
         "The ranks diverged: rank 1 is waiting in a collective that rank 0 never reached: "
         "rank 0 raised an error first." in text

@@ -137,7 +137,7 @@ def test_a_failing_rank_stops_run_all_and_figures_come_back(tmp_path):
     with pytest.raises(CellExecutionError) as failure:
         execute(path)
     assert "only rank 1 fails" in str(failure.value)
-    assert "Error on 1 of 2 ranks (1); ranks 0 did not raise." in str(failure.value)
+    assert "Error on 1 of 2 ranks (1); rank 0 did not raise." in str(failure.value)
     # the kernel has shut down, and with it every process the cluster had
     from conftest import spmd_children
 

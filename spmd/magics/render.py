@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from IPython.display import display
 
-from spmd.kernel.lockstep import rank_label, rank_set
+from spmd.kernel.lockstep import rank_label, rank_set, rank_words
 from spmd.kernel.outputs import Output, RankCell
 from spmd.kernel.watchdog import progress_lines
 
@@ -130,7 +130,7 @@ class RankErrors(Exception):
         if failed:
             lines.append(
                 f"Error on {len(failed)} of {n} ranks ({rank_set(failed)})"
-                + (f"; ranks {rank_set(ok)} did not raise." if ok else ".")
+                + (f"; {rank_words(ok)} did not raise." if ok else ".")
             )
         lines.extend(self.notes)
         for ranks, err in self.errors:
