@@ -130,6 +130,12 @@ def test_a_subset_of_ranks_warns_that_collectives_would_hang(cluster):
     assert "Running on ranks 1 only: a collective in this cell would hang" in out.stderr
 
 
+def test_cells_can_import_debugpy_which_start_up_hides(cluster):
+    out = run(cluster, "import debugpy\nprint(debugpy.__name__)")
+    assert out.error is None, out.stderr
+    assert out.stdout == "[ranks 0-1] debugpy\n"
+
+
 def test_status_lists_every_rank(cluster):
     out = run(cluster, "%spmd status")
     lines = out.stdout.splitlines()

@@ -137,6 +137,8 @@ def joined() -> dict:
     _join.wait()
     if _join.error is not None:
         raise _join.error
+    if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
+        del sys.modules["debugpy"]  # hidden by main() during start-up only
     # Signal handlers can only be set from the main thread, which is where this runs.
     signal.signal(signal.SIGTERM, _exit_now)
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
@@ -164,6 +166,12 @@ def main() -> None:
     # ipykernel does not capture C-level output under pytest; a rank is not pytest, and
     # must behave the same in the tests as in a notebook.
     os.environ.pop("PYTEST_CURRENT_TEST", None)
+    # ipykernel imports debugpy at start-up, and debugpy scans sys.modules while it loads.
+    # With jax being imported on the join thread at the same moment, the scan can fail
+    # ("dictionary changed size during iteration") and take the engine down (seen about
+    # once in 75 starts). ipyparallel connects no debugger to an engine, so debugpy stays
+    # hidden until the rank has joined (``joined`` lets cells import it again).
+    sys.modules.setdefault("debugpy", None)
     _join.start()
     listen_for_where()
     watch_parent()
