@@ -261,6 +261,16 @@ def test_push_sends_a_notebook_variable_to_every_rank(cluster):
     )
 
 
+def test_a_value_that_cannot_be_sent_says_what_to_push_instead(cluster):
+    run(cluster, "%%local\nnumbers = (i for i in range(3))")
+    out = run(cluster, "%spmd push numbers")
+    assert str(out.error) == (
+        "numbers cannot be sent to the ranks (TypeError: cannot pickle 'generator' object): "
+        "push the data it holds instead, like a list or an array."
+    )
+    assert run(cluster, "print(rank)").error is None  # nothing half-sent is left behind
+
+
 def test_gather_works_while_the_ranks_are_out_of_step(cluster):
     failed = run(
         cluster, "%%spmd --grace 0.5\nif rank == 0:\n    raise ValueError('x')\ntime.sleep(30)"

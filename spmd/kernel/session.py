@@ -108,7 +108,7 @@ class Session:
     client: object | None = None
     out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
     unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
-    death_report: list[str] = field(default_factory=list)  # the first death, for status
+    death: Death | None = None  # the first rank to die; the cluster was stopped after it
     _launchers: dict[int, RankedEngineLauncher] = field(default_factory=dict)
     _profile_dir: str | None = None
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
@@ -368,11 +368,11 @@ class Session:
         if at < 0:
             return None
         frames = where.parse_dump(text[at:], self.ranks[launcher.rank].main_thread)
-        if not frames:
-            return None
-        return where.Stack(
-            launcher.rank, where.with_sources(where.from_cell_on(frames), self._cells)
-        )
+        return self._stack(launcher.rank, frames) if frames else None
+
+    def _stack(self, rank: int, frames: list[where.Frame]) -> where.Stack:
+        """A rank's frames from the cell on, with the lines of the cells this session sent."""
+        return where.Stack(rank, where.with_sources(where.from_cell_on(frames), self._cells))
 
     def notice_deaths(self) -> None:
         """If a rank died since the last look, stop the others and say so from now on."""
@@ -382,12 +382,11 @@ class Session:
     def check_alive(self) -> None:
         """Raise OutOfStep if a rank died (now, or earlier) and the cluster is stopped."""
         self.notice_deaths()
-        if self.death_report:
+        if self.death is not None:
             raise OutOfStep(self.out_of_step)
 
     def _end_after_death(self, deaths: list[Death]) -> None:
-        first = deaths[0]
-        self.death_report = first.describe()
+        first = self.death = deaths[0]
         self.out_of_step = (
             f"rank {first.rank} died ({first.how}) and the cluster was stopped: "
             "%spmd restart starts a fresh one."
@@ -408,13 +407,9 @@ class Session:
             )
             for r in ranks
         }
-        dumped = where.dump(targets)
-        cells = list(self._cells)
         return {
-            r: None
-            if frames is None
-            else where.Stack(r, where.with_sources(where.from_cell_on(frames), cells))
-            for r, frames in dumped.items()
+            r: None if frames is None else self._stack(r, frames)
+            for r, frames in where.dump(targets).items()
         }
 
     def interrupt(self) -> tuple[list[int], list[int]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from spmd.kernel.lockstep import rank_label, rank_words
 from spmd.kernel.outputs import RankCell, drop_chatter
-from spmd.kernel.where import COLLECTIVE_LIBRARIES, Stack
+from spmd.kernel.where import Stack
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
 RESTART = "%spmd restart"
@@ -53,9 +53,7 @@ class Death:
         """Where it crashed, if it did, and its last lines; ``headline`` adds who and how."""
         lines = [f"Rank {self.rank} (pid {self.pid}) died: {self.how_and_why}."] if headline else []
         if self.crash is not None and self.crash.frames:
-            at = self.crash.cell_line
-            where = f" at cell line {at.line}: {at.source}" if at and at.source else ""
-            lines.append(f"Rank {self.rank} crashed{where}")
+            lines.append(f"Rank {self.rank} crashed {self.crash.at_cell_line}".rstrip())
             lines.extend(self.crash.lines())
         if self.last_lines:
             lines.append(f"The last lines rank {self.rank} wrote (its stdout and stderr):")
@@ -130,7 +128,7 @@ class Stall:
         return lines
 
     def _in_collective(self) -> list[int]:
-        return [r for r in self.busy if (s := self.stacks.get(r)) and s.waiting_in_collective]
+        return [r for r in self.busy if (s := self.stacks.get(r)) and s.waiting_in]
 
     def _headline(self, finished: list[int], raised: list[int]) -> str:
         busy, waiting = self.busy, self._in_collective()
@@ -192,28 +190,28 @@ def _be(ranks: list[int]) -> str:
     return "is" if len(ranks) == 1 else "are"
 
 
-def group_stacks(stall: Stall) -> list[tuple[list[int], Stack | None]]:
-    """Busy ranks with identical stacks together, lowest rank first."""
+def group_stacks(
+    ranks: list[int], stacks: dict[int, Stack | None]
+) -> list[tuple[list[int], Stack | None]]:
+    """Ranks with identical stacks together, lowest rank first."""
     groups: dict[object, tuple[list[int], Stack | None]] = {}
-    for rank in stall.busy:
-        stack = stall.stacks.get(rank)
+    for rank in ranks:
+        stack = stacks.get(rank)
         # by what is shown: cell files are named after each rank's pid, so frames differ
         key = None if stack is None else tuple(stack.lines())
         groups.setdefault(key, ([], stack))[0].append(rank)
     return list(groups.values())
 
 
-def stack_section(stall: Stall) -> list[str]:
-    """Where each busy rank was, grouped; a line per rank that did not answer."""
+def stack_section(ranks: list[int], stacks: dict[int, Stack | None]) -> list[str]:
+    """Where each of ``ranks`` was, grouped; a line for ranks that did not answer."""
     lines: list[str] = []
-    for ranks, stack in group_stacks(stall):
+    for group, stack in group_stacks(ranks, stacks):
         lines.append("")
         if stack is None or not stack.frames:
-            lines.append(f"{rank_label(ranks)} did not say where it was (no stack dump).")
+            lines.append(f"{rank_label(group)} did not say where it was (no stack dump).")
             continue
-        at = stack.cell_line
-        where = f" at cell line {at.line}: {at.source}" if at and at.source else ""
-        lines.append(f"{rank_label(ranks)} was running{where}")
+        lines.append(f"{rank_label(group)} was running {stack.at_cell_line}".rstrip())
         lines.extend(stack.lines())
     return lines
 
@@ -222,13 +220,12 @@ def progress_lines(stacks: dict[int, Stack | None], seconds: float) -> list[str]
     """Where the busy ranks of a long cell are, a line per group of ranks on the same line."""
     groups: dict[str, list[int]] = {}
     for rank, stack in sorted(stacks.items()):
-        at = stack.cell_line if stack is not None else None
-        if at is None:
-            where = "(no stack)" if stack is None else "outside the cell's code"
+        if stack is None:
+            where = "(no stack)"
         else:
-            where = f"at cell line {at.line}: {at.source}"
-            if stack.innermost_library in COLLECTIVE_LIBRARIES:
-                where += f"   (waiting inside {stack.innermost_library})"
+            where = stack.at_cell_line or "outside the cell's code"
+            if stack.waiting_in:
+                where += f"   (waiting inside {stack.waiting_in})"
         groups.setdefault(where, []).append(rank)
     lines = [f"Still running after {seconds:.0f} s:"]
     lines += [f"  {rank_words(ranks)} {where}" for where, ranks in groups.items()]

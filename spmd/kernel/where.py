@@ -63,19 +63,26 @@ class Stack:
     frames: list[Frame]
 
     @property
-    def innermost_library(self) -> str:
-        """The library the rank is inside right now ('' when in the user's code)."""
-        return self.frames[-1].library if self.frames else ""
-
-    @property
-    def waiting_in_collective(self) -> bool:
-        return any(f.library in COLLECTIVE_LIBRARIES for f in self.frames)
+    def waiting_in(self) -> str:
+        """The library of collectives ('jax') the rank is inside, innermost first; ''."""
+        for f in reversed(self.frames):
+            if f.library in COLLECTIVE_LIBRARIES:
+                return f.library
+        return ""
 
     @property
     def cell_line(self) -> Frame | None:
         """The innermost frame of the user's cells: the line the rank is blocked on."""
         user = [f for f in self.frames if f.in_cell]
         return user[-1] if user else None
+
+    @property
+    def at_cell_line(self) -> str:
+        """'at cell line 4: print(total)', or '' when no cell frame is on the stack."""
+        at = self.cell_line
+        if at is None:
+            return ""
+        return f"at cell line {at.line}: {at.source}" if at.source else f"at cell line {at.line}"
 
     def lines(self) -> list[str]:
         """The stack in traceback style, with runs of library frames collapsed."""

@@ -21,14 +21,15 @@ ANSWER_SECONDS = 30.0
 DEFAULT_MAX_BYTES = 256 * 2**20
 
 
-def ask(session: Session, fn, *args, ranks: list[int] | None = None) -> dict[int, object]:
-    """``fn(*args)`` on every idle rank (or ``ranks``); their answers by rank.
+def ask(session: Session, fn, *args) -> dict[int, object]:
+    """``fn(*args)`` on every rank; their answers by rank.
 
-    Raises UsageError naming the ranks that raised, grouped by what they raised.
+    Raises UsageError when a rank still runs a cell (it could not answer), or naming the
+    ranks that raised, grouped by what they raised.
     """
     busy = set(session.busy_ranks())
-    targets = [r for r in (ranks if ranks is not None else range(session.settings.n))]
-    if busy & set(targets):
+    targets = range(session.settings.n)
+    if busy:
         raise UsageError(
             f"{rank_words(sorted(busy)).capitalize()} still {'runs' if len(busy) == 1 else 'run'} "
             "a cell and cannot answer: %spmd restart first."
@@ -134,6 +135,14 @@ def push(session: Session, names: list[str], namespace: dict) -> str:
             "notebook: define it in a %%local cell first."
         )
     for name in names:
-        ask(session, shards.receive, name, namespace[name])
+        try:
+            ask(session, shards.receive, name, namespace[name])
+        except UsageError:
+            raise
+        except Exception as exc:  # ipyparallel could not serialize it: nothing was sent
+            raise UsageError(
+                f"{name} cannot be sent to the ranks ({type(exc).__name__}: {exc}): "
+                "push the data it holds instead, like a list or an array."
+            ) from None
     sizes = ", ".join(f"{n} ({type(namespace[n]).__name__})" for n in names)
     return f"Pushed {sizes} to {rank_words(range(session.settings.n))}."

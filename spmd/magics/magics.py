@@ -18,7 +18,7 @@ from IPython.display import display
 
 from spmd.kernel.lockstep import rank_set, rank_words
 from spmd.kernel.session import OutOfStep, Session, Settings, StartError
-from spmd.kernel.watchdog import Stall, stack_section
+from spmd.kernel.watchdog import stack_section
 from spmd.magics import arrays
 from spmd.magics.automode import AutoMode
 from spmd.magics.render import LiveView, RankErrors, group_errors, group_outputs, show_group
@@ -206,13 +206,13 @@ class SpmdMagics(Magics):
 
     def _cmd_stop(self, args: list[str]) -> None:
         self._no_args("stop", args)
-        session = self._require_session(
-            allow_stopped=bool(self.session and self.session.death_report)
-        )
+        session = self._require_session(allow_stopped=bool(self.session and self.session.death))
         if not session.running:  # stopped already, after a rank died
             self.auto.on = False
-            first = session.out_of_step.split(" (")[0]  # 'rank 1 died'
-            print(f"The cluster was already stopped after {first}; auto mode is off.")
+            print(
+                f"The cluster was already stopped after rank {session.death.rank} died; "
+                "auto mode is off."
+            )
             return
         t0 = time.perf_counter()
         session.stop()
@@ -256,8 +256,7 @@ class SpmdMagics(Magics):
                 f"No rank is running a cell: all {n} ranks are idle, so there is no stack to show."
             )
             return
-        stall = Stall("where", None, busy, session.stacks(busy))
-        print("\n".join(stack_section(stall)).lstrip("\n"))
+        print("\n".join(stack_section(busy, session.stacks(busy))).lstrip("\n"))
 
     def _cmd_on(self, args: list[str]) -> None:
         self._no_args("on", args)
@@ -310,7 +309,7 @@ class SpmdMagics(Magics):
         if s.running:
             s.notice_deaths()
         if not (s.running or allow_stopped):
-            if s.death_report:
+            if s.death is not None:
                 raise UsageError(_refusal(s, f"{refused}: {s.out_of_step}"))
             raise UsageError(NOT_RUNNING)
         return s
@@ -355,7 +354,7 @@ class SpmdMagics(Magics):
             notes = details = []
             if stall is not None:
                 notes = stall.summary()
-                details = stack_section(stall)
+                details = stack_section(stall.busy, stall.stacks)
                 if stall.deaths:
                     details = ["", *stall.deaths[0].describe(headline=False), *details]
             raise RankErrors(errors, sorted(run.cells), notes, details)
@@ -369,8 +368,8 @@ def _interrupted_by_us(stall) -> set[int]:
 
 def _refusal(session: Session, text: str) -> str:
     """A refusal, with the dead rank's report when a death is the reason."""
-    if session.death_report:
-        text += "\n" + "\n".join(session.death_report)
+    if session.death is not None:
+        text += "\n" + "\n".join(session.death.describe())
     return text
 
 
