@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from spmd.kernel.session import free_port
+from spmd.cluster.session import free_port
 
 _RANK = r"""
 import sys

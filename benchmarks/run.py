@@ -27,14 +27,14 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from benchmarks.floor import EchoServers, bare_processes
-from spmd.kernel.session import free_port
+from spmd.cluster.session import free_port
 
 PSUM = (
     "import jax\nxs = jax.numpy.ones(jax.local_device_count())\n"
     "jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')(xs).block_until_ready()"
 )
 RESULTS = Path(__file__).with_name("results.json")
-GRACE = 2.0  # the watchdog's default grace (spmd.kernel.session.Settings.grace)
+GRACE = 2.0  # the watchdog's default grace (spmd.cluster.session.Settings.grace)
 
 
 class Bench:

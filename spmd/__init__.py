@@ -29,6 +29,6 @@ def show_sharding(x, title: str = "") -> None:
     picture from the sharding alone, so the notebook shows it once. ``%spmd sharding y`` draws
     it from the shards each process reports instead.
     """
-    from spmd.kernel.shards import show
+    from spmd.engine.shards import show
 
     show(x, title)

@@ -49,7 +49,7 @@ def spmd_children() -> list[psutil.Process]:
     for child in psutil.Process(os.getpid()).children(recursive=True):
         try:
             cmd = " ".join(child.cmdline())
-            if "spmd.kernel" in cmd or "ipyparallel" in cmd:
+            if "spmd.engine" in cmd or "spmd.cluster" in cmd or "ipyparallel" in cmd:
                 found.append(child)
         except psutil.Error:
             continue

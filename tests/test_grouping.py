@@ -1,7 +1,7 @@
 """Grouping of per-rank outputs, on hand-made outputs (no processes needed)."""
 
-from spmd.kernel.lockstep import rank_label, rank_set
-from spmd.kernel.outputs import Output, RankCell, drop_chatter, same_on_every_rank
+from spmd.cluster.lockstep import rank_label, rank_set
+from spmd.cluster.outputs import Output, RankCell, drop_chatter, same_on_every_rank
 from spmd.magics.render import group_errors, group_outputs, labelled
 
 

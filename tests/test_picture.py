@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 
-from spmd.magics import picture
+from spmd import picture
 
 
 def layout(shape, blocks, platform="cpu", spec="P('x')", mesh=None):

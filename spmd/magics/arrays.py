@@ -12,10 +12,10 @@ import time
 import numpy as np
 from IPython.core.error import UsageError
 
-from spmd.kernel import shards
-from spmd.kernel.lockstep import rank_words
-from spmd.kernel.session import Session
-from spmd.magics import picture
+from spmd import picture
+from spmd.cluster.lockstep import rank_words
+from spmd.cluster.session import Session
+from spmd.engine import shards
 
 ANSWER_SECONDS = 30.0
 DEFAULT_MAX_BYTES = 256 * 2**20

@@ -16,9 +16,9 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
 
-from spmd.kernel.lockstep import rank_set, rank_words
-from spmd.kernel.session import OutOfStep, Session, Settings, StartError
-from spmd.kernel.watchdog import stack_section
+from spmd.cluster.lockstep import rank_set, rank_words
+from spmd.cluster.session import OutOfStep, Session, Settings, StartError
+from spmd.cluster.watchdog import stack_section
 from spmd.magics import arrays
 from spmd.magics.automode import AutoMode
 from spmd.magics.render import LiveView, RankErrors, group_errors, group_outputs, show_group

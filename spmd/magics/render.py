@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from IPython.display import display
 
-from spmd.kernel.lockstep import rank_label, rank_set, rank_words
-from spmd.kernel.outputs import Output, RankCell
-from spmd.kernel.watchdog import progress_lines
+from spmd.cluster.lockstep import rank_label, rank_set, rank_words
+from spmd.cluster.outputs import Output, RankCell
+from spmd.cluster.watchdog import progress_lines
 
 Group = tuple[list[int], Output]
 

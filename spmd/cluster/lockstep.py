@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from spmd.kernel.outputs import Output, RankCell, output_from_message
+from spmd.cluster.outputs import Output, RankCell, output_from_message
 
 _REPLY, _IDLE = "reply", "idle"
 

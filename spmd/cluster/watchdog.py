@@ -12,9 +12,9 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-from spmd.kernel.lockstep import rank_label, rank_words
-from spmd.kernel.outputs import RankCell, drop_chatter
-from spmd.kernel.where import Stack
+from spmd.cluster.lockstep import rank_label, rank_words
+from spmd.cluster.outputs import RankCell, drop_chatter
+from spmd.cluster.where import Stack
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
 RESTART = "%spmd restart"

@@ -17,8 +17,9 @@ from ipyparallel import Cluster
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets.config import Config
 
-from spmd.kernel import engine
-from spmd.kernel.orphans import PARENT_ENV
+from spmd.engine import bootstrap as engine
+from spmd.engine.orphans import PARENT_ENV
+from spmd.engine.stacks import STACK_FILE_ENV
 
 LOOPBACK = "127.0.0.1"
 
@@ -51,7 +52,7 @@ class RankedEngineLauncher(LocalEngineLauncher):
     def get_env(self) -> dict[str, str]:
         return dict(
             super().get_env(),
-            **{engine.RANK_ENV: str(self.identifier), engine.STACK_FILE_ENV: self.stack_file},
+            **{engine.RANK_ENV: str(self.identifier), STACK_FILE_ENV: self.stack_file},
         )
 
     def _wait(self) -> None:
@@ -92,7 +93,7 @@ def cluster_config(
     # 0.1 s), so they can start, and import jax, while the controller is still starting.
     c.Cluster.send_engines_connection_env = False
     c.Cluster.delay = 0.0
-    c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.kernel.controller"]
+    c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.cluster.controller"]
     c.LocalControllerLauncher.environment = {PARENT_ENV: str(os.getpid())}
     c.Cluster.controller_args = [
         f"--HeartMonitor.period={HEARTBEAT_MS}",
@@ -111,14 +112,14 @@ def cluster_config(
         env[engine.CPU_DEVICES_ENV] = str(cpu_devices)
     for launcher_cls in ("LocalEngineSetLauncher", "LocalEngineLauncher"):
         # (subclasses read their parent class's section of the config too)
-        c[launcher_cls].engine_cmd = [sys.executable, "-m", "spmd.kernel.engine"]
+        c[launcher_cls].engine_cmd = [sys.executable, "-m", "spmd.engine"]
         c[launcher_cls].environment = env
         c[launcher_cls].engine_args = [
             "--log-level=WARN",
             # The nanny is one more process per engine, for signals sent through the controller;
             # local engines are signalled by their launcher's process handle instead.
             "--IPEngine.enable_nanny=False",
-            "--IPEngine.out_stream_factory=spmd.kernel.streams.OutStream",
+            "--IPEngine.out_stream_factory=spmd.engine.streams.OutStream",
         ]
     c.LocalEngineSetLauncher.delay = 0.0
     # A rank that ignores SIGTERM (blocked in a collective) is killed after this long.

@@ -1,6 +1,6 @@
 """The engine side: what every rank's process runs.
 
-``python -m spmd.kernel.engine`` is the command ipyparallel launches for each engine. Each
+``python -m spmd.engine`` is the command ipyparallel launches for each engine. Each
 engine knows its rank from the moment it starts (the launcher sets ``$SPMD_RANK`` and asks the
 controller for the same engine id), so it imports jax and joins the distributed job on a
 thread at once: the ~1 s import and the ~1 s ``jax.distributed.initialize`` overlap the
@@ -12,7 +12,6 @@ for that thread and report this process's facts.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import socket
@@ -21,7 +20,8 @@ import threading
 import time
 from typing import Any
 
-from spmd.kernel.orphans import watch_parent
+from spmd.engine.orphans import watch_parent
+from spmd.engine.stacks import listen_for_where
 
 BACKEND_ENV = "SPMD_BACKEND"
 CPU_DEVICES_ENV = "SPMD_CPU_DEVICES"
@@ -29,10 +29,6 @@ RANK_ENV = "SPMD_RANK"
 NUM_PROCESSES_ENV = "SPMD_NUM_PROCESSES"
 COORDINATOR_ENV = "SPMD_COORDINATOR"
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
-STACK_FILE_ENV = "SPMD_STACK_FILE"
-
-# The notebook sends this signal to ask a busy rank where it is (``%spmd where``).
-WHERE_SIGNAL = signal.SIGUSR1
 
 # When this process reached each step of its start (time.time()), for the benchmarks.
 TIMELINE: dict[str, float] = {"process_start": time.time()}
@@ -146,22 +142,6 @@ def joined() -> dict:
     return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
 
 
-def listen_for_where() -> None:
-    """Dump every thread's Python stack to ``$SPMD_STACK_FILE`` on WHERE_SIGNAL.
-
-    faulthandler writes from C inside the signal handler, so it answers while the main thread
-    is blocked in a collective, holds the GIL, or never returns to the interpreter; the shell
-    channel, which ipyparallel would use, is busy with the cell. The file is opened for
-    appending, so the notebook reads each dump from the size the file had before it asked.
-    """
-    path = os.environ.get(STACK_FILE_ENV)
-    if path:
-        stacks = open(path, "a")  # noqa: SIM115 (open for the life of the process)
-        faulthandler.register(WHERE_SIGNAL, file=stacks, all_threads=True, chain=False)
-        # A crash (segfault, abort) dumps there too: the death report shows the cell line.
-        faulthandler.enable(file=stacks, all_threads=True)
-
-
 def main() -> None:
     # ipykernel does not capture C-level output under pytest; a rank is not pytest, and
     # must behave the same in the tests as in a notebook.
@@ -178,11 +158,3 @@ def main() -> None:
     from ipyparallel.engine.app import main as engine_main
 
     engine_main()
-
-
-if __name__ == "__main__":
-    # Run under -m, this file is __main__; the notebook calls the functions of the importable
-    # module, so the join must live there.
-    from spmd.kernel.engine import main as _main
-
-    _main()

@@ -1,8 +1,8 @@
-"""``python -m spmd.kernel.controller``: ipyparallel's controller, ending with the notebook."""
+"""``python -m spmd.cluster.controller``: ipyparallel's controller, ending with the notebook."""
 
 from __future__ import annotations
 
-from spmd.kernel.orphans import watch_parent
+from spmd.engine.orphans import watch_parent
 
 
 def main() -> None:

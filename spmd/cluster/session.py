@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from spmd.kernel import engine, where
-from spmd.kernel.cluster import LOOPBACK, RankedEngineLauncher, SpmdCluster, cluster_config
-from spmd.kernel.lockstep import CellRun
-from spmd.kernel.outputs import Output
-from spmd.kernel.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
+from spmd.cluster import where
+from spmd.cluster.launch import LOOPBACK, RankedEngineLauncher, SpmdCluster, cluster_config
+from spmd.cluster.lockstep import CellRun
+from spmd.cluster.outputs import Output
+from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
+from spmd.engine import bootstrap as engine
 
 
 class OutOfStep(RuntimeError):

@@ -148,6 +148,6 @@ def show(x, title: str = "") -> None:
     """
     from IPython.display import display
 
-    from spmd.magics.picture import bundle
+    from spmd.picture import bundle
 
     display(bundle(layout(_jax_array(x, title or "x"), everywhere=True), title), raw=True)

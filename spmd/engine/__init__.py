@@ -1,0 +1,1 @@
+"""What runs inside every rank. Imports nothing from cluster/, magics/ or kernel/."""

@@ -1,1 +1,0 @@
-"""The multi-process machine: cluster life, engine bootstrap, lockstep cells."""
