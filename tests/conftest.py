@@ -28,16 +28,26 @@ class CellResult:
 
 
 def run(shell: InteractiveShell, code: str) -> CellResult:
-    """Run one notebook cell in ``shell`` and return what it showed."""
+    """Run one notebook cell in ``shell`` and return what it showed.
+
+    The cell's result (what a front end shows as ``Out[n]``, an execute_result) comes last in
+    ``outputs``, as its MIME bundle; the terminal shell's displayhook does not print it.
+    """
     with capture_output() as cap:
         result = shell.run_cell(code, store_history=True)
+        shown = [o.data for o in cap.outputs]
+        if result.result is not None:
+            shown.append(shell.display_formatter.format(result.result)[0])
     error = result.error_before_exec or result.error_in_exec
-    return CellResult(cap.stdout, cap.stderr, [o.data for o in cap.outputs], error)
+    return CellResult(cap.stdout, cap.stderr, shown, error)
 
 
 @pytest.fixture(scope="session")
 def shell():
     ip = InteractiveShell.instance()
+    # A notebook shows a cell's result as an output, not as 'Out[n]:' text: run() collects it.
+    ip.displayhook.write_output_prompt = lambda: None
+    ip.displayhook.write_format_data = lambda *args, **kwargs: None
     ip.run_line_magic("load_ext", "spmd")
     yield ip
     ip.run_line_magic("unload_ext", "spmd")

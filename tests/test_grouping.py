@@ -2,7 +2,7 @@
 
 from spmd.cluster.lockstep import rank_label, rank_set
 from spmd.cluster.outputs import Output, RankCell, drop_chatter, same_on_every_rank
-from spmd.magics.render import group_errors, group_outputs, labelled
+from spmd.magics.render import RankResults, group_errors, group_outputs, group_results, labelled
 
 
 def cells(*per_rank):
@@ -57,31 +57,60 @@ def test_lines_every_rank_printed_first_are_shown_once():
 
 def test_outputs_align_by_position_across_kinds():
     fig = {"image/png": "AAAA", "text/plain": "<Figure>"}
-    groups = group_outputs(
-        cells(
-            [
-                Output("stdout", "a\n"),
-                Output("display", data=fig),
-                Output("result", data={"text/plain": "0"}),
-            ],
-            [
-                Output("stdout", "a\n"),
-                Output("display", data=fig),
-                Output("result", data={"text/plain": "1"}),
-            ],
-            [
-                Output("stdout", "b\n"),
-                Output("display", data=fig),
-                Output("result", data={"text/plain": "0"}),
-            ],
-        )
+    ran = cells(
+        [
+            Output("stdout", "a\n"),
+            Output("display", data=fig),
+            Output("result", data={"text/plain": "0"}),
+        ],
+        [
+            Output("stdout", "a\n"),
+            Output("display", data=fig),
+            Output("result", data={"text/plain": "1"}),
+        ],
+        [
+            Output("stdout", "b\n"),
+            Output("display", data=fig),
+            Output("result", data={"text/plain": "0"}),
+        ],
     )
-    assert [(ranks, out.kind) for ranks, out in groups] == [
+    assert [(ranks, out.kind) for ranks, out in group_outputs(ran)] == [
         ([0, 1], "stdout"),
         ([2], "stdout"),
         ([0, 1, 2], "display"),
-        ([0, 2], "result"),
-        ([1], "result"),
+    ]
+    # results come last, as the notebook cell's own result (one Out[n])
+    results = group_results(ran)
+    assert [(ranks, out.data["text/plain"]) for ranks, out in results] == [
+        ([0, 2], "0"),
+        ([1], "1"),
+    ]
+    shown = RankResults.of(results)._repr_mimebundle_()[0]
+    assert shown == {"text/plain": "[ranks 0,2] 0\n[rank 1] 1"}
+
+
+def test_a_result_that_is_the_same_everywhere_keeps_its_bundle():
+    html = {"text/html": "<b>x</b>", "text/plain": "x"}
+    ran = cells(*[[Output("result", data=html)] for _ in range(3)])
+    data, _ = RankResults.of(group_results(ran))._repr_mimebundle_()
+    assert data == html  # its rank label is a line of its own above it, as for a display
+
+
+def test_clear_output_on_the_ranks_is_one_clear_in_the_notebook():
+    ran = cells(
+        *[
+            [
+                Output("stdout", "50%\n"),
+                Output("clear", data={"wait": True}),
+                Output("stdout", "done\n"),
+            ]
+            for _ in range(2)
+        ]
+    )
+    assert [(ranks, out.kind) for ranks, out in group_outputs(ran)] == [
+        ([0, 1], "stdout"),
+        ([0, 1], "clear"),
+        ([0, 1], "stdout"),
     ]
 
 

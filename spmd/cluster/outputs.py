@@ -24,7 +24,8 @@ def drop_chatter(text: str) -> str:
 class Output:
     """One output of one rank: a stream chunk, a display, a result or an error.
 
-    ``kind`` is ``stdout``, ``stderr``, ``display``, ``result`` or ``error``. Streams carry
+    ``kind`` is ``stdout``, ``stderr``, ``display``, ``result``, ``error`` or ``clear`` (a
+    ``clear_output``, with ``data["wait"]``). Streams carry
     ``text``; displays and results carry a MIME bundle in ``data``; errors carry ``ename``,
     ``evalue`` and the ``traceback`` lines.
     """
@@ -100,6 +101,8 @@ def output_from_message(msg_type: str, content: dict) -> Output | None:
         return Output("display", data=content["data"], metadata=content.get("metadata", {}))
     if msg_type == "execute_result":
         return Output("result", data=content["data"], metadata=content.get("metadata", {}))
+    if msg_type == "clear_output":
+        return Output("clear", data={"wait": bool(content.get("wait", False))})
     if msg_type == "error":
         return Output(
             "error",

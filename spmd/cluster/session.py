@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Session:
     unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
     death: Death | None = None  # the first rank to die; the cluster was stopped after it
     _launchers: dict[int, RankedEngineLauncher] = field(default_factory=dict)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
     _profile_dir: str | None = None
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
@@ -131,12 +133,21 @@ class Session:
             except StartError as exc:
                 self.stop()
                 # another program took the coordinator's port in the meantime: once more
-                if attempt == 2 or "Failed to start RPC server" not in str(exc):
+                cancelled = self._cancelled.is_set()
+                if attempt == 2 or cancelled or "Failed to start RPC server" not in str(exc):
                     raise
             except BaseException:
                 self.stop()
                 raise
         self.start_seconds = time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        """Make a ``start`` running on another thread give up soon, stopping what it began."""
+        self._cancelled.set()
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled.is_set():
+            raise StartError("The start was cancelled.")
 
     def _init_cluster(self) -> None:
         s = self.settings
@@ -154,15 +165,19 @@ class Session:
             log_level=40,  # errors only: the notebook is not ipyparallel's log
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
-        self.cluster.launch_sync(s.n)
+        # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which
+        # its ``_sync`` methods use inside a running loop): the launchers keep the loop they
+        # started on, and a kernel starts its cluster from a background thread with no loop.
+        self.cluster._in_thread(self.cluster.launch, s.n)
 
     def _init_client(self) -> None:
         s = self.settings
-        client = self.client = self.cluster.connect_client_sync()
+        client = self.client = self.cluster._in_thread(self.cluster.connect_client)
         deadline = time.monotonic() + s.start_timeout
         # Poll rather than wait_for_engines(timeout): an engine that crashes at start should
         # fail the start at once, not after the whole timeout.
         while len(client.ids) < s.n:
+            self._check_cancelled()
             exited = self._exited_engines()
             if exited:
                 raise StartError(f"An engine process exited during start-up{exited}")
@@ -181,6 +196,7 @@ class Session:
         pending = {r.rank: self.client[r.engine_id].apply_async(engine.joined) for r in self.ranks}
         deadline = time.monotonic() + s.start_timeout
         while pending:
+            self._check_cancelled()
             for rank, ar in list(pending.items()):
                 if not ar.ready():
                     continue
@@ -227,7 +243,11 @@ class Session:
         if cluster is not None:
             # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
-            cluster.stop_cluster_sync()
+            cluster._in_thread(cluster.stop_cluster)
+            # ... and end that thread's loop: every restart makes a new Cluster.
+            loop = getattr(cluster, "_thread_loop", None)
+            if loop is not None:
+                loop.add_callback(loop.stop)
         for r in self.ranks:
             if r.state != "died":
                 r.state = "stopped"

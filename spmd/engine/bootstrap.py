@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from spmd.engine import commands
 from spmd.engine.orphans import watch_parent
 from spmd.engine.stacks import listen_for_where
 
@@ -137,6 +138,9 @@ def joined() -> dict:
         del sys.modules["debugpy"]  # hidden by main() during start-up only
     # Signal handlers can only be set from the main thread, which is where this runs.
     signal.signal(signal.SIGTERM, _exit_now)
+    from IPython import get_ipython
+
+    commands.install(get_ipython())
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
     return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))

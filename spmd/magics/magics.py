@@ -21,7 +21,17 @@ from spmd.cluster.session import OutOfStep, Session, Settings, StartError
 from spmd.cluster.watchdog import stack_section
 from spmd.magics import arrays
 from spmd.magics.automode import AutoMode
-from spmd.magics.render import LiveView, RankErrors, group_errors, group_outputs, show_group
+from spmd.magics.background import BackgroundStart
+from spmd.magics.render import (
+    LiveView,
+    RankErrors,
+    RankResults,
+    group_errors,
+    group_outputs,
+    group_results,
+    show_group,
+)
+from spmd.magics.status import status_table, summary
 
 BACKENDS = ("jax", "torch", "none")
 NOT_RUNNING = "No SPMD cluster is running: start one with %spmd start -n 4."
@@ -111,6 +121,27 @@ class SpmdMagics(Magics):
         self.session: Session | None = None
         self.auto = AutoMode(shell)
         self.auto.install()
+        # The SPMD kernel: auto mode cannot be turned off, and its cluster starts at launch.
+        self.always_on = False
+        self.pending: BackgroundStart | None = None
+        self._fresh = False  # the kernel's cluster has not been used yet: %spmd start may replace it
+
+    def start_in_background(self, settings: Settings) -> None:
+        """Start the kernel's cluster on a thread; the first use of the cluster waits for it."""
+        self.always_on = self.auto.on = True
+        self.pending = BackgroundStart(settings)
+
+    def _take_pending(self) -> None:
+        """Wait for the kernel's cluster (one progress line) and make it this notebook's."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        s = pending.settings
+        pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
+        self.session = pending.session
+        if pending.error is not None:
+            raise UsageError(f"{pending.error} (%spmd restart tries again)")
+        self._fresh = True
 
     # -- %spmd / %%spmd -------------------------------------------------------------------
 
@@ -179,12 +210,6 @@ class SpmdMagics(Magics):
 
     def _cmd_start(self, args: list[str]) -> None:
         opts = _start_parser().parse_args(args)
-        if self.session is not None and self.session.running:
-            raise UsageError(
-                f"A cluster of {self.session.settings.n} processes is already running: "
-                "use %spmd stop or %spmd restart first."
-            )
-        _warn_if_notebook_joined_jax()
         settings = Settings(
             n=opts.processes,
             cpu_devices=opts.devices_per_process,
@@ -192,7 +217,33 @@ class SpmdMagics(Magics):
             cell_timeout=opts.timeout,
             grace=opts.grace or None,
         )
+        if self._kernel_cluster_is(settings):
+            print(summary(self.session))
+            return
+        if self.session is not None and self.session.running:
+            raise UsageError(
+                f"A cluster of {self.session.settings.n} processes is already running: "
+                "use %spmd stop or %spmd restart first."
+            )
+        _warn_if_notebook_joined_jax()
         self._start(settings)
+
+    def _kernel_cluster_is(self, settings: Settings) -> bool:
+        """Whether the kernel's own, still unused cluster is the one asked for. If it is not,
+        it is cancelled or stopped, so that the one asked for starts instead (never two)."""
+        if self.pending is not None:
+            if self.pending.settings == settings:
+                self._take_pending()
+            else:
+                self.pending.cancel()
+                self.pending = None
+        if self._fresh and self.session is not None:
+            self._fresh = False
+            if self.session.running and self.session.settings == settings:
+                return True
+            self.session.stop()
+            self.session = None
+        return False
 
     def _start(self, settings: Settings) -> None:
         session = Session(settings)
@@ -202,25 +253,19 @@ class SpmdMagics(Magics):
             raise UsageError(str(exc)) from None
         self.session = session
         self.auto.on = True
-        print(_summary(session))
+        print(summary(session))
 
     def _cmd_stop(self, args: list[str]) -> None:
         self._no_args("stop", args)
         session = self._require_session(allow_stopped=bool(self.session and self.session.death))
+        self.auto.on = self.always_on
+        after = "auto mode is off." if not self.always_on else "%spmd restart starts them again."
         if not session.running:  # stopped already, after a rank died
-            self.auto.on = False
-            print(
-                f"The cluster was already stopped after rank {session.death.rank} died; "
-                "auto mode is off."
-            )
+            print(f"The cluster was already stopped after rank {session.death.rank} died; {after}")
             return
         t0 = time.perf_counter()
         session.stop()
-        self.auto.on = False
-        print(
-            f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; "
-            "auto mode is off."
-        )
+        print(f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; {after}")
 
     def _cmd_restart(self, args: list[str]) -> None:
         self._no_args("restart", args)
@@ -231,7 +276,7 @@ class SpmdMagics(Magics):
     def _cmd_status(self, args: list[str]) -> None:
         self._no_args("status", args)
         session = self._require_session(allow_stopped=True)
-        print(_status_table(session, self.auto.on))
+        print(status_table(session, self.auto.on))
 
     def _cmd_interrupt(self, args: list[str]) -> None:
         self._no_args("interrupt", args)
@@ -265,6 +310,11 @@ class SpmdMagics(Magics):
 
     def _cmd_off(self, args: list[str]) -> None:
         self._no_args("off", args)
+        if self.always_on:
+            raise UsageError(
+                "In the SPMD kernel every cell runs on the ranks: use %%local for a cell in the "
+                "notebook only."
+            )
         self.auto.on = False
         print("Auto mode off: cells run in the notebook (%%spmd for the ranks).")
 
@@ -303,6 +353,8 @@ class SpmdMagics(Magics):
     def _require_session(
         self, allow_stopped: bool = False, refused: str = "The cluster is stopped"
     ) -> Session:
+        self._take_pending()
+        self._fresh = False
         s = self.session
         if s is None:
             raise UsageError(NOT_RUNNING)
@@ -311,12 +363,12 @@ class SpmdMagics(Magics):
         if not (s.running or allow_stopped):
             if s.death is not None:
                 raise UsageError(_refusal(s, f"{refused}: {s.out_of_step}"))
-            raise UsageError(NOT_RUNNING)
+            raise UsageError(f"The cluster is stopped: %spmd restart starts {s.settings.n} processes again.")
         return s
 
     # -- cells ----------------------------------------------------------------------------
 
-    def _run_cell(self, line: str, cell: str) -> None:
+    def _run_cell(self, line: str, cell: str) -> RankResults | None:
         opts = _cell_parser().parse_args(shlex.split(line))
         session = self._require_session(refused="Cell not run")
         n = session.settings.n
@@ -350,6 +402,11 @@ class SpmdMagics(Magics):
             show_group(*group)
         stall = run.stall
         errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
+        results = group_results(run.cells)
+        if not (errors or stall is not None):
+            return RankResults.of(results)
+        for group in results:  # the cell fails: what did return is shown, not returned
+            show_group(*group)
         if errors or stall is not None:
             notes = details = []
             if stall is not None:
@@ -399,44 +456,6 @@ def _gather_options(text: str) -> tuple[str, str | None, int]:
     if not expr:
         raise UsageError("Say which value: %spmd gather x [-o NAME] [--max-bytes N].")
     return expr, name, max_bytes
-
-
-def _summary(session: Session) -> str:
-    s, first = session.settings, session.ranks[0]
-    per = "device" if first.local_devices == 1 else "devices"
-    devices = (
-        f", {first.local_devices} {per} per process, {first.global_devices} global devices"
-        if s.backend != "none"
-        else ""
-    )
-    return (
-        f"Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s. "
-        "Auto mode on: every cell now runs on all ranks."
-    )
-
-
-def _status_table(session: Session, auto_on: bool) -> str:
-    head = ("rank", "host", "pid", "state", "devices", "last cell")
-    rows = [
-        (
-            str(r.rank),
-            r.host,
-            str(r.pid),
-            r.state,
-            str(r.local_devices),
-            "-" if r.last_seconds is None else f"{r.last_seconds:.2f} s",
-        )
-        for r in session.ranks
-    ]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
-    state = "running" if session.running else "stopped"
-    lines.append(
-        f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
-    )
-    if session.out_of_step:
-        lines.append(f"Cells are refused: {session.out_of_step}")
-    return "\n".join(lines)
 
 
 def _warn_if_notebook_joined_jax() -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from IPython.display import display
+from IPython.display import clear_output, display
 
 from spmd.cluster.lockstep import rank_label, rank_set, rank_words
 from spmd.cluster.outputs import Output, RankCell
@@ -23,8 +23,11 @@ Group = tuple[list[int], Output]
 
 
 def group_outputs(cells: dict[int, RankCell]) -> list[Group]:
-    """Every non-error output, as (ranks that produced it identically, output)."""
-    per_rank = {r: [o for o in c.outputs if o.kind != "error"] for r, c in sorted(cells.items())}
+    """Every output but errors and results, as (ranks that produced it identically, output)."""
+    per_rank = {
+        r: [o for o in c.outputs if o.kind not in ("error", "result")]
+        for r, c in sorted(cells.items())
+    }
     depth = max((len(outs) for outs in per_rank.values()), default=0)
     groups: list[Group] = []
     for k in range(depth):
@@ -34,6 +37,59 @@ def group_outputs(cells: dict[int, RankCell]) -> list[Group]:
             by_key.setdefault(out.key(), ([], out))[0].append(rank)
         groups.extend(by_key.values())  # dicts keep insertion order: lowest rank first
     return groups
+
+
+def group_results(cells: dict[int, RankCell]) -> list[Group]:
+    """Each rank's cell result (its ``Out[n]``), grouped by identical MIME bundle. A result is
+    the last thing a cell produces on a rank, so results follow every other output."""
+    by_key: dict[object, Group] = {}
+    for rank, cell in sorted(cells.items()):
+        for out in cell.outputs:
+            if out.kind == "result":
+                by_key.setdefault(out.key(), ([], out))[0].append(rank)
+    return list(by_key.values())
+
+
+class RankResults:
+    """The ranks' results as the notebook cell's own result, so the front end shows one
+    ``Out[n]`` (an execute_result): one bundle when every rank returned the same thing, else
+    the per-rank texts one under the other."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups = groups
+
+    @classmethod
+    def of(cls, groups: list[Group]) -> RankResults | None:
+        """None when there is no result, or several rich ones (those are shown one by one)."""
+        if not groups:
+            return None
+        if len(groups) > 1 and any(set(out.data) - {"text/plain"} for _, out in groups):
+            for group in groups:
+                show_group(*group)
+            return None
+        if len(groups) == 1 and set(groups[0][1].data) - {"text/plain"}:
+            # a picture or HTML: its label goes on a line of its own above it
+            sys.stdout.write(rank_label(groups[0][0]) + "\n")
+            sys.stdout.flush()
+        return cls(groups)
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        if len(self.groups) == 1:
+            (ranks, out), = self.groups
+            data = dict(out.data)
+            if set(data) - {"text/plain"}:
+                data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
+            else:
+                data["text/plain"] = labelled(rank_label(ranks), data.get("text/plain", ""))
+            data["text/plain"] = data["text/plain"].rstrip("\n")
+            return data, out.metadata or {}
+        text = "".join(
+            labelled(rank_label(ranks), out.data.get("text/plain", "")) for ranks, out in self.groups
+        )
+        return {"text/plain": text.rstrip("\n")}, {}
+
+    def __repr__(self) -> str:
+        return self._repr_mimebundle_()[0]["text/plain"]
 
 
 def _split_common_lines(at_k: dict[int, Output]) -> list[tuple[int, Output]]:
@@ -76,6 +132,9 @@ def labelled(label: str, text: str) -> str:
 
 
 def show_group(ranks: list[int], out: Output) -> None:
+    if out.kind == "clear":  # the ranks cleared their output: so does the notebook
+        clear_output(wait=out.data["wait"])
+        return
     label = rank_label(ranks)
     if out.kind in ("stdout", "stderr"):
         stream = sys.stdout if out.kind == "stdout" else sys.stderr

@@ -1,0 +1,97 @@
+"""The SPMD kernel: IPython's kernel with every cell running on N ranks.
+
+A small subclass of ipykernel's ``IPythonKernel`` (as ipyparallel's engine is): the extension
+does the work, exactly as ``%load_ext spmd`` + ``%spmd start`` would. What the kernel adds:
+
+- it starts the kernelspec's cluster as soon as it is up, in the background;
+- Tab completion and Shift-Tab inspection answer from rank 0's namespace, where the cells'
+  names live, and from the notebook's own when rank 0 cannot answer within a second;
+- shutting the kernel down stops the cluster.
+
+Interrupt needs nothing: Jupyter sends the kernel SIGINT, which ends the cell's wait with the
+same report as with the magic.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ipykernel.ipkernel import IPythonKernel
+from traitlets import Enum, Float, Integer
+
+from spmd import __version__
+from spmd.cluster.session import Settings
+from spmd.engine import introspect
+
+BACKENDS = ("jax", "torch", "none")
+
+
+class SpmdKernel(IPythonKernel):
+    implementation = "spmd"
+    implementation_version = __version__
+    banner = "Python 3 (SPMD): every cell runs on all ranks; %%local runs one in this process."
+
+    processes = Integer(4, help="Ranks (engine processes) to start.").tag(config=True)
+    devices_per_process = Integer(0, help="CPU devices per process (0: jax's default, one).").tag(
+        config=True
+    )
+    backend = Enum(BACKENDS, "jax", help="What every rank initializes.").tag(config=True)
+    answer_seconds = Float(
+        2.0, help="How long completion and inspection wait for rank 0 before answering from the notebook (rank 0 busy: at once)."
+    ).tag(config=True)
+
+    def start(self) -> None:
+        super().start()
+        from spmd.magics.magics import register
+
+        self.shell.extension_manager.load_extension("spmd")
+        self.spmd = register(self.shell)  # the magics the extension registered
+        self.spmd.start_in_background(
+            Settings(
+                n=self.processes,
+                cpu_devices=self.devices_per_process or None,
+                backend=self.backend,
+            )
+        )
+
+    # -- answered by rank 0 ----------------------------------------------------------------
+
+    def _ask_rank0(self, fn, *args) -> dict | None:
+        """``fn(*args)`` on rank 0, or None when it cannot answer within ``answer_seconds``."""
+        magics = getattr(self, "spmd", None)
+        session = magics.session if magics is not None and magics.pending is None else None
+        if session is None or not session.running or session.busy_ranks() or session.out_of_step:
+            return None
+        try:
+            ar = session.client[session.ranks[0].engine_id].apply_async(fn, *args)
+            deadline = time.monotonic() + self.answer_seconds
+            if not ar.wait(max(0.0, deadline - time.monotonic())):
+                return None
+            return ar.get()
+        except Exception:  # a front end's hint must never fail: the notebook answers instead
+            return None
+
+    def do_complete(self, code, cursor_pos):
+        if cursor_pos is None:
+            cursor_pos = len(code)
+        answer = self._ask_rank0(introspect.complete, code, cursor_pos)
+        return answer if answer is not None else super().do_complete(code, cursor_pos)
+
+    def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
+        answer = self._ask_rank0(
+            introspect.inspect, code, cursor_pos, detail_level, tuple(omit_sections)
+        )
+        if answer is not None and answer.get("found"):
+            return answer
+        return super().do_inspect(code, cursor_pos, detail_level, omit_sections)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def do_shutdown(self, restart):
+        magics = getattr(self, "spmd", None)
+        if magics is not None:
+            if magics.pending is not None:
+                magics.pending.cancel()
+            if magics.session is not None:
+                magics.session.stop()
+        return super().do_shutdown(restart)

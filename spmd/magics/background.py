@@ -1,0 +1,63 @@
+"""The SPMD kernel's cluster, started on a thread while the notebook opens.
+
+The kernel starts its kernelspec's cluster as soon as it is up, so the first cell usually finds
+it ready; a cell that comes earlier waits for it, showing one progress line that becomes the
+start's summary. A notebook whose first cell is ``%spmd start ...`` with other settings gets its
+own cluster instead: the background start is cancelled and what it began is stopped, so there
+are never two.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from IPython.display import display
+
+from spmd.cluster.session import Session, Settings, StartError
+from spmd.magics.status import summary
+
+
+class BackgroundStart:
+    """One ``Session.start`` running on a thread of its own."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.session = Session(settings)
+        self.error: StartError | None = None
+        self._thread = threading.Thread(target=self._run, name="spmd-start", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.session.start()
+        except StartError as exc:
+            self.error = exc
+        except Exception as exc:  # reported to the first cell, which is where a person looks
+            self.error = StartError(
+                f"The kernel's cluster did not start: {type(exc).__name__}: {exc}"
+            )
+
+    @property
+    def settings(self) -> Settings:
+        return self.session.settings
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, progress: str = "") -> None:
+        """Wait until the start has ended; show ``progress`` meanwhile, if it has not."""
+        handle = None
+        if progress and not self.done:
+            handle = display({"text/plain": progress}, raw=True, display_id=True)
+        while self._thread.is_alive():
+            self._thread.join(0.1)  # a timeout, so that an interrupt gets through
+        if handle is not None:
+            line = str(self.error) if self.error else summary(self.session)
+            handle.update({"text/plain": line}, raw=True)
+
+    def cancel(self) -> None:
+        """Give the start up and end whatever it had started."""
+        self.session.cancel()
+        while self._thread.is_alive():
+            self._thread.join(0.1)
+        self.session.stop()

@@ -1,0 +1,43 @@
+"""What the notebook says about the cluster itself: the start summary and the rank table."""
+
+from __future__ import annotations
+
+from spmd.cluster.session import Session
+
+
+def summary(session: Session) -> str:
+    s, first = session.settings, session.ranks[0]
+    per = "device" if first.local_devices == 1 else "devices"
+    devices = (
+        f", {first.local_devices} {per} per process, {first.global_devices} global devices"
+        if s.backend != "none"
+        else ""
+    )
+    return (
+        f"Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s. "
+        "Auto mode on: every cell now runs on all ranks."
+    )
+
+
+def status_table(session: Session, auto_on: bool) -> str:
+    head = ("rank", "host", "pid", "state", "devices", "last cell")
+    rows = [
+        (
+            str(r.rank),
+            r.host,
+            str(r.pid),
+            r.state,
+            str(r.local_devices),
+            "-" if r.last_seconds is None else f"{r.last_seconds:.2f} s",
+        )
+        for r in session.ranks
+    ]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+    state = "running" if session.running else "stopped"
+    lines.append(
+        f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
+    )
+    if session.out_of_step:
+        lines.append(f"Cells are refused: {session.out_of_step}")
+    return "\n".join(lines)
