@@ -1,12 +1,15 @@
 """Fixtures: a real IPython shell with the extension loaded, real engines, real jax.
 
 Every test that starts a cluster ends it; ``no_leftover_processes`` checks after each test
-module that no engine or controller this process started is still alive.
+module that no process this test run started (kernel, controller, engine) is still alive.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass, field
 
 import psutil
@@ -42,6 +45,24 @@ def run(shell: InteractiveShell, code: str) -> CellResult:
     return CellResult(cap.stdout, cap.stderr, shown, error)
 
 
+# The SPMD kernelspec, installed where Jupyter looks for this test run only, never in the
+# user's own folders: every test that starts a kernel named "spmd" (directly or through a
+# notebook's metadata) gets this one, with 2 ranks.
+JUPYTER_DIR = tempfile.mkdtemp(prefix="spmd-test-jupyter-")
+os.environ["JUPYTER_DATA_DIR"] = JUPYTER_DIR
+os.environ["JUPYTER_PATH"] = JUPYTER_DIR
+SPMD_KERNEL = "spmd"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spmd_kernelspec():
+    from spmd.kernel.kernelspec import install
+
+    install(SPMD_KERNEL, user=True, processes=2)
+    yield SPMD_KERNEL
+    shutil.rmtree(JUPYTER_DIR, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def shell():
     ip = InteractiveShell.instance()
@@ -53,24 +74,41 @@ def shell():
     ip.run_line_magic("unload_ext", "spmd")
 
 
-def spmd_children() -> list[psutil.Process]:
-    """Engines and controllers started by this test process and still alive."""
+# Every process this test run starts (kernels, controllers, engines, what cells start in a
+# rank) inherits this marker, so a leftover is found wherever it was reparented: a process
+# whose notebook died belongs to PID 1, not to pytest.
+RUN_MARKER = "SPMD_TEST_RUN"
+os.environ[RUN_MARKER] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def spmd_processes(parent_pid: int | None = None) -> list[psutil.Process]:
+    """Live processes started by this test run (by the notebook process ``parent_pid`` only,
+    when given), found by their environment wherever they were reparented."""
+    marker, me = os.environ[RUN_MARKER], os.getpid()
     found = []
-    for child in psutil.Process(os.getpid()).children(recursive=True):
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
         try:
-            cmd = " ".join(child.cmdline())
-            if "spmd.engine" in cmd or "spmd.cluster" in cmd or "ipyparallel" in cmd:
-                found.append(child)
+            env = proc.environ()
+            if env.get(RUN_MARKER) != marker or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if parent_pid is not None and env.get("SPMD_PARENT_PID") != str(parent_pid):
+                continue
         except psutil.Error:
             continue
+        found.append(proc)
     return found
+
+
+def wait_until_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
+    """The processes of ``procs`` still running after ``timeout`` seconds."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_processes():
     yield
-    left = spmd_children()
-    if left:
-        psutil.wait_procs(left, timeout=5)
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = wait_until_gone(spmd_processes(), timeout=5)
     assert not left, f"processes left running after the module: {[p.pid for p in left]}"

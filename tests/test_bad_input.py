@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import run, spmd_children
+from conftest import run, spmd_processes
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(120)
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 def usage_error(shell, line: str) -> str:
     out = run(shell, line)
     assert isinstance(out.error, UsageError), f"{line!r} gave {out.error!r}"
-    assert not spmd_children(), f"{line!r} left processes running"
+    assert not spmd_processes(), f"{line!r} left processes running"
     return str(out.error)
 
 
@@ -65,11 +65,11 @@ def test_commands_that_need_a_cluster_say_how_to_start_one(shell, line):
 def test_second_start_says_stop_or_restart_first(shell):
     assert run(shell, "%spmd start -n 2 --backend none").error is None
     try:
-        before = {p.pid for p in spmd_children()}
+        before = {p.pid for p in spmd_processes()}
         out = run(shell, "%spmd start -n 2")
         assert isinstance(out.error, UsageError)
         assert "already running: use %spmd stop or %spmd restart first" in str(out.error)
-        assert {p.pid for p in spmd_children()} == before  # nothing new started
+        assert {p.pid for p in spmd_processes()} == before  # nothing new started
         bad_ranks = run(shell, "%%spmd --ranks 0,5\nprint(1)")
         assert "--ranks 0,5: this cluster has ranks 0-1." in str(bad_ranks.error)
     finally:

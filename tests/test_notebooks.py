@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
+from conftest import spmd_processes, wait_until_gone
 from jupyter_client.manager import start_new_kernel
 from nbclient.exceptions import CellExecutionError
 
@@ -146,9 +146,7 @@ def test_a_failing_rank_stops_run_all_and_figures_come_back(tmp_path):
     assert "only rank 1 fails" in str(failure.value)
     assert "Error on 1 of 2 ranks (1); rank 0 did not raise." in str(failure.value)
     # the kernel has shut down, and with it every process the cluster had
-    from conftest import spmd_children
-
-    assert not spmd_children()
+    assert not wait_until_gone(spmd_processes())
 
 
 @pytest.mark.timeout(120)
@@ -185,14 +183,13 @@ def test_a_killed_notebook_kernel_leaves_no_engine_behind():
     text = "".join(m["content"].get("text", "") for m in outputs if m["msg_type"] == "stream")
     pids = [int(p) for p in text.strip().splitlines()[-1].strip("[]").split(",")]
     kernel_pid = km.provisioner.process.pid
-    started = started_by(kernel_pid)
-    assert set(pids) < set(started)  # the engines, the controller and its heartbeat process
+    started = spmd_processes(kernel_pid)
+    # the engines, the controller and its heartbeat process
+    assert set(pids) < {p.pid for p in started}
     os.kill(kernel_pid, signal.SIGKILL)  # no atexit runs
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and started_by(kernel_pid):
-        time.sleep(0.1)
+    left = wait_until_gone(started)
     km.cleanup_resources()
-    assert not started_by(kernel_pid)
+    assert not left
 
 
 @pytest.mark.timeout(120)
@@ -228,18 +225,3 @@ def test_kernel_interrupt_reaches_blocked_ranks_and_comes_back_within_seconds():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-def started_by(parent_pid: int) -> list[int]:
-    """Live processes that a notebook kernel's cluster started (they carry its pid)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if (
-                proc.environ().get("SPMD_PARENT_PID") == str(parent_pid)
-                and proc.status() != psutil.STATUS_ZOMBIE
-            ):
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found

@@ -5,7 +5,8 @@ does the work, exactly as ``%load_ext spmd`` + ``%spmd start`` would. What the k
 
 - it starts the kernelspec's cluster as soon as it is up, in the background;
 - Tab completion and Shift-Tab inspection answer from rank 0's namespace, where the cells'
-  names live, and from the notebook's own when rank 0 cannot answer within a second;
+  names live, and from the notebook's own (``%%local`` names) when rank 0 knows nothing, is
+  busy, or cannot answer within ``answer_seconds``;
 - shutting the kernel down stops the cluster.
 
 Interrupt needs nothing: Jupyter sends the kernel SIGINT, which ends the cell's wait with the
@@ -75,7 +76,10 @@ class SpmdKernel(IPythonKernel):
         if cursor_pos is None:
             cursor_pos = len(code)
         answer = self._ask_rank0(introspect.complete, code, cursor_pos)
-        return answer if answer is not None else super().do_complete(code, cursor_pos)
+        if answer is not None and answer.get("matches"):
+            return answer
+        # rank 0 cannot answer, or has no such name: perhaps a %%local cell defined it here
+        return super().do_complete(code, cursor_pos)
 
     def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
         answer = self._ask_rank0(
@@ -84,6 +88,12 @@ class SpmdKernel(IPythonKernel):
         if answer is not None and answer.get("found"):
             return answer
         return super().do_inspect(code, cursor_pos, detail_level, omit_sections)
+
+    def do_is_complete(self, code):
+        # IPython's answer for the code as typed: auto mode would make every cell one
+        # complete magic call, and Enter in a console would never ask for a next line.
+        with self.spmd.auto.paused():
+            return super().do_is_complete(code)
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -72,9 +72,7 @@ def install(
     ksm = kernel_spec_manager or KernelSpecManager()
     with tempfile.TemporaryDirectory() as tmp:
         source = write_kernel_spec(Path(tmp) / name, **settings)
-        return ksm.install_kernel_spec(
-            str(source), kernel_name=name, user=user, prefix=prefix, replace=True
-        )
+        return ksm.install_kernel_spec(str(source), kernel_name=name, user=user, prefix=prefix)
 
 
 def list_specs(kernel_spec_manager: KernelSpecManager | None = None) -> dict[str, dict]:

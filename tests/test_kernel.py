@@ -1,0 +1,255 @@
+"""The SPMD kernel, driven through the Jupyter protocol as a front end drives it.
+
+Protocol conformance comes from jupyter_kernel_test against the installed kernelspec (2 ranks,
+installed by conftest into this test run's own Jupyter folder). Interrupt, restart, shutdown
+and a killed kernel each get a kernel of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jupyter_kernel_test
+import pytest
+from conftest import SPMD_KERNEL, spmd_processes, wait_until_gone
+from jupyter_client.manager import KernelManager, start_new_kernel
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("spmd_kernelspec")]
+
+jupyter_kernel_test.TIMEOUT = 60  # a cell waits for the ranks to start when it comes first
+
+
+class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
+    kernel_name = SPMD_KERNEL
+    language_name = "python"
+    file_extension = ".py"
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        # Waits for the kernel's own cluster, and defines a name on the ranks only.
+        reply = cls.kc.execute_interactive("only_on_ranks = 12345", timeout=120)
+        assert reply["content"]["status"] == "ok"
+
+    code_hello_world = "print('hello, world')"
+    code_stderr = "import sys; print('test', file=sys.stderr)"
+    code_execute_result = [
+        {"code": "6 * 7", "result": "[ranks 0-1] 42"},
+        {"code": "import os; os.getpid() > 0", "result": "[ranks 0-1] True"},
+    ]
+    code_display_data = [
+        {
+            "code": "from IPython.display import HTML, display; display(HTML('<b>x</b>'))",
+            "mime": "text/html",
+        },
+    ]
+    completion_samples = [{"text": "only_on_ran", "matches": {"only_on_ranks"}}]
+    complete_code_samples = ["1", "print('hello, world')", "def f(x):\n  return x*2\n\n\n"]
+    incomplete_code_samples = ["print('''hello", "def f(x):\n  x*2"]
+    invalid_code_samples = ["import = 7q"]
+    code_inspect_sample = "only_on_ranks"
+    supported_history_operations = ("tail", "search")  # "range": IPython numbers the
+    # current session 0 in a tail and by its number in a range, in any kernel
+    code_history_pattern = "6*"
+    code_clear_output = "from IPython.display import clear_output; clear_output()"
+    code_generate_error = "raise ValueError('boom')"
+
+    def test_every_cell_runs_on_every_rank(self) -> None:
+        self.flush_channels()
+        reply, outputs = self.execute_helper("import os; print(os.environ['SPMD_RANK'])")
+        assert reply["content"]["status"] == "ok"
+        text = "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+        assert text == "[rank 0] 0\n[rank 1] 1\n"
+
+    def test_inspection_answers_from_rank_0(self) -> None:
+        reply = self.kc.inspect("only_on_ranks", 5, reply=True, timeout=30)
+        assert reply["content"]["found"]
+        assert "12345" in reply["content"]["data"]["text/plain"]
+
+    def test_local_cells_and_their_names_stay_in_the_notebook(self) -> None:
+        self.flush_channels()
+        reply, outputs = self.execute_helper("%%local\nnotebook_only = 7\nnotebook_only")
+        assert reply["content"]["status"] == "ok"
+        (result,) = [m for m in outputs if m["msg_type"] == "execute_result"]
+        assert result["content"]["data"]["text/plain"] == "7"
+        # rank 0 does not have it, so the notebook's own namespace answers
+        reply = self.kc.complete("notebook_on", reply=True, timeout=30)
+        assert reply["content"]["matches"] == ["notebook_only"]
+
+
+def kernel_stream(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
+    """Run ``code``; its reply and everything it printed or showed as text."""
+    shown: list[str] = []
+
+    def keep(msg):
+        content = msg["content"]
+        if msg["msg_type"] == "stream":
+            shown.append(content["text"])
+        elif msg["msg_type"] in ("display_data", "update_display_data", "execute_result"):
+            shown.append(content["data"].get("text/plain", "") + "\n")
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=keep)
+    return reply, "".join(shown)
+
+
+def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
+    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
+    try:
+        kernel_pid = km.provisioner.process.pid
+        reply, text = kernel_stream(kc, "%spmd start -n 3 --backend none")
+        assert reply["content"]["status"] == "ok"
+        assert text.startswith("Started 3 processes (none)")
+        engines = [p for p in spmd_processes(kernel_pid) if "spmd.engine" in " ".join(p.cmdline())]
+        assert len(engines) == 3  # the kernelspec's 2 ranks were cancelled or stopped
+        reply, text = kernel_stream(kc, "import os; print(os.environ['SPMD_NUM_PROCESSES'])")
+        assert text == "[ranks 0-2] 3\n"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    assert not wait_until_gone(spmd_processes(kernel_pid))
+
+
+def test_spmd_start_with_the_kernelspecs_settings_reuses_its_cluster():
+    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
+    try:
+        kernel_pid = km.provisioner.process.pid
+        reply, text = kernel_stream(kc, "%spmd start -n 2")
+        assert reply["content"]["status"] == "ok", text
+        assert text.splitlines()[-1].startswith("Started 2 processes, 1 device per process")
+        first = {p.pid for p in spmd_processes(kernel_pid)}
+        reply, text = kernel_stream(kc, "%spmd start -n 2")  # now it has been used: refused
+        assert reply["content"]["status"] == "error"
+        assert "already running" in text
+        assert {p.pid for p in spmd_processes(kernel_pid)} == first
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+
+
+def test_interrupt_reaches_every_rank_and_restart_recovers():
+    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
+    try:
+        reply, _ = kernel_stream(kc, "import jax, time")
+        assert reply["content"]["status"] == "ok"
+        msg_id = kc.execute("time.sleep(120)")
+        # wait until the cell is running on the ranks
+        while kc.get_iopub_msg(timeout=30)["msg_type"] != "execute_input":
+            pass
+        time.sleep(2)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["status"] == "error"
+        text = "\n".join(reply["content"]["traceback"])
+        assert "Interrupted: ranks 0-1 are running" in text
+        assert "at cell line 1: time.sleep(120)" in text
+        reply, text = kernel_stream(kc, "print('refused?')")
+        assert reply["content"]["status"] == "error" and "%spmd restart" in text
+        reply, text = kernel_stream(kc, "%spmd restart")
+        assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
+        reply, text = kernel_stream(kc, "import jax; print(jax.process_count())")
+        assert text == "[ranks 0-1] 2\n"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+
+
+def test_restart_and_shutdown_of_the_kernel_leave_no_process():
+    km = KernelManager(kernel_name=SPMD_KERNEL)
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        first_pid = km.provisioner.process.pid
+        reply, _ = kernel_stream(kc, "x = 1")  # the cluster is up
+        assert reply["content"]["status"] == "ok"
+        first = spmd_processes(first_pid)
+        assert len([p for p in first if "spmd.engine" in " ".join(p.cmdline())]) == 2
+        km.restart_kernel(now=False)  # Kernel > Restart
+        assert not wait_until_gone(first)
+        kc.wait_for_ready(timeout=60)
+        second_pid = km.provisioner.process.pid
+        reply, _ = kernel_stream(kc, "x = 2")
+        assert reply["content"]["status"] == "ok"
+        second = spmd_processes(second_pid)
+        assert second
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)  # Kernel > Shut Down
+    assert not wait_until_gone(second)
+
+
+def test_a_killed_spmd_kernel_leaves_no_process():
+    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
+    kernel_pid = km.provisioner.process.pid
+    try:
+        reply, _ = kernel_stream(kc, "x = 1")
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+    started = spmd_processes(kernel_pid)
+    assert len(started) >= 3  # two engines and the controller
+    os.kill(kernel_pid, signal.SIGKILL)  # no atexit, no shutdown request
+    left = wait_until_gone(started)
+    km.cleanup_resources()
+    assert not left
+
+
+# -- the kernelspec command line ---------------------------------------------------------
+
+
+def spmd_kernel_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "spmd.kernel", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_install_list_and_remove_a_kernelspec(tmp_path):
+    env = dict(
+        os.environ, JUPYTER_DATA_DIR=str(tmp_path / "user"), JUPYTER_PATH=str(tmp_path / "user")
+    )
+    done = spmd_kernel_cli("install", "--user", "--name", "spmd-8", "-n", "8", "-d", "2", env=env)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "user/kernels/spmd-8/kernel.json").read_text())
+    assert spec["display_name"] == "Python 3 (SPMD, 8 processes)"
+    assert spec["argv"][:3] == [sys.executable, "-m", "spmd.kernel.app"]
+    assert {"--SpmdKernel.processes=8", "--SpmdKernel.devices_per_process=2"} <= set(spec["argv"])
+    assert spec["interrupt_mode"] == "signal"
+    listed = spmd_kernel_cli("list", env=env).stdout
+    assert "spmd-8  Python 3 (SPMD, 8 processes)" in listed
+    done = spmd_kernel_cli(
+        "install", "--prefix", str(tmp_path / "env"), "--display-name", "Teaching", env=env
+    )
+    assert done.returncode == 0
+    assert (tmp_path / "env/share/jupyter/kernels/spmd/kernel.json").exists()
+    assert spmd_kernel_cli("remove", "spmd-8", env=env).returncode == 0
+    assert "spmd-8" not in spmd_kernel_cli("list", env=env).stdout
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["install", "-n", "0"], "-n takes a whole number of at least 1, not '0'"),
+        (["install", "--backend", "tensorflow"], "invalid choice: 'tensorflow'"),
+        (["install", "--user", "--sys-prefix"], "not allowed with argument"),
+        (["install", "--name", "has space"], "--name takes letters"),
+        (["remove", "python3"], "there is no SPMD kernelspec named 'python3'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_kernelspec_arguments_are_one_sentence_and_exit_2(args, says, tmp_path):
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(tmp_path), JUPYTER_PATH=str(tmp_path))
+    done = spmd_kernel_cli(*args, env=env)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
