@@ -32,3 +32,11 @@ def show_sharding(x, title: str = "") -> None:
     from spmd.engine.shards import show
 
     show(x, title)
+
+
+def initialize_args() -> dict:
+    """On a rank: the keyword arguments ``%spmd start`` passed to ``jax.distributed.initialize``
+    in this process (``{}`` in the notebook, which never joins the job)."""
+    from spmd.engine.bootstrap import INITIALIZE_ARGS
+
+    return dict(INITIALIZE_ARGS)

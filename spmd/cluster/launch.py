@@ -80,6 +80,16 @@ class RankedEngineLauncher(LocalEngineLauncher):
 class RankedEngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = RankedEngineLauncher
 
+    def _notice_engine_stopped(self, data) -> None:
+        # ipyparallel forgets an engine's launcher once it has stopped; the notebook still
+        # needs its exit code and log to say which rank died and why.
+        self.ended[data["identifier"]] = self.launchers.get(data["identifier"])
+        super()._notice_engine_stopped(data)
+
+    @property
+    def ended(self) -> dict:
+        return self.__dict__.setdefault("_ended", {})
+
 
 def cluster_config(
     n: int, backend: str, cpu_devices: int | None, coordinator: str, init_timeout: int
@@ -138,8 +148,10 @@ class SpmdCluster(Cluster):
         """The launcher (process handle) of every rank, by rank."""
         found = {}
         for engine_set in self.engines.values():
-            for identifier, launcher in getattr(engine_set, "launchers", {}).items():
-                found[int(identifier)] = launcher
+            every = {**getattr(engine_set, "ended", {}), **getattr(engine_set, "launchers", {})}
+            for identifier, launcher in every.items():
+                if launcher is not None:
+                    found[int(identifier)] = launcher
         return found
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:

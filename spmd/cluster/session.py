@@ -223,8 +223,7 @@ class Session:
         if not exited:
             return ""
         rank, launcher = min(exited.items())
-        with open(launcher.output_file, errors="replace") as log:
-            tail = "\n".join(log.read().strip().splitlines()[-5:]) or "(nothing)"
+        tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
         return f" (rank {rank}); the last lines it wrote:\n{tail}"
 
     @property
@@ -372,7 +371,7 @@ class Session:
                 ln.pid,
                 ln.exit_code,
                 ln.exited_at,
-                last_lines(ln.output_file),
+                last_lines(ln.get_output()),
                 self._crash_stack(ln),
             )
             for ln in gone

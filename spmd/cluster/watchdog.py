@@ -76,14 +76,10 @@ _SIGNAL_HINTS = {
 _IPP_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[IPEngine")
 
 
-def last_lines(log_path: str, count: int = 8, width: int = 400) -> list[str]:
+def last_lines(output: str, count: int = 8, width: int = 400) -> list[str]:
     """The end of what an engine wrote to its stdout and stderr (jax's fatal messages, a
     crash's Python stack), without gloo's chatter and ipyparallel's own log lines."""
-    try:
-        with open(log_path, errors="replace") as f:
-            text = drop_chatter(f.read()[-50000:])
-    except OSError:
-        return []
+    text = drop_chatter(output[-50000:])
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip() and not _IPP_LOG.match(ln)]
     return [ln if len(ln) <= width else ln[: width - 3] + "..." for ln in lines[-count:]]
 

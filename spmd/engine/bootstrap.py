@@ -31,6 +31,9 @@ NUM_PROCESSES_ENV = "SPMD_NUM_PROCESSES"
 COORDINATOR_ENV = "SPMD_COORDINATOR"
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
 
+# The keyword arguments this rank passed to jax.distributed.initialize (``spmd.initialize_args``).
+INITIALIZE_ARGS: dict[str, Any] = {}
+
 # When this process reached each step of its start (time.time()), for the benchmarks.
 TIMELINE: dict[str, float] = {"process_start": time.time()}
 
@@ -83,7 +86,7 @@ class _Join:
             if self.cpu_devices:
                 # Must happen before any jax operation creates the backends.
                 jax.config.update("jax_num_cpu_devices", self.cpu_devices)
-            jax.distributed.initialize(
+            INITIALIZE_ARGS.update(
                 coordinator_address=self.coordinator,
                 num_processes=self.num_processes,
                 process_id=self.rank,
@@ -91,6 +94,7 @@ class _Join:
                 coordinator_bind_address=self.coordinator,
                 initialization_timeout=self.timeout,
             )
+            jax.distributed.initialize(**INITIALIZE_ARGS)
             facts["local_devices"] = jax.local_device_count()
             facts["global_devices"] = jax.device_count()
             facts["platform"] = jax.devices()[0].platform
