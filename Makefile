@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+NOTEBOOKS := quickstart 01-multi-process 02-parallel-programming 03-distributed-initialize pitfalls
+
 demo: $(STAMP)
-	$(BIN)/python -m spmd.demo notebooks/quickstart.ipynb notebooks/sharding.ipynb notebooks/pitfalls.ipynb
+	$(BIN)/python -m spmd.kernel install --sys-prefix
+	$(BIN)/python -m spmd.demo $(NOTEBOOKS:%=notebooks/%.ipynb)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -42,7 +42,13 @@ def run(shell: InteractiveShell, code: str) -> CellResult:
         if result.result is not None:
             shown.append(shell.display_formatter.format(result.result)[0])
     error = result.error_before_exec or result.error_in_exec
-    return CellResult(cap.stdout, cap.stderr, shown, error)
+    # clear_output: the terminal gets an escape sequence, a notebook drops what came before
+    # (the captured displays are dropped already); keep what a notebook would show
+    stdout, stderr = (text.rsplit(CLEAR, 1)[-1] for text in (cap.stdout, cap.stderr))
+    return CellResult(stdout, stderr, shown, error)
+
+
+CLEAR = "\x1b[2K\r"  # what IPython's clear_output writes to a terminal
 
 
 # The SPMD kernelspec, installed where Jupyter looks for this test run only, never in the
@@ -72,6 +78,42 @@ def shell():
     ip.run_line_magic("load_ext", "spmd")
     yield ip
     ip.run_line_magic("unload_ext", "spmd")
+
+
+def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> InteractiveShell:
+    """``shell`` with a running, in-step cluster from ``%spmd {start}``, auto mode on, and
+    ``setup`` run on it. Whatever an earlier test left (a stopped cluster, ranks out of step or
+    still busy, another size, auto mode off) is repaired first, so that every test passes alone
+    and in any order, and one failure does not spread to the tests after it."""
+    magics = shell.magics_manager.registry["SpmdMagics"]
+    s = magics.session
+    healthy = (
+        s is not None
+        and s.running
+        and not s.out_of_step
+        and getattr(s, "started_by", None) == start
+        and not s.busy_ranks()
+    )
+    if not healthy:
+        if s is not None and s.running:
+            s.stop()
+        out = run(shell, f"%spmd {start}")
+        assert out.error is None, out.stdout + out.stderr
+        magics.session.started_by = start
+    magics.auto.on = True
+    if setup:
+        out = run(shell, setup)
+        assert out.error is None, out.stdout + out.stderr
+    return shell
+
+
+@pytest.fixture(scope="module")
+def module_shell(shell):
+    """The shared shell; the module's cluster is stopped when the module ends."""
+    yield shell
+    session = shell.magics_manager.registry["SpmdMagics"].session
+    if session is not None and session.running:
+        session.stop()
 
 
 # Every process this test run starts (kernels, controllers, engines, what cells start in a

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import run
+from conftest import ready_cluster, run
 from IPython.core.error import UsageError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -56,14 +56,9 @@ half = jax.device_put(jnp.arange(16.0).reshape(4, 4), jax.sharding.NamedSharding
 """
 
 
-@pytest.fixture(scope="module")
-def cluster(shell):
-    started = run(shell, "%spmd start -n 4 -d 2")
-    assert started.error is None, started.stderr
-    seed = run(shell, SEED)
-    assert seed.error is None, seed.stdout + seed.stderr
-    yield shell
-    run(shell, "%spmd stop")
+@pytest.fixture
+def cluster(module_shell):
+    return ready_cluster(module_shell, "start -n 4 -d 2", SEED)
 
 
 def held_by_each_process(shell, expr: str) -> set[tuple[str, int, int]]:

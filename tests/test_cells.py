@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from conftest import run
+from conftest import ready_cluster, run
 
 from spmd.magics.render import RankErrors
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def cluster(shell):
-    started = run(shell, "%spmd start -n 2 -d 2")
-    assert started.error is None, started.stderr
-    yield shell
-    if shell.magics_manager.registry["SpmdMagics"].session.running:
-        run(shell, "%spmd stop")
+@pytest.fixture
+def cluster(module_shell):
+    return ready_cluster(module_shell, "start -n 2 -d 2", "import jax")
 
 
 def test_start_prints_one_summary_line(cluster):
@@ -154,3 +150,41 @@ def test_stop_ends_every_process_fast_and_turns_auto_mode_off(cluster):
     assert magics.auto.on is False
     # a plain cell now runs in the notebook again
     assert run(cluster, "x_local = 1").error is None and cluster.user_ns["x_local"] == 1
+
+
+def test_printing_an_array_of_several_processes_points_to_gather(cluster):
+    made = run(
+        cluster,
+        "import jax, numpy as np\n"
+        "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "mesh = jax.make_mesh((4,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))\n"
+        "spread = jax.make_array_from_callback(\n"
+        "    (8,), NamedSharding(mesh, P('x')), lambda index: np.arange(8.0)[index])",
+    )
+    assert made.error is None, made.stdout
+    out = run(cluster, "n = 1\nnp.asarray(spread * n)")
+    assert isinstance(out.error, RankErrors)
+    text = "\n".join(out.error._render_traceback_())
+    assert "spans non-addressable (non process local) devices" in text
+    assert "%spmd gather spread puts it together in the notebook" in text
+    # the message is still the error itself
+    assert "non-addressable" in str(out.error)
+
+
+def test_shell_commands_on_ranks_run_without_fork(cluster):
+    out = run(cluster, "import jax\n!echo from the shell\nprint(_exit_code)")
+    assert out.error is None, out.stdout
+    assert out.stdout == "[ranks 0-1]\nfrom the shell\n0\n"
+    assert "fork" not in out.stderr  # JAX's "os.fork() was called" warning
+    out = run(cluster, "name = 'x' + str(jax.process_index())\n!echo $name")
+    assert out.stdout == "[rank 0] x0\n[rank 1] x1\n"
+
+
+def test_a_cells_result_is_one_out_and_clear_output_reaches_the_notebook(cluster):
+    out = run(cluster, "jax.process_index() * 10")
+    assert out.texts == ["[rank 0] 0\n[rank 1] 10"]
+    out = run(
+        cluster,
+        "from IPython.display import clear_output\nprint('50%')\nclear_output()\nprint('done')",
+    )
+    assert out.stdout == "[ranks 0-1] done\n"  # as a notebook shows it: 50% was cleared

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import run
+from conftest import ready_cluster, run
 from IPython.core.error import UsageError
 
 from spmd.magics.render import LiveView, RankErrors
@@ -25,13 +25,9 @@ SETUP = (
 )
 
 
-@pytest.fixture(scope="module")
-def cluster(shell):
-    started = run(shell, "%spmd start -n 2 -d 2")
-    assert started.error is None, started.stderr
-    assert run(shell, SETUP).error is None
-    yield shell
-    run(shell, "%spmd stop")
+@pytest.fixture
+def cluster(module_shell):
+    return ready_cluster(module_shell, "start -n 2 -d 2", SETUP)
 
 
 def session(shell):
@@ -133,13 +129,22 @@ def test_where_shows_busy_ranks_and_interrupt_says_who_did_not_respond(cluster):
 def test_a_long_cell_shows_the_line_each_busy_rank_is_on(cluster, monkeypatch):
     monkeypatch.setattr(LiveView, "look_after", 1.0)
     monkeypatch.setattr(LiveView, "look_every", 1.0)
+    seen: list[str] = []  # what the live view showed while the cell ran
+    tick = LiveView.tick
+
+    def watched_tick(self, run=None):
+        tick(self, run)
+        if self.status:
+            seen.append("\n".join(self.status))
+
+    monkeypatch.setattr(LiveView, "tick", watched_tick)
     out = run(cluster, "%%spmd --grace off --timeout 4\nif rank == 1:\n    time.sleep(60)\n" + PSUM)
-    shown = [o.get("text/plain", "") for o in out.outputs]
-    live = next(text for text in shown if text.startswith("Still running after"))
+    live = next(text for text in seen if text.startswith("Still running after"))
     assert "  rank 0 at cell line 3: " + PSUM + "   (waiting inside jax)" in live
     assert "  rank 1 at cell line 2: time.sleep(60)" in live
     assert "The ranks are on different lines" in live
-    assert shown[-1] == ""  # the live view is emptied when the cell ends
+    # when the cell ends the live view is cleared, leaving no empty output behind
+    assert not any(text.startswith("Still running") or not text for text in out.texts)
     assert report(out).startswith(
         "Timed out after 4 s: ranks 0-1 are still running; rank 0 is waiting in a collective "
         "for rank 1, still in its own code."
@@ -224,7 +229,7 @@ def test_a_rank_that_crashes_shows_its_last_lines(cluster):
 
 
 def test_a_session_timeout_applies_to_every_cell(cluster):
-    # last in this module: it replaces the module's cluster with one that has a timeout
+    # a cluster of its own, with a timeout; the fixture starts the usual one for the next test
     shell = cluster
     assert run(shell, "%spmd stop").error is None
     started = run(shell, "%spmd start -n 2 --backend none --timeout 1")

@@ -36,6 +36,7 @@ def new_notebook(tmp_path: Path, *cells: str) -> Path:
 @pytest.mark.timeout(300)
 def test_quickstart_prints_what_the_guide_prints():
     nb = execute(NOTEBOOKS / "quickstart.ipynb")
+    assert_saved_without_empty_outputs(nb)
     shown = {c.source: cell_text(c) for c in nb.cells if c.cell_type == "code"}
     start = shown["%spmd start -n 4 --devices-per-process 2"]
     assert start.startswith(
@@ -56,6 +57,7 @@ def test_quickstart_prints_what_the_guide_prints():
 @pytest.mark.timeout(300)
 def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run():
     nb = execute(NOTEBOOKS / "pitfalls.ipynb")
+    assert_saved_without_empty_outputs(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     shown = [cell_text(c) for c in code]
     failing = [i for i, c in enumerate(code) if "raises-exception" in c.metadata.get("tags", [])]
@@ -88,8 +90,9 @@ def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_sharding_guide_gives_one_picture_per_array_and_the_guides_numbers():
-    nb = execute(NOTEBOOKS / "sharding.ipynb")
+def test_the_parallel_programming_guide_gives_one_picture_per_array_and_the_guides_numbers():
+    nb = execute(NOTEBOOKS / "02-parallel-programming.ipynb")
+    assert_saved_without_empty_outputs(nb)
     cells = [c for c in nb.cells if c.cell_type == "code"]  # sources repeat: keep them all
     code = {c.source: c for c in cells}
     shown = {src: cell_text(c) for src, c in code.items()}
@@ -123,6 +126,79 @@ def test_the_sharding_guide_gives_one_picture_per_array_and_the_guides_numbers()
     # the deprecation warning names each rank's cell file; it is still shown once
     imports = next(v for k, v in shown.items() if k.startswith("from jax.experimental"))
     assert imports.count("[ranks 0-3]") == 1 and "[rank 1]" not in imports
+    # the guide's three ways of writing one layer agree, on every process, with the guide
+    layers = [
+        v
+        for k, v in shown.items()
+        if k.endswith(
+            (
+                "print(layer(x, weights, bias))",
+                "print(layer(x_sharded, weights_sharded, bias))",
+                "# pass in unsharded inputs",
+                "print(layer_sharded(x, weights, bias))",
+            )
+        )
+    ]
+    assert len(layers) == 4 and len(set(layers)) == 1
+    printed = [float(v) for v in layers[0].removeprefix("[ranks 0-3] [").split("]")[0].split()]
+    assert printed == pytest.approx([0.02138912, 0.893112, 0.59892005, 0.97742504], abs=1e-6)
+    assert shown[next(k for k in shown if k.startswith("guide = "))] == (
+        "[ranks 0-3] all four match the guide to 6 decimal places\n"
+    )
+
+
+def assert_saved_without_empty_outputs(nb) -> None:
+    """No output of the saved notebook shows nothing (a live view's leftover, say)."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            shown = cell_text({"outputs": [out]})
+            assert shown.strip() or set(out.get("data", {})) - {"text/plain"}, (
+                f"an empty {out.output_type} in {cell.source!r}"
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_multi_process_guide_prints_its_32s_in_the_spmd_kernel():
+    nb = execute(NOTEBOOKS / "01-multi-process.ipynb")
+    assert nb.metadata.kernelspec.name == "spmd"
+    assert_saved_without_empty_outputs(nb)
+    shown = {c.source: cell_text(c) for c in nb.cells if c.cell_type == "code"}
+    assert shown["%spmd start -n 4 --devices-per-process 8"].startswith(
+        "Started 4 processes, 8 devices per process, 32 global devices (jax) in "
+    )
+    assert shown["import jax\njax.distributed.is_initialized()"] == "[ranks 0-3] True\n"
+    assert shown["print(jax.device_count(), jax.local_device_count())"] == "[ranks 0-3] 32 8\n"
+    local = shown["print(jax.process_index(), [d.id for d in jax.local_devices()])"]
+    assert [line.split("] ", 1)[1].split()[0] for line in local.splitlines()] == list("0123")
+    assert shown["print(set(jax.local_devices()) <= set(jax.devices()))"] == "[ranks 0-3] True\n"
+    psum = next(v for k, v in shown.items() if "psum" in k)
+    assert psum == "[ranks 0-3] Array([32., 32., 32., 32., 32., 32., 32., 32.], dtype=float32)\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_initialize_reference_reads_back_each_ranks_arguments(spmd_kernelspec):
+    # no %spmd start: the kernelspec's cluster (2 ranks in the tests) runs every cell
+    nb = execute(NOTEBOOKS / "03-distributed-initialize.ipynb")
+    assert_saved_without_empty_outputs(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    args, jax_record, devices, twice, listening = (cell_text(c) for c in code)
+    common, rank0, rank1 = args.split("[rank ")
+    assert common.startswith("Started 2 processes, 1 device per process, 2 global devices (jax)")
+    address = re.search(r"coordinator_address = '(127\.0\.0\.1:\d+)'", common).group(1)
+    assert f"coordinator_bind_address = '{address}'" in common
+    assert "num_processes = 2\n" in common and "initialization_timeout = 120\n" in common
+    assert rank0 == "0] process_id = 0\n" and rank1 == "1] process_id = 1\n"
+    assert jax_record == f"[ranks 0-1]\n{address} 2\nTrue\n"
+    assert "heartbeat_timeout_seconds = 100" in devices
+    assert "[ranks 0-1] RuntimeError: jax.distributed.initialize() must be called before" in twice
+    assert listening == (
+        f"[rank 0]\ncoordinator service: ['{address}']\n"
+        "every socket this process listens on is on the loopback: True\n"
+        "[rank 1]\ncoordinator service: not in this process\n"
+        "every socket this process listens on is on the loopback: True\n"
+    )
 
 
 # a different bar on each rank: two pictures, each under its rank
@@ -163,6 +239,26 @@ def test_figures_are_saved_with_png_and_text(tmp_path):
     assert len(pictures) == 2
     assert all({"image/png", "text/plain"} <= set(o.data) for o in pictures)
     assert cell_text(nb.cells[1]).startswith("[rank 0]\n<Figure")
+
+
+@pytest.mark.timeout(120)
+def test_a_long_cell_streams_live_and_is_saved_grouped_with_nothing_empty(tmp_path):
+    path = new_notebook(
+        tmp_path,
+        "%load_ext spmd\n%spmd start -n 2 --backend none",
+        "import time\nprint('working', flush=True)\ntime.sleep(2.5)\nprint('done')",
+        "%%spmd --ranks 0\ntime.sleep(1.5)\nprint('rank 0 only', flush=True)\ntime.sleep(1)",
+    )
+    nb = execute(path)
+    assert_saved_without_empty_outputs(nb)
+    long, subset = nb.cells[1], nb.cells[2]
+    assert [o.output_type for o in long.outputs] == ["stream"]
+    assert cell_text(long) == "[ranks 0-1]\nworking\ndone\n"
+    # a line printed before the live view (the subset warning) is printed again after it
+    assert cell_text(subset) == (
+        "Running on ranks 0 only: a collective in this cell would hang, waiting for the other "
+        "ranks.\n[rank 0] rank 0 only\n"
+    )
 
 
 @pytest.mark.timeout(120)

@@ -133,6 +133,16 @@ def fetch(expr: str, max_bytes: int) -> list:
     ]
 
 
+def spanning(names: list[str]) -> list[str]:
+    """Which of ``names`` are jax.Arrays with shards on other processes' devices (arrays this
+    process cannot print or turn into numpy on its own)."""
+    import jax
+    from IPython import get_ipython
+
+    ns = get_ipython().user_ns
+    return [n for n in names if isinstance(ns.get(n), jax.Array) and not ns[n].is_fully_addressable]
+
+
 def receive(name: str, value: Any) -> None:
     """``%spmd push``: put ``value`` in this rank's namespace under ``name``."""
     from IPython import get_ipython

@@ -7,6 +7,8 @@ puts the parts together here. No collective runs, so they work while the ranks a
 
 from __future__ import annotations
 
+import ast
+import re
 import time
 
 import numpy as np
@@ -115,6 +117,50 @@ def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
             "its value cannot be put together."
         )
     return out
+
+
+# jax's words when a process is asked for values it does not hold
+_NOT_ADDRESSABLE = "spans non-addressable (non process local) devices"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_LINE = re.compile(r"^Cell In\[\d+\], line (\d+)")
+
+
+def gather_hint(session: Session, cell: str, errors: list) -> str:
+    """For jax's "Fetching value for `jax.Array` that spans non-addressable ... devices": one
+    line with the notebook's way out, naming the array when the failing line names one."""
+    errs = [out for _, out in errors if _NOT_ADDRESSABLE in out.evalue]
+    if not errs:
+        return ""
+    names: list[str] = []
+    lines = cell.splitlines()
+    for text in errs[0].traceback:
+        m = _CELL_LINE.match(_ANSI.sub("", text))
+        if m and 0 < int(m.group(1)) <= len(lines):
+            names = _names_in(lines[int(m.group(1)) - 1])
+    try:
+        found = ask_rank(session, 0, shards.spanning, names) if names else []
+    except Exception:  # only a hint: without it, the generic sentence below
+        found = []
+    what = found[0] if found else "NAME"
+    return (
+        f"The array lives on the devices of several processes, so no single process can print it "
+        f"or turn it into numpy: %spmd gather {what} puts it together in the notebook "
+        f"(%spmd sharding {what} shows who holds what)."
+    )
+
+
+def _names_in(line: str) -> list[str]:
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return []
+    return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
+
+
+def ask_rank(session: Session, rank: int, fn, *args, timeout: float = 5.0):
+    """``fn(*args)`` on one idle rank, its answer (raises on an error or a timeout)."""
+    ar = session.client[session.ranks[rank].engine_id].apply_async(fn, *args)
+    return ar.get(timeout)
 
 
 def _numpy_dtype(name: str):

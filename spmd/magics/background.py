@@ -44,16 +44,20 @@ class BackgroundStart:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self, progress: str = "") -> None:
-        """Wait until the start has ended; show ``progress`` meanwhile, if it has not."""
+    def wait(self, progress: str = "") -> str:
+        """Wait until the start has ended, showing ``progress`` meanwhile if it has not; the
+        line that progress became (the start's summary), or '' when none was shown."""
         handle = None
         if progress and not self.done:
             handle = display({"text/plain": progress}, raw=True, display_id=True)
         while self._thread.is_alive():
             self._thread.join(0.1)  # a timeout, so that an interrupt gets through
-        if handle is not None:
-            line = str(self.error) if self.error else summary(self.session)
-            handle.update({"text/plain": line}, raw=True)
+        if handle is None:
+            return ""
+        # (on an error the cell's own error says why)
+        line = "The kernel's processes did not start." if self.error else summary(self.session)
+        handle.update({"text/plain": line}, raw=True)
+        return line
 
     def cancel(self) -> None:
         """Give the start up and end whatever it had started."""

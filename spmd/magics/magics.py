@@ -124,24 +124,28 @@ class SpmdMagics(Magics):
         # The SPMD kernel: auto mode cannot be turned off, and its cluster starts at launch.
         self.always_on = False
         self.pending: BackgroundStart | None = None
-        self._fresh = False  # the kernel's cluster has not been used yet: %spmd start may replace it
+        self._fresh = (
+            False  # the kernel's cluster has not been used yet: %spmd start may replace it
+        )
 
     def start_in_background(self, settings: Settings) -> None:
         """Start the kernel's cluster on a thread; the first use of the cluster waits for it."""
         self.always_on = self.auto.on = True
         self.pending = BackgroundStart(settings)
 
-    def _take_pending(self) -> None:
-        """Wait for the kernel's cluster (one progress line) and make it this notebook's."""
+    def _take_pending(self) -> str:
+        """Wait for the kernel's cluster (one progress line) and make it this notebook's;
+        the line shown, if one was."""
         pending, self.pending = self.pending, None
         if pending is None:
-            return
+            return ""
         s = pending.settings
-        pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
+        shown = pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
         self.session = pending.session
         if pending.error is not None:
             raise UsageError(f"{pending.error} (%spmd restart tries again)")
         self._fresh = True
+        return shown
 
     # -- %spmd / %%spmd -------------------------------------------------------------------
 
@@ -265,7 +269,9 @@ class SpmdMagics(Magics):
             return
         t0 = time.perf_counter()
         session.stop()
-        print(f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; {after}")
+        print(
+            f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; {after}"
+        )
 
     def _cmd_restart(self, args: list[str]) -> None:
         self._no_args("restart", args)
@@ -363,28 +369,33 @@ class SpmdMagics(Magics):
         if not (s.running or allow_stopped):
             if s.death is not None:
                 raise UsageError(_refusal(s, f"{refused}: {s.out_of_step}"))
-            raise UsageError(f"The cluster is stopped: %spmd restart starts {s.settings.n} processes again.")
+            raise UsageError(
+                f"The cluster is stopped: %spmd restart starts {s.settings.n} processes again."
+            )
         return s
 
     # -- cells ----------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
         opts = _cell_parser().parse_args(shlex.split(line))
+        started = self._take_pending()  # the kernel's start line, shown again after a live view
         session = self._require_session(refused="Cell not run")
+        live = LiveView(where=session.stacks)
+        if started:
+            live.reprint("stdout", started + "\n")
         n = session.settings.n
         ranks = opts.ranks
         if ranks is not None:
             if ranks[-1] >= n:
                 raise UsageError(f"--ranks {rank_set(ranks)}: this cluster has ranks 0-{n - 1}.")
             if len(ranks) < n:
-                print(
+                live.note(
+                    "stderr",
                     f"Running on ranks {rank_set(ranks)} only: a collective in this cell would "
-                    "hang, waiting for the other ranks.",
-                    file=sys.stderr,
+                    "hang, waiting for the other ranks.\n",
                 )
         if not cell.strip():
             return None
-        live = LiveView(where=session.stacks)
         try:
             run = session.run_cell(
                 cell,
@@ -409,12 +420,13 @@ class SpmdMagics(Magics):
             show_group(*group)
         if errors or stall is not None:
             notes = details = []
+            hint = arrays.gather_hint(session, cell, errors) if stall is None else ""
             if stall is not None:
                 notes = stall.summary()
                 details = stack_section(stall.busy, stall.stacks)
                 if stall.deaths:
                     details = ["", *stall.deaths[0].describe(headline=False), *details]
-            raise RankErrors(errors, sorted(run.cells), notes, details)
+            raise RankErrors(errors, sorted(run.cells), notes, details, [hint] if hint else [])
         return None
 
 

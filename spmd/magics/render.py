@@ -75,7 +75,7 @@ class RankResults:
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         if len(self.groups) == 1:
-            (ranks, out), = self.groups
+            ((ranks, out),) = self.groups
             data = dict(out.data)
             if set(data) - {"text/plain"}:
                 data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
@@ -84,7 +84,8 @@ class RankResults:
             data["text/plain"] = data["text/plain"].rstrip("\n")
             return data, out.metadata or {}
         text = "".join(
-            labelled(rank_label(ranks), out.data.get("text/plain", "")) for ranks, out in self.groups
+            labelled(rank_label(ranks), out.data.get("text/plain", ""))
+            for ranks, out in self.groups
         )
         return {"text/plain": text.rstrip("\n")}, {}
 
@@ -169,11 +170,13 @@ class RankErrors(Exception):
         ranks: list[int],
         notes: list[str] = (),
         details: list[str] = (),
+        hints: list[str] = (),
     ) -> None:
         self.errors = errors
         self.ranks = ranks
         self.notes = list(notes)
         self.details = list(details)
+        self.hints = list(hints)  # what to do about the errors, under the headline
         self.failed_ranks = sorted(r for rs, _ in errors for r in rs)
         if self.notes:
             message = self.notes[0]
@@ -192,6 +195,7 @@ class RankErrors(Exception):
                 + (f"; {rank_words(ok)} did not raise." if ok else ".")
             )
         lines.extend(self.notes)
+        lines.extend(self.hints)
         for ranks, err in self.errors:
             lines.append("")
             lines.append(f"{rank_label(ranks)} {err.ename}: {err.evalue}")
@@ -204,8 +208,9 @@ class LiveView:
     """What a long cell is doing, shown while it runs: the last lines of every rank's streams
     and, after ``look_after`` seconds, the line each busy rank is on.
 
-    Fast cells never show it. When the cell ends, the grouped outputs are printed and the live
-    view is emptied, so a saved notebook keeps the grouped form only.
+    Fast cells never show it. When the cell ends, the live view is cleared (with the cell's
+    output, so that a saved notebook holds no empty leftover), the lines printed before it are
+    printed again, and then the grouped outputs, so a saved notebook keeps the grouped form only.
     """
 
     delay = 1.0  # seconds a cell runs before its streams are shown live
@@ -223,6 +228,18 @@ class LiveView:
         self._shown_at = 0.0
         self._looked_at = 0.0
         self._dirty = False
+        self._before: list[tuple[str, str]] = []  # (stream, text) shown before the live view
+
+    def reprint(self, stream: str, text: str) -> None:
+        """Something the cell showed already, to show again if the live view clears it."""
+        self._before.append((stream, text))
+
+    def note(self, stream: str, text: str) -> None:
+        """Print ``text`` now, and again if the live view clears it."""
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        out.write(text)
+        out.flush()
+        self.reprint(stream, text)
 
     def add(self, rank: int, out: Output) -> None:
         if out.kind not in ("stdout", "stderr") or not out.text:
@@ -253,6 +270,11 @@ class LiveView:
         self._shown_at, self._dirty = now, False
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.update({"text/plain": ""}, raw=True)
-            self.handle = None
+        if self.handle is None:
+            return
+        self.handle = None
+        clear_output()
+        for stream, text in self._before:
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            out.write(text)
+            out.flush()
