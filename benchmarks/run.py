@@ -27,6 +27,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from benchmarks.floor import EchoServers, bare_processes
+from benchmarks.kernel import KernelBench
 from spmd.cluster.session import free_port
 
 PSUM = (
@@ -254,6 +255,7 @@ TARGETS = [
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
+    ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
 ]
 
 # Detection times: absolute, from the fault to the failed cell in the notebook. Plain
@@ -320,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             bench.ipyparallel_lifecycle()
         print(f"round {i + 1}/{rounds}: faults", file=sys.stderr, flush=True)
         bench.faults()
+        print(f"round {i + 1}/{rounds}: kernel", file=sys.stderr, flush=True)
+        with KernelBench() as kernels:
+            bench.record("first_result/kernel", kernels.spmd_kernel(PSUM))
+            bench.record("first_result/magic", kernels.magic_in_python3(PSUM))
     sizes = (4,) if args.quick else (2, 4, 8)
     for n in sizes:
         print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
