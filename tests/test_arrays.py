@@ -266,6 +266,17 @@ def test_a_value_that_cannot_be_sent_says_what_to_push_instead(cluster):
     assert run(cluster, "print(rank)").error is None  # nothing half-sent is left behind
 
 
+def test_pushing_several_names_says_which_went_and_which_did_not(cluster):
+    run(cluster, "%%local\nsent_one = [1, 2]\nstuck = (i for i in range(3))")
+    out = run(cluster, "%spmd push sent_one stuck")
+    assert str(out.error) == (
+        "Pushed sent_one (list) to ranks 0-3, but stuck cannot be sent to the ranks "
+        "(TypeError: cannot pickle 'generator' object): push the data it holds instead, like a "
+        "list or an array."
+    )
+    assert run(cluster, "print(sent_one)").stdout == "[ranks 0-3] [1, 2]\n"
+
+
 def test_gather_works_while_the_ranks_are_out_of_step(cluster):
     failed = run(
         cluster, "%%spmd --grace 0.5\nif rank == 0:\n    raise ValueError('x')\ntime.sleep(30)"
@@ -275,3 +286,27 @@ def test_gather_works_while_the_ranks_are_out_of_step(cluster):
     out = run(cluster, "%spmd gather arr_sharded -o still_there")  # ...gather is not
     assert out.error is None, out.error
     assert np.array_equal(cluster.user_ns["still_there"], np.arange(32.0).reshape(4, 8))
+
+
+def test_arrays_each_process_holds_on_its_own_are_described_and_gathered_by_rank(cluster):
+    made = run(
+        cluster,
+        "local = jnp.arange(3.0) + 10 * jax.process_index()\n"
+        "ragged = jnp.ones(jax.process_index() + 2)",
+    )
+    assert made.error is None
+    out = run(cluster, "%spmd sharding local")
+    assert out.error is None
+    (text,) = out.texts
+    assert text.startswith("local: each rank holds an array of its own, not a piece of one")
+    assert "  rank 0: float32[3] on CPU 0\n" in text and "  rank 3: float32[3] on CPU " in text
+    assert "replicated" not in text
+    got = run(cluster, "%spmd gather local -o by_rank")
+    assert got.stdout == "by_rank = a list of 4 values, by rank, from local on the ranks.\n"
+    assert [a.tolist() for a in cluster.user_ns["by_rank"]] == [
+        [10.0 * r, 10.0 * r + 1, 10.0 * r + 2] for r in range(4)
+    ]
+    got = run(cluster, "%spmd gather ragged -o shapes")
+    assert got.error is None, got.stdout
+    assert [a.shape for a in cluster.user_ns["shapes"]] == [(2,), (3,), (4,), (5,)]
+    assert "each rank holds an array of its own" in run(cluster, "%spmd sharding ragged").texts[0]

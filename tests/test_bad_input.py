@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -34,6 +35,17 @@ def usage_error(shell, line: str) -> str:
         ("%spmd start -n 2 --timeout -1", "a timeout is a number of seconds above 0"),
         ("%spmd launch -n 2", "%spmd has no command 'launch'"),
         ("%spmd", "Say what to do"),
+        ('%spmd start -n "2', "%spmd start -n \"2: no closing quotation: close the quote"),
+        ('%%spmd --timeout "1\nprint(1)', '%%spmd --timeout "1: no closing quotation'),
+        ('%spmd push x"', "no closing quotation"),
+        ("%spmd start -n 2 --timeout nan", "a timeout is a number of seconds above 0, not 'nan'"),
+        ("%spmd start -n 2 --timeout inf", "a timeout is a number of seconds above 0, not 'inf'"),
+        ("%spmd start -n 2 --grace nan", "--grace takes seconds (like 2) or off, not 'nan'"),
+        ("%%spmd --grace nan\nprint(1)", "--grace takes seconds (like 2) or off, not 'nan'"),
+        ("%spmd start -n 100000", "-n 100000 is more ranks than this machine has room for"),
+        ("%spmd gather x --max-bytes 1e400", "--max-bytes takes a number of bytes, like 1e9"),
+        ("%spmd gather x -o", "-o takes a variable name, like %spmd gather x -o full."),
+        ("%spmd gather x --max-bytes", "--max-bytes takes a number of bytes"),
     ],
 )
 def test_bad_start_lines(shell, line, says):
@@ -113,3 +125,73 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, m
     assert time.monotonic() - t0 < 30  # not the 120 s registration timeout
     assert message.startswith("An engine process exited during start-up (rank 1)")
     assert "rank 1 cannot start" in message
+
+
+def test_the_controller_writes_its_connection_file_whole(tmp_path):
+    # Engines poll for this file while the controller writes it; they must never read half
+    # of it (a JSONDecodeError killed an engine at start about once in 60 starts).
+    import json
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    from spmd.cluster.controller import save_connection_dict
+
+    controller = SimpleNamespace(
+        profile_dir=SimpleNamespace(security_dir=str(tmp_path)), log=logging.getLogger("test")
+    )
+    path = tmp_path / "ipcontroller-engine.json"
+    big = {"key": "k" * 4_000_000, "interface": "tcp://127.0.0.1"}
+    torn, done = [], threading.Event()
+
+    def engine_polling():
+        while not done.is_set():
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                torn.append(len(text))
+
+    reader = threading.Thread(target=engine_polling)
+    reader.start()
+    try:
+        for _ in range(5):
+            save_connection_dict(controller, path.name, big)
+            path.unlink()
+    finally:
+        done.set()
+        reader.join()
+    assert not torn, f"an engine could read a half-written file ({len(torn)} times)"
+    save_connection_dict(controller, path.name, big)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no partial file left
+
+
+def test_a_killed_notebooks_profile_folder_is_removed_by_the_next_start(shell):
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import psutil
+
+    gone = subprocess.Popen(["sleep", "0"])
+    created = psutil.Process(gone.pid).create_time()
+    gone.wait()
+    stale = Path(tempfile.mkdtemp(prefix="spmd-"))
+    (stale / "owner.json").write_text(json.dumps({"pid": gone.pid, "create_time": created}))
+    (stale / "log").mkdir()
+    me = psutil.Process()
+    alive = Path(tempfile.mkdtemp(prefix="spmd-"))  # another notebook's, still running
+    (alive / "owner.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    try:
+        out = run(shell, "%spmd start -n 1 --backend none")
+        assert out.error is None, out.stdout
+        assert not stale.exists() and alive.exists()
+    finally:
+        run(shell, "%spmd stop")
+        shutil.rmtree(alive, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)

@@ -180,6 +180,26 @@ def test_interrupting_the_notebook_reaches_every_rank_within_a_second(cluster):
     restart_and_psum(cluster)
 
 
+def test_interrupting_twice_still_ends_in_the_report_and_the_guard(cluster):
+    # People press Interrupt twice: the second one lands while stacks are read or the ranks
+    # are given their half second to stop.
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (1.0, 1.25, 1.5)]
+    for timer in timers:
+        timer.start()
+    try:
+        out = run(cluster, "%%spmd --grace off\ntime.sleep(60)")
+        time.sleep(0.6)  # any SIGINT still to come arrives here, not in the next test
+    finally:
+        for timer in timers:
+            timer.cancel()
+    text = report(out)
+    assert text.startswith("Interrupted: ranks 0-1 are running")
+    assert "[ranks 0-1] was running at cell line 1: time.sleep(60)" in text
+    assert session(cluster).out_of_step  # the next cell is refused, not sent to hang
+    refused = run(cluster, "x = 1")
+    assert isinstance(refused.error, UsageError) and "%spmd restart" in str(refused.error)
+
+
 @pytest.mark.parametrize("victim", [0, 1], ids=["rank 0 (the coordinator)", "the last rank"])
 def test_a_rank_killed_while_idle_is_reported_at_the_next_cell(cluster, victim):
     pid = session(cluster).ranks[victim].pid
@@ -190,9 +210,12 @@ def test_a_rank_killed_while_idle_is_reported_at_the_next_cell(cluster, victim):
     message = str(out.error)
     assert message.startswith(f"Cell not run: rank {victim} died (killed by SIGKILL")
     assert f"Rank {victim} (pid {pid}) died: killed by SIGKILL" in message
-    # the other rank was stopped with it
-    assert all(r.state in ("died", "stopped") for r in session(cluster).ranks)
-    assert "died" in run(cluster, "%spmd status").stdout
+    # the dead rank is shown dead, and the other one was stopped with it
+    states = {r.rank: r.state for r in session(cluster).ranks}
+    assert states == {victim: "died", 1 - victim: "stopped"}
+    table = run(cluster, "%spmd status").stdout.splitlines()
+    rows = {int(line.split()[0]): line.split()[3] for line in table[1:3]}
+    assert rows == {victim: "died", 1 - victim: "stopped"}
     restart_and_psum(cluster)
 
 

@@ -219,8 +219,12 @@ def test_a_failing_rank_stops_run_all_and_figures_come_back(tmp_path):
     )
     with pytest.raises(CellExecutionError) as failure:
         execute(path)
-    assert "only rank 1 fails" in str(failure.value)
-    assert "Error on 1 of 2 ranks (1); rank 0 did not raise." in str(failure.value)
+    # what the notebook shows (nbclient's message also repeats the cell's source)
+    assert failure.value.ename == "RankErrors"
+    assert failure.value.evalue == "[rank 1] RuntimeError: only rank 1 fails"
+    shown = failure.value.traceback
+    assert shown.startswith("Error on 1 of 2 ranks (1); rank 0 did not raise.")
+    assert "[rank 1] RuntimeError: only rank 1 fails" in shown
     # the kernel has shut down, and with it every process the cluster had
     assert not wait_until_gone(spmd_processes())
 

@@ -1,14 +1,42 @@
-"""``python -m spmd.cluster.controller``: ipyparallel's controller, ending with the notebook."""
+"""``python -m spmd.cluster.controller``: ipyparallel's controller, ending with the notebook,
+and writing its connection files whole.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import tempfile
 
 from spmd.engine.orphans import watch_parent
 
 
+def save_connection_dict(self, fname: str, cdict: dict) -> None:
+    """``IPController.save_connection_dict``, written whole or not at all.
+
+    The engines start with the controller and poll for its connection file. ipyparallel
+    writes the file in place, so an engine could read it half-written and die with a
+    JSONDecodeError (about 1 start in 60). Here the file appears complete, by rename, and is
+    private (0600) from its first byte: it holds the key that signs every message.
+    """
+    path = os.path.join(self.profile_dir.security_dir, fname)
+    self.log.info("writing connection info to %s", path)
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{fname}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(cdict, indent=2))
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
+
+
 def main() -> None:
     watch_parent()
+    from ipyparallel.controller.app import IPController
     from ipyparallel.controller.app import main as controller_main
 
+    IPController.save_connection_dict = save_connection_dict
     controller_main()
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
+import glob
+import json
+import os
 import random
 import shutil
 import signal
@@ -83,6 +87,76 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _interrupts_held():
+    """SIGINT does nothing inside this block (main thread only: where the notebook runs)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+PROFILE_PREFIX = "spmd-"
+OWNER_FILE = "owner.json"  # which notebook process made a profile folder
+
+
+def new_profile_dir() -> str:
+    """A private folder for one cluster's ipyparallel profile (connection files, logs).
+
+    The notebook removes it at stop; a notebook that was killed cannot, so each new one
+    first removes the folders whose owner is gone.
+    """
+    remove_abandoned_profiles()
+    path = tempfile.mkdtemp(prefix=PROFILE_PREFIX)
+    me = psutil.Process()
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        json.dump({"pid": me.pid, "create_time": me.create_time()}, f)
+    return path
+
+
+def remove_abandoned_profiles() -> list[str]:
+    """Remove the profile folders of notebook processes that no longer run; their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), PROFILE_PREFIX + "*")):
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue  # not one of ours, or being made right now
+        try:
+            alive = psutil.Process(owner["pid"]).create_time() == owner["create_time"]
+        except psutil.Error:
+            alive = False
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# What one rank needs on this machine: its engine with jax imported and initialized.
+RANK_MEMORY = 256 * 2**20
+
+
+def max_local_ranks() -> int:
+    """How many ranks this machine has room for now, by free memory."""
+    return max(1, int(psutil.virtual_memory().available // RANK_MEMORY))
+
+
+def _check_room(n: int) -> None:
+    room = max_local_ranks()
+    if n > room:
+        free = psutil.virtual_memory().available / 2**30
+        raise StartError(
+            f"-n {n} is more ranks than this machine has room for: each needs about "
+            f"{RANK_MEMORY / 2**30:.2f} GiB and {free:.1f} GiB is free, enough for {room}: "
+            "start fewer."
+        )
+
+
 def _exited(process) -> bool:
     """Whether a psutil process handle has ended (a zombie has ended too)."""
     try:
@@ -122,8 +196,9 @@ class Session:
     def start(self) -> None:
         """Start the engines and join them into one distributed job. Raises StartError."""
         t0 = time.perf_counter()
+        _check_room(self.settings.n)
         for attempt in (1, 2):
-            self._profile_dir = tempfile.mkdtemp(prefix="spmd-")
+            self._profile_dir = new_profile_dir()
             atexit.register(self.stop)
             try:
                 self._init_cluster()
@@ -168,7 +243,13 @@ class Session:
         # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which
         # its ``_sync`` methods use inside a running loop): the launchers keep the loop they
         # started on, and a kernel starts its cluster from a background thread with no loop.
-        self.cluster._in_thread(self.cluster.launch, s.n)
+        try:
+            self.cluster._in_thread(self.cluster.launch, s.n)
+        except OSError as exc:  # the system refused a process (BlockingIOError, EAGAIN...)
+            raise StartError(
+                f"The system refused to start the processes ({type(exc).__name__}: {exc}): "
+                "start fewer ranks."
+            ) from None
 
     def _init_client(self) -> None:
         s = self.settings
@@ -206,7 +287,11 @@ class Session:
                 except Exception as exc:  # a RemoteError carries the engine's exception
                     raise _init_failure(rank, exc) from None
                 row = self.ranks[rank]
-                assert facts["rank"] == rank, "an engine did not get the id it asked for"
+                if facts["rank"] != rank:  # it asked the controller for id = rank, and got another
+                    raise StartError(
+                        f"Rank {rank}'s engine registered as rank {facts['rank']}, so the ranks "
+                        "would be mixed up: start again."
+                    )
                 row.pid, row.host = facts["pid"], facts["host"]
                 row.local_devices = facts["local_devices"]
                 row.global_devices = facts["global_devices"]
@@ -294,7 +379,10 @@ class Session:
             except KeyboardInterrupt:
                 reason, seconds = INTERRUPTED, None
             if reason:
-                run.stall = self._stop_waiting(run, reason, seconds)
+                # People press Interrupt twice: a second one must not cut the report short
+                # and leave the ranks busy without the out-of-step guard.
+                with _interrupts_held():
+                    run.stall = self._stop_waiting(run, reason, seconds)
         finally:
             for rank, cell in run.cells.items():
                 if cell.done and self.ranks[rank].state == "busy":

@@ -81,8 +81,10 @@ def _failure(failures: dict[int, tuple[str, str]], expr: str) -> UsageError:
 
 def sharding_bundle(session: Session, expr: str) -> dict:
     """The picture of ``expr``'s layout, from every process's own shards."""
-    layouts = list(ask(session, shards.describe, expr).values())
-    layout = picture.merge(layouts)
+    layouts = ask(session, shards.describe, expr)
+    if separate_arrays(layouts):
+        return {"text/plain": _each_its_own(expr, layouts)}
+    layout = picture.merge(list(layouts.values()))
     if not layout["shape"]:
         devices = len(layout["devices"])
         processes = len(set(layout["devices"].values()))
@@ -93,8 +95,35 @@ def sharding_bundle(session: Session, expr: str) -> dict:
     return picture.bundle(layout, expr)
 
 
+def separate_arrays(layouts: dict[int, dict]) -> bool:
+    """Whether the ranks hold arrays of their own (made on each process without a sharding
+    across processes, like ``jnp.arange(3) + rank``), not pieces of one global array: the
+    pieces of a global array agree on its shape, dtype and devices on every process."""
+    return len({_global_identity(layout) for layout in layouts.values()}) > 1
+
+
+def _global_identity(layout: dict) -> tuple:
+    devices = tuple(sorted((int(d), p) for d, p in layout["devices"].items()))
+    return tuple(layout["shape"]), layout["dtype"], devices
+
+
+def _each_its_own(expr: str, layouts: dict[int, dict]) -> str:
+    lines = [
+        f"{expr}: each rank holds an array of its own, not a piece of one global array "
+        "(it was made on each process without a sharding across processes):"
+    ]
+    for rank, layout in sorted(layouts.items()):
+        shape = ",".join(str(n) for n in layout["shape"])
+        kind = layout.get("platform", "cpu").upper()
+        devices = ", ".join(f"{kind} {d}" for d in sorted(int(d) for d in layout["devices"]))
+        lines.append(f"  rank {rank}: {layout['dtype']}[{shape}] on {devices}")
+    lines.append(f"%spmd gather {expr} gives them as a list by rank.")
+    return "\n".join(lines)
+
+
 def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
-    """The global value of ``expr``: numpy for a jax.Array, else a list by rank."""
+    """The global value of ``expr``: numpy for a global jax.Array; a list by rank for arrays
+    each process holds on its own, and for anything else."""
     answers = ask(session, shards.fetch, expr, max_bytes)
     parts = {rank: answer[0] for rank, answer in answers.items()}
     kinds = {p["kind"] for p in parts.values()}
@@ -102,11 +131,17 @@ def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
         return [parts[r]["value"] for r in sorted(parts)]
     if kinds != {"array"}:
         raise UsageError(f"{expr} is a jax.Array on some ranks and not on others.")
-    layout = picture.merge([p["layout"] for p in parts.values()])
+    if separate_arrays({rank: p["layout"] for rank, p in parts.items()}):
+        return [_assemble(expr, parts[r]["layout"], {r: answers[r]}) for r in sorted(answers)]
+    return _assemble(expr, picture.merge([p["layout"] for p in parts.values()]), answers)
+
+
+def _assemble(expr: str, layout: dict, answers: dict[int, list]) -> np.ndarray:
+    """One numpy array from the pieces the ranks of ``answers`` sent."""
     out = np.empty(layout["shape"], dtype=_numpy_dtype(layout["dtype"]))
     covered = 0
-    for rank, answer in answers.items():
-        for (starts, stops), data in zip(parts[rank]["pieces"], answer[1:]):
+    for answer in answers.values():
+        for (starts, stops), data in zip(answer[0]["pieces"], answer[1:]):
             out[tuple(slice(a, b) for a, b in zip(starts, stops))] = data
             covered += int(np.prod([b - a for a, b in zip(starts, stops)]))
     # replica 0 of each block exists once: the pieces do not overlap, so counting suffices
@@ -180,15 +215,24 @@ def push(session: Session, names: list[str], namespace: dict) -> str:
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined in the "
             "notebook: define it in a %%local cell first."
         )
+    sent, failed = [], {}
     for name in names:
         try:
             ask(session, shards.receive, name, namespace[name])
         except UsageError:
             raise
-        except Exception as exc:  # ipyparallel could not serialize it: nothing was sent
-            raise UsageError(
-                f"{name} cannot be sent to the ranks ({type(exc).__name__}: {exc}): "
-                "push the data it holds instead, like a list or an array."
-            ) from None
-    sizes = ", ".join(f"{n} ({type(namespace[n]).__name__})" for n in names)
-    return f"Pushed {sizes} to {rank_words(range(session.settings.n))}."
+        except Exception as exc:  # ipyparallel could not serialize it: it was not sent
+            failed[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            sent.append(name)
+    ranks = rank_words(range(session.settings.n))
+    pushed = ", ".join(f"{n} ({type(namespace[n]).__name__})" for n in sent)
+    if failed:
+        name, why = next(iter(failed.items()))
+        others = f" (nor {', '.join(list(failed)[1:])})" if len(failed) > 1 else ""
+        done = f"Pushed {pushed} to {ranks}, but " if sent else ""
+        raise UsageError(
+            f"{done}{name} cannot be sent to the ranks{others} ({why}): push the data it holds "
+            "instead, like a list or an array."
+        )
+    return f"Pushed {pushed} to {ranks}."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import math
 import re
 import shlex
 import sys
@@ -52,12 +53,22 @@ def _count(what: str, example: str):
     return parse
 
 
+def _words(what: str, text: str) -> list[str]:
+    """Shell words, as the options are written; a quote left open is a UsageError."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:  # shlex says "No closing quotation"
+        raise UsageError(
+            f"{what.strip()}: {str(exc).lower()}: close the quote, or leave the quotes out."
+        ) from None
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if value <= 0:
+    if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"a timeout is a number of seconds above 0, not {text!r}")
     return value
 
@@ -70,7 +81,7 @@ def _grace(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value < 0:
+    if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"--grace takes seconds (like 2) or off, not {text!r}")
     return value
 
@@ -136,11 +147,13 @@ class SpmdMagics(Magics):
     def _take_pending(self) -> str:
         """Wait for the kernel's cluster (one progress line) and make it this notebook's;
         the line shown, if one was."""
-        pending, self.pending = self.pending, None
+        pending = self.pending
         if pending is None:
             return ""
         s = pending.settings
+        # (an interrupt while waiting leaves the start pending, for the next cell to take)
         shown = pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
+        self.pending = None
         self.session = pending.session
         if pending.error is not None:
             raise UsageError(f"{pending.error} (%spmd restart tries again)")
@@ -189,7 +202,9 @@ class SpmdMagics(Magics):
                 "interrupt, where, sharding, gather, push, on or off."
             )
         # Python expressions keep their quotes and spaces; other commands take shell words.
-        return handler(rest.strip() if command in _EXPRESSION_COMMANDS else shlex.split(rest))
+        return handler(
+            rest.strip() if command in _EXPRESSION_COMMANDS else _words(f"%spmd {line}", rest)
+        )
 
     @cell_magic
     def local(self, line: str, cell: str):
@@ -377,7 +392,7 @@ class SpmdMagics(Magics):
     # -- cells ----------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
-        opts = _cell_parser().parse_args(shlex.split(line))
+        opts = _cell_parser().parse_args(_words(f"%%spmd {line}", line))
         started = self._take_pending()  # the kernel's start line, shown again after a live view
         session = self._require_session(refused="Cell not run")
         live = LiveView(where=session.stacks)
@@ -449,6 +464,10 @@ def _gather_options(text: str) -> tuple[str, str | None, int]:
     """'x[0] -o first --max-bytes 1e6' -> ('x[0]', 'first', 1000000)."""
     name = None
     max_bytes = arrays.DEFAULT_MAX_BYTES
+    if re.search(r"(?:^|\s)-o\s*$", text):
+        raise UsageError("-o takes a variable name, like %spmd gather x -o full.")
+    if re.search(r"(?:^|\s)--max-bytes\s*$", text):
+        raise UsageError("--max-bytes takes a number of bytes, like --max-bytes 1e9.")
     m = re.search(r"(?:^|\s)-o\s+(\S+)", text)
     if m:
         name = m.group(1)
@@ -459,7 +478,7 @@ def _gather_options(text: str) -> tuple[str, str | None, int]:
     if m:
         try:
             max_bytes = int(float(m.group(1)))
-        except ValueError:
+        except (ValueError, OverflowError):  # 'lots', or 1e400 (inf)
             max_bytes = 0
         if max_bytes < 1:
             raise UsageError(f"--max-bytes takes a number of bytes, like 1e9, not {m.group(1)!r}.")
