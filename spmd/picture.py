@@ -104,6 +104,13 @@ def _drawn_dims(layout: dict) -> tuple[list[int], list[int]]:
 
 def draw(layout: dict, title: str) -> bytes:
     """The picture, as PNG bytes."""
+    out = io.BytesIO()
+    figure(layout, title).savefig(out, format="png")
+    return out.getvalue()
+
+
+def figure(layout: dict, title: str):
+    """The picture, as a matplotlib Figure (not attached to pyplot: nothing to close)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -200,9 +207,7 @@ def draw(layout: dict, title: str) -> bytes:
         frameon=False,
     )
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    out = io.BytesIO()
-    fig.savefig(out, format="png")
-    return out.getvalue()
+    return fig
 
 
 def _title_lines(layout: dict, title: str) -> str:

@@ -88,11 +88,16 @@ def drawn(shell, expr: str, tmp_path) -> tuple[str, set[tuple[str, int, int]]]:
     assert png.startswith(b"\x89PNG")
     (tmp_path / f"{expr}.png").write_bytes(png)
     text = bundle["text/plain"]
+    return text, owners_named(text)
+
+
+def owners_named(text: str) -> set[tuple[str, int, int]]:
+    """(slices, device, process) of every block a picture's text form names."""
     named = set()
     for slices, holders in re.findall(r"^  \[(.*?)\]\s+(CPU .*?)(?:   replicated.*)?$", text, re.M):
         for device, process in re.findall(r"CPU (\d+) \(process (\d+)\)", holders):
             named.add((slices, int(device), int(process)))
-    return text, named
+    return named
 
 
 @pytest.mark.parametrize(
@@ -188,7 +193,10 @@ def test_show_sharding_inside_code_draws_once(cluster):
     assert out.error is None
     (bundle,) = out.outputs
     assert "image/png" in bundle
-    assert bundle["text/plain"].splitlines()[0].startswith("result: float32[8], mesh x=2, y=4")
+    text = bundle["text/plain"]
+    assert text.splitlines()[0].startswith("result: float32[8], mesh x=2, y=4")
+    # drawn on a rank from the sharding alone: the owners are the ones each process reports
+    assert owners_named(text) == held_by_each_process(cluster, "result")
 
 
 @pytest.mark.parametrize(

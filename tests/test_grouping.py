@@ -156,3 +156,14 @@ def test_cell_file_names_that_differ_only_by_pid_are_made_the_same():
         "<cell>:1: DeprecationWarning: jax.experimental.shard_map is deprecated\n"
     )
     assert same_on_every_rank(warning.replace("22203", "22206")) == same_on_every_rank(warning)
+
+
+def test_the_same_text_on_stdout_and_on_stderr_stays_apart():
+    ran = cells(
+        [Output("stdout", "same\n")], [Output("stderr", "same\n")], [Output("stdout", "same\n")]
+    )
+    groups = group_outputs(ran)
+    assert [(ranks, out.kind, out.text) for ranks, out in groups] == [
+        ([0, 2], "stdout", "same\n"),
+        ([1], "stderr", "same\n"),
+    ]

@@ -55,7 +55,8 @@ def test_quickstart_prints_what_the_guide_prints():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run():
+def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # a fixed seed would fix pitfall 3
     nb = execute(NOTEBOOKS / "pitfalls.ipynb")
     assert_saved_without_empty_outputs(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -72,11 +73,11 @@ def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run():
         "reached: ranks 2-3 finished the cell without it" in last_batch
     )
     assert "[ranks 2-3] steps 2 total 8.0\n" in last_batch
-    # each process salts string hashes its own way: 'save' sits at its own place on each rank
-    positions = re.findall(r"(\d) stages before save", order)
-    assert positions, order  # the cell printed them: the check below cannot be skipped silently
-    if len(set(positions)) > 1:
-        assert "The ranks diverged: " in order and "%spmd restart" in order
+    positions = re.findall(r"(\d+) stages before save", order)
+    # each process salts string hashes its own way: with 32 stages, four processes agree on
+    # where 'save' is about once in 30,000 runs
+    assert len(set(positions)) > 1, order
+    assert "The ranks diverged: " in order and "%spmd restart" in order
     for i in failing:
         assert shown[i + 1].startswith("Started 4 processes")  # the restart after each
     fixes = [shown[i + 2] for i in failing]

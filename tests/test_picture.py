@@ -51,3 +51,28 @@ def test_devices_no_process_answered_for_are_named():
     merged["devices"] = {0: 0, 1: 1}
     assert picture.missing_devices(merged) == [1]
     assert picture.text(merged, "v").endswith("(no answer about devices 1)")
+
+
+def test_each_block_is_painted_in_its_owning_processs_colour():
+    import matplotlib
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    # two devices per process, with the ids jax gives them: colouring by device would differ
+    blocks = [
+        (0, 0, [0], [2], 0),
+        (1, 0, [2], [4], 0),
+        (2048, 1, [4], [6], 0),
+        (2049, 1, [6], [8], 0),
+    ]
+    fig = picture.figure(layout([8], blocks, mesh={"x": 4}), "w")
+    FigureCanvasAgg(fig).draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())
+    (ax,) = fig.axes
+    colours = matplotlib.colormaps["tab10"]
+    for device, process, (start,), (stop,), _ in blocks:
+        # a point inside the block, away from its label in the middle
+        x, y = ax.transData.transform((start + 0.2 * (stop - start), 0.2))
+        painted = pixels[pixels.shape[0] - int(round(y)), int(round(x)), :3] / 255
+        expected = np.array(colours(process)[:3])
+        assert np.allclose(painted, expected, atol=0.02), (device, process, painted)
