@@ -183,15 +183,19 @@ def test_interrupting_the_notebook_reaches_every_rank_within_a_second(cluster):
 def test_interrupting_twice_still_ends_in_the_report_and_the_guard(cluster):
     # People press Interrupt twice: the second one lands while stacks are read or the ranks
     # are given their half second to stop.
-    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (1.0, 1.25, 1.5)]
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (1.0, 1.2, 1.4)]
     for timer in timers:
         timer.start()
     try:
         out = run(cluster, "%%spmd --grace off\ntime.sleep(60)")
-        time.sleep(0.6)  # any SIGINT still to come arrives here, not in the next test
     finally:
+        # a SIGINT that comes after the cell must not interrupt pytest
+        previous = signal.signal(signal.SIGINT, lambda *_: None)
         for timer in timers:
             timer.cancel()
+            if timer.is_alive():
+                timer.join()
+        signal.signal(signal.SIGINT, previous)
     text = report(out)
     assert text.startswith("Interrupted: ranks 0-1 are running")
     assert "[ranks 0-1] was running at cell line 1: time.sleep(60)" in text
@@ -210,12 +214,14 @@ def test_a_rank_killed_while_idle_is_reported_at_the_next_cell(cluster, victim):
     message = str(out.error)
     assert message.startswith(f"Cell not run: rank {victim} died (killed by SIGKILL")
     assert f"Rank {victim} (pid {pid}) died: killed by SIGKILL" in message
-    # the dead rank is shown dead, and the other one was stopped with it
+    # the dead rank is shown dead; the other one was stopped with it, unless the coordinator's
+    # death made it abort first (jax ends every process of the job when rank 0 dies)
+    other = {1: ("stopped",), 0: ("stopped", "died")}[victim]
     states = {r.rank: r.state for r in session(cluster).ranks}
-    assert states == {victim: "died", 1 - victim: "stopped"}
+    assert states[victim] == "died" and states[1 - victim] in other
     table = run(cluster, "%spmd status").stdout.splitlines()
     rows = {int(line.split()[0]): line.split()[3] for line in table[1:3]}
-    assert rows == {victim: "died", 1 - victim: "stopped"}
+    assert rows == states
     restart_and_psum(cluster)
 
 

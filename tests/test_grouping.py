@@ -167,3 +167,21 @@ def test_the_same_text_on_stdout_and_on_stderr_stays_apart():
         ([0, 2], "stdout", "same\n"),
         ([1], "stderr", "same\n"),
     ]
+
+
+def test_the_same_error_groups_although_the_ranks_count_their_cells_differently():
+    # after a %%spmd --ranks 0 cell, rank 0 has run one cell more than rank 1
+    def raised(count):
+        return Output(
+            "error",
+            ename="ZeroDivisionError",
+            evalue="division by zero",
+            traceback=[
+                f"\x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[{count}]\x1b[39m, line 1",
+                "1/0",
+            ],
+        )
+
+    groups = group_errors(cells([raised(12)], [raised(11)]))
+    assert [ranks for ranks, _ in groups] == [[0, 1]]
+    assert "In[12]" in groups[0][1].traceback[0]  # the lowest rank's text is shown

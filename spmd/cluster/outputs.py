@@ -43,7 +43,10 @@ class Output:
         if self.kind in ("stdout", "stderr"):
             return (self.kind, self.text)
         if self.kind == "error":
-            return (self.kind, "\n".join(self.traceback) or f"{self.ename}: {self.evalue}")
+            text = "\n".join(self.traceback) or f"{self.ename}: {self.evalue}"
+            # "Cell In[12]" counts the cells that rank ran: after a %%spmd --ranks cell the
+            # counts differ, but the error is the same
+            return (self.kind, _CELL_COUNT.sub(r"\1", text))
         return (self.kind, _freeze(self.data))
 
 
@@ -82,6 +85,8 @@ class RankCell:
         self.outputs = [o for o in self.outputs if o.kind not in ("stdout", "stderr") or o.text]
         self.done = True
 
+
+_CELL_COUNT = re.compile(r"(Cell\S* \S*In\[)\d+")
 
 # ipykernel names each cell's code after the process's pid (/tmp/ipykernel_4242/31337.py), so
 # a warning about line 1 of a cell would differ on every rank only by that name.
