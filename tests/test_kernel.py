@@ -239,7 +239,7 @@ def test_install_list_and_remove_a_kernelspec(tmp_path):
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["install", "-n", "0"], "-n takes a whole number of at least 1, not '0'"),
+        (["install", "-n", "0"], "-n must be a whole number of at least 1, like -n 4, not '0'"),
         (["install", "--backend", "tensorflow"], "invalid choice: 'tensorflow'"),
         (["install", "--user", "--sys-prefix"], "not allowed with argument"),
         (["install", "--name", "has space"], "--name takes letters"),

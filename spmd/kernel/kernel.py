@@ -23,8 +23,7 @@ from traitlets import Enum, Float, Integer
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
-
-BACKENDS = ("jax", "torch", "none")
+from spmd.options import BACKENDS
 
 
 class SpmdKernel(IPythonKernel):

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+from spmd.options import BACKENDS, count
+
 KERNEL_NAME = "spmd"
 APP_MODULE = "spmd.kernel.app"
-BACKENDS = ("jax", "torch", "none")
 
 
 def display_name_for(processes: int) -> str:
@@ -103,21 +104,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}; see --help.\n")
 
 
-def _count(what: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(
-                f"{what} takes a whole number of at least 1, not {text!r}"
-            )
-        return value
-
-    return parse
-
-
 def _parser() -> _Parser:
     p = _Parser(prog="python -m spmd.kernel", description="Manage SPMD kernelspecs.")
     commands = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -128,8 +114,12 @@ def _parser() -> _Parser:
     where.add_argument("--prefix", help="under this prefix (PREFIX/share/jupyter/kernels)")
     inst.add_argument("--name", default=KERNEL_NAME, help="the kernelspec's name (default spmd)")
     inst.add_argument("--display-name", help="the name in JupyterLab's launcher")
-    inst.add_argument("-n", "--processes", type=_count("-n"), default=4, help="ranks (default 4)")
-    inst.add_argument("-d", "--devices-per-process", type=_count("-d"), help="CPU devices per rank")
+    inst.add_argument(
+        "-n", "--processes", type=count("-n", "-n 4"), default=4, help="ranks (default 4)"
+    )
+    inst.add_argument(
+        "-d", "--devices-per-process", type=count("-d", "-d 2"), help="CPU devices per rank"
+    )
     inst.add_argument("--backend", choices=BACKENDS, default="jax")
     commands.add_parser("list", help="list the SPMD kernelspecs")
     rm = commands.add_parser("remove", help="remove an SPMD kernelspec")

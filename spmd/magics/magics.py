@@ -33,24 +33,9 @@ from spmd.magics.render import (
     show_group,
 )
 from spmd.magics.status import status_table, summary
+from spmd.options import BACKENDS, count
 
-BACKENDS = ("jax", "torch", "none")
 NOT_RUNNING = "No SPMD cluster is running: start one with %spmd start -n 4."
-
-
-def _count(what: str, example: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(
-                f"{what} must be a whole number of at least 1, like {example}, not {text!r}"
-            )
-        return value
-
-    return parse
 
 
 def _words(what: str, text: str) -> list[str]:
@@ -106,8 +91,8 @@ class _Parser(MagicArgumentParser):
 @functools.cache
 def _start_parser() -> _Parser:
     p = _Parser(prog="%spmd start", add_help=False)
-    p.add_argument("-n", "--processes", type=_count("-n", "-n 4"), required=True)
-    p.add_argument("-d", "--devices-per-process", type=_count("--devices-per-process", "-d 2"))
+    p.add_argument("-n", "--processes", type=count("-n", "-n 4"), required=True)
+    p.add_argument("-d", "--devices-per-process", type=count("--devices-per-process", "-d 2"))
     p.add_argument("--backend", choices=BACKENDS, default="jax")
     p.add_argument("--timeout", type=_seconds, default=None)
     p.add_argument("--grace", type=_grace, default=Settings.grace)
