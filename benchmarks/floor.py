@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from spmd.cluster.session import free_port
+from spmd.cluster.launch import free_port
 
 _RANK = r"""
 import sys

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import socket
 import sys
 import time
 
@@ -22,6 +24,27 @@ from spmd.engine.orphans import PARENT_ENV
 from spmd.engine.stacks import STACK_FILE_ENV
 
 LOOPBACK = "127.0.0.1"
+
+# The coordinator's port is chosen now and bound a second later, by rank 0, after its jax
+# import. In between, the controller binds random ports (zmq: 49152-65535) and every
+# connection takes an ephemeral one (Linux: 32768-60999); a port below both is not taken by
+# this start itself. A collision with another program is still possible, hence the retry.
+_COORDINATOR_PORTS = (20000, 32768)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from."""
+    for _ in range(100):
+        port = random.randrange(*_COORDINATOR_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 # ipyparallel's default heartbeat (3 s) dominates start-up: engines are only "registered"
 # after a beat. 300 ms brings a 4-engine start from ~6.6 s to ~2.7 s on 2 cores.

@@ -5,14 +5,8 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import glob
-import json
-import os
-import random
 import shutil
 import signal
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -21,9 +15,16 @@ from dataclasses import dataclass, field
 import psutil
 
 from spmd.cluster import where
-from spmd.cluster.launch import LOOPBACK, RankedEngineLauncher, SpmdCluster, cluster_config
+from spmd.cluster.launch import (
+    LOOPBACK,
+    RankedEngineLauncher,
+    SpmdCluster,
+    cluster_config,
+    free_port,
+)
 from spmd.cluster.lockstep import CellRun
 from spmd.cluster.outputs import Output
+from spmd.cluster.profiles import new_profile_dir
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
 from spmd.engine import bootstrap as engine
 
@@ -65,28 +66,6 @@ class Rank:
     main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
 
 
-# The coordinator's port is chosen now and bound a second later, by rank 0, after its jax
-# import. In between, the controller binds random ports (zmq: 49152-65535) and every
-# connection takes an ephemeral one (Linux: 32768-60999); a port below both is not taken by
-# this start itself. A collision with another program is still possible, hence the retry.
-_COORDINATOR_PORTS = (20000, 32768)
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from."""
-    for _ in range(100):
-        port = random.randrange(*_COORDINATOR_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _interrupts_held():
     """SIGINT does nothing inside this block (main thread only: where the notebook runs)."""
@@ -98,43 +77,6 @@ def _interrupts_held():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-PROFILE_PREFIX = "spmd-"
-OWNER_FILE = "owner.json"  # which notebook process made a profile folder
-
-
-def new_profile_dir() -> str:
-    """A private folder for one cluster's ipyparallel profile (connection files, logs).
-
-    The notebook removes it at stop; a notebook that was killed cannot, so each new one
-    first removes the folders whose owner is gone.
-    """
-    remove_abandoned_profiles()
-    path = tempfile.mkdtemp(prefix=PROFILE_PREFIX)
-    me = psutil.Process()
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump({"pid": me.pid, "create_time": me.create_time()}, f)
-    return path
-
-
-def remove_abandoned_profiles() -> list[str]:
-    """Remove the profile folders of notebook processes that no longer run; their paths."""
-    removed = []
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), PROFILE_PREFIX + "*")):
-        try:
-            with open(os.path.join(path, OWNER_FILE)) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            continue  # not one of ours, or being made right now
-        try:
-            alive = psutil.Process(owner["pid"]).create_time() == owner["create_time"]
-        except psutil.Error:
-            alive = False
-        if not alive:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
 
 
 # What one rank needs on this machine: its engine with jax imported and initialized.

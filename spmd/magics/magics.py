@@ -120,9 +120,8 @@ class SpmdMagics(Magics):
         # The SPMD kernel: auto mode cannot be turned off, and its cluster starts at launch.
         self.always_on = False
         self.pending: BackgroundStart | None = None
-        self._fresh = (
-            False  # the kernel's cluster has not been used yet: %spmd start may replace it
-        )
+        # The kernel's cluster has not been used yet: %spmd start may replace it.
+        self._fresh = False
 
     def start_in_background(self, settings: Settings) -> None:
         """Start the kernel's cluster on a thread; the first use of the cluster waits for it."""
@@ -418,16 +417,15 @@ class SpmdMagics(Magics):
             return RankResults.of(results)
         for group in results:  # the cell fails: what did return is shown, not returned
             show_group(*group)
-        if errors or stall is not None:
-            notes = details = []
-            hint = arrays.gather_hint(session, cell, errors) if stall is None else ""
-            if stall is not None:
-                notes = stall.summary()
-                details = stack_section(stall.busy, stall.stacks)
-                if stall.deaths:
-                    details = ["", *stall.deaths[0].describe(headline=False), *details]
-            raise RankErrors(errors, sorted(run.cells), notes, details, [hint] if hint else [])
-        return None
+        notes, details, hints = [], [], []
+        if stall is not None:
+            notes = stall.summary()
+            details = stack_section(stall.busy, stall.stacks)
+            if stall.deaths:
+                details = ["", *stall.deaths[0].describe(headline=False), *details]
+        else:
+            hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
+        raise RankErrors(errors, sorted(run.cells), notes, details, hints)
 
 
 def _interrupted_by_us(stall) -> set[int]:
