@@ -96,6 +96,7 @@ def test_jax_missing_in_the_engines_environment(shell, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     message = usage_error(shell, "%spmd start -n 2")
     assert message.startswith("jax cannot be imported in the engines' Python (")
+    assert "No module named 'jax')" in message  # why, as the engine's Python said it
     assert message.endswith("install it there, or start with --backend none.")
 
 

@@ -17,6 +17,7 @@ import time
 import jupyter_kernel_test
 import pytest
 from conftest import SPMD_KERNEL, spmd_processes, wait_until_gone
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager, start_new_kernel
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("spmd_kernelspec")]
@@ -253,3 +254,34 @@ def test_bad_kernelspec_arguments_are_one_sentence_and_exit_2(args, says, tmp_pa
     assert done.returncode == 2
     assert says in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path):
+    # a kernelspec whose ranks cannot import jax (a broken jax earlier on the path)
+    from spmd.kernel.kernelspec import write_kernel_spec
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "jax.py").write_text("raise ImportError('this jax is broken')\n")
+    spec = write_kernel_spec(tmp_path / "spmd-broken", processes=2)
+    kernel_json = json.loads((spec / "kernel.json").read_text())
+    kernel_json["env"] = {"PYTHONPATH": str(broken)}
+    (spec / "kernel.json").write_text(json.dumps(kernel_json))
+    KernelSpecManager().install_kernel_spec(str(spec), "spmd-broken", user=True)
+    km, kc = start_new_kernel(kernel_name="spmd-broken")
+    try:
+        kernel_pid = km.provisioner.process.pid
+        reply, text = kernel_stream(kc, "print('hello')")
+        assert reply["content"]["status"] == "error"  # a UsageError: shown as one stderr line
+        assert "The kernel's processes did not start.\n" in text
+        assert "jax cannot be imported in the engines' Python" in text
+        assert "this jax is broken" in text
+        assert "install it there, or start with --backend none" in text
+        assert not wait_until_gone(spmd_processes(kernel_pid))  # nothing left of that start
+        reply, text = kernel_stream(kc, "%spmd start -n 2 --backend none")
+        assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
+        reply, text = kernel_stream(kc, "print('hello')")
+        assert text == "[ranks 0-1] hello\n"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

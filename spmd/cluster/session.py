@@ -112,7 +112,7 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
     evalue = getattr(exc, "evalue", str(exc))
     if ename == "BackendMissing":
         return StartError(
-            f"{evalue.split(': ')[0]}: install it there, or start with --backend none."
+            f"{evalue}: install it there, or start with --backend none."
         )
     return StartError(f"Rank {rank} failed to initialize: {ename}: {evalue}")
 

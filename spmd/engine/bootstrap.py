@@ -120,7 +120,7 @@ def _import(name: str):
     except ImportError as exc:
         raise BackendMissing(
             f"{name.split('.')[0]} cannot be imported in the engines' Python "
-            f"({sys.executable}): {exc}"
+            f"({sys.executable}: {exc})"
         ) from None
 
 
