@@ -278,6 +278,12 @@ def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path
         assert "this jax is broken" in text
         assert "install it there, or start with --backend none" in text
         assert not wait_until_gone(spmd_processes(kernel_pid))  # nothing left of that start
+        # with no cluster, completion answers from the notebook at once, never hangs
+        kernel_stream(kc, "%%local\nnotebook_name = 1")
+        t0 = time.monotonic()
+        reply = kc.complete("notebook_na", reply=True, timeout=30)
+        assert reply["content"]["matches"] == ["notebook_name"]
+        assert time.monotonic() - t0 < 5
         reply, text = kernel_stream(kc, "%spmd start -n 2 --backend none")
         assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
         reply, text = kernel_stream(kc, "print('hello')")
