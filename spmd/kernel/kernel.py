@@ -15,8 +15,6 @@ same report as with the magic.
 
 from __future__ import annotations
 
-import time
-
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Enum, Float, Integer
 
@@ -37,7 +35,9 @@ class SpmdKernel(IPythonKernel):
     )
     backend = Enum(BACKENDS, "jax", help="What every rank initializes.").tag(config=True)
     answer_seconds = Float(
-        2.0, help="How long completion and inspection wait for rank 0 before answering from the notebook (rank 0 busy: at once)."
+        2.0,
+        help="How long completion and inspection wait for rank 0 before the notebook answers "
+        "(at once when rank 0 is busy or no cluster runs).",
     ).tag(config=True)
 
     def start(self) -> None:
@@ -59,15 +59,16 @@ class SpmdKernel(IPythonKernel):
     def _ask_rank0(self, fn, *args) -> dict | None:
         """``fn(*args)`` on rank 0, or None when it cannot answer within ``answer_seconds``."""
         magics = getattr(self, "spmd", None)
-        session = magics.session if magics is not None and magics.pending is None else None
+        if magics is None:
+            return None
+        session = magics.session
+        if magics.pending is not None:  # the kernel's own start, not yet taken by a cell
+            session = magics.pending.session if magics.pending.done else None
         if session is None or not session.running or session.busy_ranks() or session.out_of_step:
             return None
         try:
             ar = session.client[session.ranks[0].engine_id].apply_async(fn, *args)
-            deadline = time.monotonic() + self.answer_seconds
-            if not ar.wait(max(0.0, deadline - time.monotonic())):
-                return None
-            return ar.get()
+            return ar.get(self.answer_seconds)
         except Exception:  # a front end's hint must never fail: the notebook answers instead
             return None
 
