@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from conftest import ready_cluster, run
+from conftest import ready_cluster, run, wait_until_gone
 
 from spmd.magics.render import RankErrors
 
@@ -190,3 +190,15 @@ def test_a_cells_result_is_one_out_and_clear_output_reaches_the_notebook(cluster
         "from IPython.display import clear_output\nprint('50%')\nclear_output()\nprint('done')",
     )
     assert out.stdout == "[ranks 0-1] done\n"  # as a notebook shows it: 50% was cleared
+
+
+def test_processes_a_cell_started_on_the_ranks_end_with_the_cluster(cluster):
+    out = run(
+        cluster,
+        "import subprocess\nchild = subprocess.Popen(['sleep', '1000'])\nprint(child.pid)",
+    )
+    assert out.error is None, out.stdout
+    children = [psutil.Process(int(line.split()[-1])) for line in out.stdout.splitlines()]
+    assert len(children) == 2 and all(c.is_running() for c in children)
+    assert run(cluster, "%spmd stop").error is None
+    assert not wait_until_gone(children)

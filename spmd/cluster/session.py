@@ -99,6 +99,28 @@ def _check_room(n: int) -> None:
         )
 
 
+def _started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
+    """What user code started inside the ranks (``subprocess``, DataLoader workers): once its
+    engine is gone it would live on, reparented to init."""
+    found = []
+    for launcher in cluster.rank_launchers().values():
+        try:
+            found += launcher.process.children(recursive=True)
+        except (psutil.Error, AttributeError):
+            continue
+    return found
+
+
+def _end(processes: list[psutil.Process]) -> None:
+    """Kill these processes, by handle (psutil checks it is still the same process)."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(processes, timeout=2)
+
+
 def _exited(process) -> bool:
     """Whether a psutil process handle has ended (a zombie has ended too)."""
     try:
@@ -267,9 +289,11 @@ class Session:
         if client is not None:
             client.close(linger=0)
         if cluster is not None:
+            started_in_ranks = _started_by_ranks(cluster)
             # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
             cluster._in_thread(cluster.stop_cluster)
+            _end(started_in_ranks)
             # ... and end that thread's loop: every restart makes a new Cluster.
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None:
