@@ -7,6 +7,7 @@ and a killed kernel each get a kernel of their own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -83,6 +84,17 @@ class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
         assert reply["content"]["matches"] == ["notebook_only"]
 
 
+@contextlib.contextmanager
+def spmd_kernel(name: str = SPMD_KERNEL):
+    """A kernel of the kernelspec ``name`` and its client, shut down as Jupyter does."""
+    km, kc = start_new_kernel(kernel_name=name)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+
+
 def kernel_stream(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
     """Run ``code``; its reply and everything it printed or showed as text."""
     shown: list[str] = []
@@ -99,8 +111,7 @@ def kernel_stream(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
 
 
 def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
-    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
-    try:
+    with spmd_kernel() as (km, kc):
         kernel_pid = km.provisioner.process.pid
         reply, text = kernel_stream(kc, "%spmd start -n 3 --backend none")
         assert reply["content"]["status"] == "ok"
@@ -109,15 +120,11 @@ def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
         assert len(engines) == 3  # the kernelspec's 2 ranks were cancelled or stopped
         reply, text = kernel_stream(kc, "import os; print(os.environ['SPMD_NUM_PROCESSES'])")
         assert text == "[ranks 0-2] 3\n"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
     assert not wait_until_gone(spmd_processes(kernel_pid))
 
 
 def test_spmd_start_with_the_kernelspecs_settings_reuses_its_cluster():
-    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
-    try:
+    with spmd_kernel() as (km, kc):
         kernel_pid = km.provisioner.process.pid
         reply, text = kernel_stream(kc, "%spmd start -n 2")
         assert reply["content"]["status"] == "ok", text
@@ -127,14 +134,10 @@ def test_spmd_start_with_the_kernelspecs_settings_reuses_its_cluster():
         assert reply["content"]["status"] == "error"
         assert "already running" in text
         assert {p.pid for p in spmd_processes(kernel_pid)} == first
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
 
 
 def test_interrupt_reaches_every_rank_and_restart_recovers():
-    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
-    try:
+    with spmd_kernel() as (km, kc):
         reply, _ = kernel_stream(kc, "import jax, time")
         assert reply["content"]["status"] == "ok"
         msg_id = kc.execute("time.sleep(120)")
@@ -155,9 +158,6 @@ def test_interrupt_reaches_every_rank_and_restart_recovers():
         assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
         reply, text = kernel_stream(kc, "import jax; print(jax.process_count())")
         assert text == "[ranks 0-1] 2\n"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
 
 
 def test_restart_and_shutdown_of_the_kernel_leave_no_process():
@@ -245,6 +245,7 @@ def test_install_list_and_remove_a_kernelspec(tmp_path):
         (["install", "--user", "--sys-prefix"], "not allowed with argument"),
         (["install", "--name", "has space"], "--name takes letters"),
         (["remove", "python3"], "there is no SPMD kernelspec named 'python3'"),
+        (["install", "--prefix", "/dev/null/nowhere"], "cannot write /dev/null"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -268,8 +269,7 @@ def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path
     kernel_json["env"] = {"PYTHONPATH": str(broken)}
     (spec / "kernel.json").write_text(json.dumps(kernel_json))
     KernelSpecManager().install_kernel_spec(str(spec), "spmd-broken", user=True)
-    km, kc = start_new_kernel(kernel_name="spmd-broken")
-    try:
+    with spmd_kernel("spmd-broken") as (km, kc):
         kernel_pid = km.provisioner.process.pid
         reply, text = kernel_stream(kc, "print('hello')")
         assert reply["content"]["status"] == "error"  # a UsageError: shown as one stderr line
@@ -288,6 +288,3 @@ def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path
         assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
         reply, text = kernel_stream(kc, "print('hello')")
         assert text == "[ranks 0-1] hello\n"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)

@@ -493,6 +493,12 @@ class Session:
             return [], []
         return busy, self._interrupt(self.unfinished, busy)
 
+    def call(self, rank: int, fn, *args, timeout: float):
+        """``fn(*args)`` on one rank (through ipyparallel's signed ``apply``): its answer.
+        Raises the rank's error, or ipyparallel's TimeoutError after ``timeout`` seconds."""
+        ar = self.client[self.ranks[rank].engine_id].apply_async(fn, *args)
+        return ar.get(timeout)
+
     def busy_ranks(self) -> list[int]:
         """Ranks still running a cell the notebook stopped waiting for."""
         run = self.unfinished

@@ -67,8 +67,7 @@ class SpmdKernel(IPythonKernel):
         if session is None or not session.running or session.busy_ranks() or session.out_of_step:
             return None
         try:
-            ar = session.client[session.ranks[0].engine_id].apply_async(fn, *args)
-            return ar.get(self.answer_seconds)
+            return session.call(0, fn, *args, timeout=self.answer_seconds)
         except Exception:  # a front end's hint must never fail: the notebook answers instead
             return None
 

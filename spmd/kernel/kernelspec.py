@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend,
                 display_name=args.display_name,
             )
-        except PermissionError as exc:
+        except OSError as exc:  # no permission, or a file where a folder should be
             print(
-                f"python -m spmd.kernel install: cannot write {exc.filename}: "
-                "install with --user or --sys-prefix instead.",
+                f"python -m spmd.kernel install: cannot write {exc.filename} "
+                f"({exc.strerror}): install with --user or --sys-prefix instead.",
                 file=sys.stderr,
             )
             return 2

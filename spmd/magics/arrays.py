@@ -173,7 +173,7 @@ def gather_hint(session: Session, cell: str, errors: list) -> str:
         if m and 0 < int(m.group(1)) <= len(lines):
             names = _names_in(lines[int(m.group(1)) - 1])
     try:
-        found = ask_rank(session, 0, shards.spanning, names) if names else []
+        found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
     except Exception:  # only a hint: without it, the generic sentence below
         found = []
     what = found[0] if found else "NAME"
@@ -190,12 +190,6 @@ def _names_in(line: str) -> list[str]:
     except SyntaxError:
         return []
     return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
-
-
-def ask_rank(session: Session, rank: int, fn, *args, timeout: float = 5.0):
-    """``fn(*args)`` on one idle rank, its answer (raises on an error or a timeout)."""
-    ar = session.client[session.ranks[rank].engine_id].apply_async(fn, *args)
-    return ar.get(timeout)
 
 
 def _numpy_dtype(name: str):

@@ -63,26 +63,18 @@ class RankResults:
         """None when there is no result, or several rich ones (those are shown one by one)."""
         if not groups:
             return None
-        if len(groups) > 1 and any(set(out.data) - {"text/plain"} for _, out in groups):
+        if len(groups) > 1 and any(_is_rich(out) for _, out in groups):
             for group in groups:
                 show_group(*group)
             return None
-        if len(groups) == 1 and set(groups[0][1].data) - {"text/plain"}:
-            # a picture or HTML: its label goes on a line of its own above it
-            sys.stdout.write(rank_label(groups[0][0]) + "\n")
-            sys.stdout.flush()
+        if len(groups) == 1 and _is_rich(groups[0][1]):
+            write("stdout", rank_label(groups[0][0]) + "\n")  # its label, above it
         return cls(groups)
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         if len(self.groups) == 1:
             ((ranks, out),) = self.groups
-            data = dict(out.data)
-            if set(data) - {"text/plain"}:
-                data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
-            else:
-                data["text/plain"] = labelled(rank_label(ranks), data.get("text/plain", ""))
-            data["text/plain"] = data["text/plain"].rstrip("\n")
-            return data, out.metadata or {}
+            return _labelled_bundle(ranks, out), out.metadata or {}
         text = "".join(
             labelled(rank_label(ranks), out.data.get("text/plain", ""))
             for ranks, out in self.groups
@@ -132,28 +124,40 @@ def labelled(label: str, text: str) -> str:
     return f"{label} {body}\n" if "\n" not in body else f"{label}\n{body}\n"
 
 
+def write(stream: str, text: str) -> None:
+    """``text`` to the notebook's stdout or stderr, now."""
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    out.write(text)
+    out.flush()
+
+
+def _is_rich(out: Output) -> bool:
+    """A picture, HTML or any bundle with more than text."""
+    return bool(set(out.data) - {"text/plain"})
+
+
+def _labelled_bundle(ranks: list[int], out: Output) -> dict:
+    """The MIME bundle of a display or result, labelled with its ranks: in its text for text;
+    a rich one keeps its types and gets a text form for saved notebooks (its label is a line
+    of its own above it, visible in any front end)."""
+    data = dict(out.data)
+    if _is_rich(out):
+        data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
+    else:
+        data["text/plain"] = labelled(rank_label(ranks), data.get("text/plain") or "").rstrip("\n")
+    return data
+
+
 def show_group(ranks: list[int], out: Output) -> None:
     if out.kind == "clear":  # the ranks cleared their output: so does the notebook
         clear_output(wait=out.data["wait"])
         return
-    label = rank_label(ranks)
     if out.kind in ("stdout", "stderr"):
-        stream = sys.stdout if out.kind == "stdout" else sys.stderr
-        stream.write(labelled(label, out.text))
-        stream.flush()
+        write(out.kind, labelled(rank_label(ranks), out.text))
         return
-    data = dict(out.data)
-    plain = data.get("text/plain")
-    if set(data) <= {"text/plain"}:
-        data["text/plain"] = labelled(label, plain or "").rstrip("\n")
-    else:
-        # A picture or HTML: the label goes on a line of its own, visible in any frontend;
-        # the bundle keeps its MIME types, and a text/plain form for saved notebooks.
-        sys.stdout.write(label + "\n")
-        sys.stdout.flush()
-        if plain is None:
-            data["text/plain"] = f"<{', '.join(sorted(data))}>"
-    display(data, metadata=out.metadata or None, raw=True)
+    if _is_rich(out):
+        write("stdout", rank_label(ranks) + "\n")
+    display(_labelled_bundle(ranks, out), metadata=out.metadata or None, raw=True)
 
 
 class RankErrors(Exception):
@@ -236,9 +240,7 @@ class LiveView:
 
     def note(self, stream: str, text: str) -> None:
         """Print ``text`` now, and again if the live view clears it."""
-        out = sys.stdout if stream == "stdout" else sys.stderr
-        out.write(text)
-        out.flush()
+        write(stream, text)
         self.reprint(stream, text)
 
     def add(self, rank: int, out: Output) -> None:
@@ -275,6 +277,4 @@ class LiveView:
         self.handle = None
         clear_output()
         for stream, text in self._before:
-            out = sys.stdout if stream == "stdout" else sys.stderr
-            out.write(text)
-            out.flush()
+            write(stream, text)
