@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from spmd.cluster.launch import free_port
+from spmd.engine.address import free_port
 
 _RANK = r"""
 import sys

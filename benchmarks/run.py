@@ -28,7 +28,7 @@ from IPython.utils.capture import capture_output
 
 from benchmarks.floor import EchoServers, bare_processes
 from benchmarks.kernel import KernelBench
-from spmd.cluster.launch import free_port
+from spmd.engine.address import free_port
 
 PSUM = (
     "import jax\nxs = jax.numpy.ones(jax.local_device_count())\n"

@@ -1,11 +1,13 @@
 """``python -m spmd.cluster.controller``: ipyparallel's controller, ending with the notebook,
-and writing its connection files whole.
+writing its connection files whole, and encrypting its traffic where it leaves the machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import sys
 import tempfile
 
 from spmd.engine.orphans import watch_parent
@@ -31,8 +33,25 @@ def save_connection_dict(self, fname: str, cdict: dict) -> None:
         raise
 
 
+# Set (to "1") by the notebook for a cluster whose ranks may run on other machines.
+CURVE_ENV = "SPMD_CURVE"
+
+
+def _encrypt() -> None:
+    """CurveZMQ on every socket, and messages still signed.
+
+    ipyparallel drops the signing key when it turns CurveZMQ on, unless a key is configured;
+    messages carry pickles, and an unsigned pickle must never be trusted. The key is made
+    here, in this process's own arguments (never on a command line ``ps`` shows), and goes
+    to the engines and the notebook in the private connection files and environment.
+    """
+    sys.argv += ["--IPController.enable_curve=True", f"--Session.key={secrets.token_hex(32)}"]
+
+
 def main() -> None:
     watch_parent()
+    if os.environ.get(CURVE_ENV) == "1":
+        _encrypt()
     from ipyparallel.controller.app import IPController
     from ipyparallel.controller.app import main as controller_main
 

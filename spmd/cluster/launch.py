@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
-import socket
 import sys
 import time
 
@@ -19,32 +17,13 @@ from ipyparallel import Cluster
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets.config import Config
 
+from spmd.cluster import remote
 from spmd.engine import bootstrap as engine
+from spmd.engine import placement
 from spmd.engine.orphans import PARENT_ENV
 from spmd.engine.stacks import STACK_FILE_ENV
 
-LOOPBACK = "127.0.0.1"
-
-# The coordinator's port is chosen now and bound a second later, by rank 0, after its jax
-# import. In between, the controller binds random ports (zmq: 49152-65535) and every
-# connection takes an ephemeral one (Linux: 32768-60999); a port below both is not taken by
-# this start itself. A collision with another program is still possible, hence the retry.
-_COORDINATOR_PORTS = (20000, 32768)
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from."""
-    for _ in range(100):
-        port = random.randrange(*_COORDINATOR_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+LOOPBACK = remote.LOOPBACK
 
 # ipyparallel's default heartbeat (3 s) dominates start-up: engines are only "registered"
 # after a beat. 300 ms brings a 4-engine start from ~6.6 s to ~2.7 s on 2 cores.
@@ -54,12 +33,9 @@ HEARTBEAT_MS = 300
 class RankedEngineLauncher(LocalEngineLauncher):
     """One local engine that knows its rank from the start.
 
-    The rank is the engine's position in its set; the engine asks the controller for the
-    same id, so sorted engine ids and ranks agree, as MPI launches do with MPI ranks.
+    The rank is the engine's position in its set (the engine asks the controller for the
+    same id, see ``spmd.engine.bootstrap.main``).
     """
-
-    def find_args(self) -> list[str]:
-        return super().find_args() + [f"--IPEngine.id={self.identifier}"]
 
     exit_code: int | None = None  # negative: the signal that ended the process
     exited_at: float | None = None  # time.monotonic()
@@ -75,7 +51,12 @@ class RankedEngineLauncher(LocalEngineLauncher):
     def get_env(self) -> dict[str, str]:
         return dict(
             super().get_env(),
-            **{engine.RANK_ENV: str(self.identifier), STACK_FILE_ENV: self.stack_file},
+            **{
+                placement.RANK_ENV: str(self.identifier),
+                placement.LOCAL_RANK_ENV: str(self.identifier),
+                placement.LOCAL_SIZE_ENV: str(self.parent.n),
+                STACK_FILE_ENV: self.stack_file,
+            },
         )
 
     def _wait(self) -> None:
@@ -115,16 +96,21 @@ class RankedEngineSetLauncher(LocalEngineSetLauncher):
 
 
 def cluster_config(
-    n: int, backend: str, cpu_devices: int | None, coordinator: str, init_timeout: int
+    n: int,
+    backend: str,
+    cpu_devices: int | None,
+    coordinator: str,
+    init_timeout: int,
+    where: remote.Placement | None = None,
+    address: str = LOOPBACK,
+    gpus_per_process: int | None = None,
 ) -> Config:
-    """The traitlets config of an SPMD cluster of ``n`` local engines."""
+    """The traitlets config of an SPMD cluster of ``n`` engines, placed as ``where`` says;
+    the controller listens on ``address`` only. ``coordinator`` is '' where rank 0 picks it."""
+    where = where or remote.Placement()
     c = Config()
-    c.Cluster.engine_launcher_class = RankedEngineSetLauncher
-    c.Cluster.controller_ip = LOOPBACK
-    c.Cluster.controller_location = LOOPBACK
-    # Engines find the controller's connection file themselves (they poll for it every
-    # 0.1 s), so they can start, and import jax, while the controller is still starting.
-    c.Cluster.send_engines_connection_env = False
+    c.Cluster.controller_ip = address
+    c.Cluster.controller_location = address
     c.Cluster.delay = 0.0
     c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.cluster.controller"]
     c.LocalControllerLauncher.environment = {PARENT_ENV: str(os.getpid())}
@@ -139,24 +125,39 @@ def cluster_config(
         engine.NUM_PROCESSES_ENV: str(n),
         engine.COORDINATOR_ENV: coordinator,
         engine.INIT_TIMEOUT_ENV: str(init_timeout),
-        PARENT_ENV: str(os.getpid()),
     }
     if cpu_devices:
         env[engine.CPU_DEVICES_ENV] = str(cpu_devices)
-    for launcher_cls in ("LocalEngineSetLauncher", "LocalEngineLauncher"):
-        # (subclasses read their parent class's section of the config too)
-        c[launcher_cls].engine_cmd = [sys.executable, "-m", "spmd.engine"]
-        c[launcher_cls].environment = env
-        c[launcher_cls].engine_args = [
-            "--log-level=WARN",
-            # The nanny is one more process per engine, for signals sent through the controller;
-            # local engines are signalled by their launcher's process handle instead.
-            "--IPEngine.enable_nanny=False",
-            "--IPEngine.out_stream_factory=spmd.engine.streams.OutStream",
-        ]
-    c.LocalEngineSetLauncher.delay = 0.0
+    if gpus_per_process is not None:
+        env[placement.GPUS_PER_PROCESS_ENV] = str(gpus_per_process)
+    engine_args = [
+        "--log-level=WARN",
+        # The nanny is one more process per engine, for signals sent through the controller;
+        # ranks take signals on their own control channel instead (spmd.engine.control).
+        "--IPEngine.enable_nanny=False",
+        "--IPEngine.out_stream_factory=spmd.engine.streams.OutStream",
+    ]
+    python = where.python or sys.executable
+    engine_cmd = [python, "-m", "spmd.engine"]
     # A rank that ignores SIGTERM (blocked in a collective) is killed after this long.
     c.LocalProcessLauncher.stop_seconds_until_kill = 1
+    if where.launcher != "local":
+        c.Cluster.engine_launcher_class = remote.configure(c, where, engine_cmd, engine_args, env)
+        # Remote engines cannot read this machine's files: the connection info (with the key
+        # that signs messages) goes in their environment, through ssh, mpiexec or sbatch.
+        c.Cluster.send_engines_connection_env = True
+        return c
+    c.Cluster.engine_launcher_class = RankedEngineSetLauncher
+    # Engines find the controller's connection file themselves (they poll for it every
+    # 0.1 s), so they can start, and import jax, while the controller is still starting.
+    c.Cluster.send_engines_connection_env = False
+    env[PARENT_ENV] = str(os.getpid())
+    for launcher_cls in ("LocalEngineSetLauncher", "LocalEngineLauncher"):
+        # (subclasses read their parent class's section of the config too)
+        c[launcher_cls].engine_cmd = engine_cmd
+        c[launcher_cls].environment = env
+        c[launcher_cls].engine_args = engine_args
+    c.LocalEngineSetLauncher.delay = 0.0
     return c
 
 
@@ -168,13 +169,50 @@ class SpmdCluster(Cluster):
         await asyncio.gather(self.start_controller(), self.start_engines(n))
 
     def rank_launchers(self) -> dict[int, RankedEngineLauncher]:
-        """The launcher (process handle) of every rank, by rank."""
-        found = {}
+        """The launcher (local process handle) of every local rank, by rank."""
+        return {
+            launcher.rank: launcher
+            for launcher in self._engine_launchers()
+            if isinstance(launcher, RankedEngineLauncher)
+        }
+
+    def ssh_launchers(self) -> dict[int, remote.RankedSSHEngineLauncher]:
+        """The launcher of every rank started over SSH, by rank."""
+        return {
+            launcher.rank: launcher
+            for launcher in self._engine_launchers()
+            if isinstance(launcher, remote.RankedSSHEngineLauncher)
+        }
+
+    def launcher_process(self):
+        """The one local process (mpiexec, sbatch's job) that runs ranks for a whole engine
+        set, or None."""
+        for engine_set in self.engines.values():
+            if getattr(engine_set, "process", None) is not None:
+                return engine_set
+        return None
+
+    def output_of(self, rank: int) -> str:
+        """What a rank's process wrote (for mpiexec and srun: every rank's, interleaved)."""
+        if rank in self.rank_launchers():
+            return self.rank_launchers()[rank].get_output()
+        if rank in self.ssh_launchers():
+            try:
+                return self.ssh_launchers()[rank].fetch_output()
+            except Exception:  # the host cannot be reached any more
+                return ""
+        for engine_set in self.engines.values():
+            try:
+                return engine_set.get_output(remove=False)
+            except Exception:
+                continue
+        return ""
+
+    def _engine_launchers(self) -> list:
+        found = []
         for engine_set in self.engines.values():
             every = {**getattr(engine_set, "ended", {}), **getattr(engine_set, "launchers", {})}
-            for identifier, launcher in every.items():
-                if launcher is not None:
-                    found[int(identifier)] = launcher
+            found += [launcher for launcher in every.values() if launcher is not None]
         return found
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:

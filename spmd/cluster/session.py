@@ -7,6 +7,7 @@ import collections
 import contextlib
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -14,19 +15,20 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from spmd.cluster import where
+from spmd.cluster import control, remote, where
+from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import (
     LOOPBACK,
     RankedEngineLauncher,
     SpmdCluster,
     cluster_config,
-    free_port,
 )
 from spmd.cluster.lockstep import CellRun
 from spmd.cluster.outputs import Output
 from spmd.cluster.profiles import new_profile_dir
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
 from spmd.engine import bootstrap as engine
+from spmd.engine.address import free_port
 
 
 class OutOfStep(RuntimeError):
@@ -49,6 +51,9 @@ class Settings:
     # them (None: never). Ranks of one SPMD program finish a cell together, give or take.
     grace: float | None = 2.0
     start_timeout: float = 120.0
+    where: remote.Placement = remote.Placement()
+    gpus_per_process: int | None = None  # None: an equal share of each host's GPUs
+    curve: bool = True  # encrypt (CurveZMQ) when ranks may run on other machines
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Rank:
     engine_id: int
     pid: int = 0
     host: str = ""
+    gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES it was given (None: left alone)
     local_devices: int = 0
     global_devices: int = 0
     state: str = "idle"  # idle | busy | died | stopped
@@ -149,7 +155,10 @@ class Session:
     out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
     unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
     death: Death | None = None  # the first rank to die; the cluster was stopped after it
-    _launchers: dict[int, RankedEngineLauncher] = field(default_factory=dict)
+    _launchers: dict[int, RankedEngineLauncher] = field(default_factory=dict)  # local ranks
+    _ssh: dict = field(default_factory=dict)  # ranks started over ssh: their launchers
+    _vanished: dict[int, float] = field(default_factory=dict)  # other ranks, gone since when
+    _address: str = LOOPBACK  # where the controller listens
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _profile_dir: str | None = None
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
@@ -160,7 +169,8 @@ class Session:
     def start(self) -> None:
         """Start the engines and join them into one distributed job. Raises StartError."""
         t0 = time.perf_counter()
-        _check_room(self.settings.n)
+        if self.settings.where.on_this_machine:
+            _check_room(self.settings.n)
         for attempt in (1, 2):
             self._profile_dir = new_profile_dir()
             atexit.register(self.stop)
@@ -189,17 +199,28 @@ class Session:
             raise StartError("The start was cancelled.")
 
     def _init_cluster(self) -> None:
-        s = self.settings
+        s, placed = self.settings, self.settings.where
+        try:
+            self._address = remote.controller_address(placed, placed.ssh_args)
+        except remote.HostsError as exc:
+            raise StartError(f"{exc}.") from None
+        config = cluster_config(
+            s.n,
+            s.backend,
+            s.cpu_devices,
+            # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own address.
+            coordinator=f"{LOOPBACK}:{free_port()}" if placed.launcher == "local" else "",
+            init_timeout=int(s.start_timeout),
+            where=placed,
+            address=self._address,
+            gpus_per_process=s.gpus_per_process,
+        )
+        if s.curve and self._address != LOOPBACK:
+            config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
         self.cluster = SpmdCluster(
             n=s.n,
             profile_dir=self._profile_dir,
-            config=cluster_config(
-                s.n,
-                s.backend,
-                s.cpu_devices,
-                coordinator=f"{LOOPBACK}:{free_port()}",
-                init_timeout=int(s.start_timeout),
-            ),
+            config=config,
             engine_timeout=int(s.start_timeout),
             log_level=40,  # errors only: the notebook is not ipyparallel's log
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
@@ -214,6 +235,8 @@ class Session:
                 f"The system refused to start the processes ({type(exc).__name__}: {exc}): "
                 "start fewer ranks."
             ) from None
+        except subprocess.CalledProcessError as exc:  # ssh, sbatch or mpiexec said no
+            raise StartError(remote.launch_failure(placed, exc)) from None
 
     def _init_client(self) -> None:
         s = self.settings
@@ -235,10 +258,22 @@ class Session:
         # Rank = position in the sorted engine ids at start (ids change after a restart).
         self.ranks = [Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))]
         self._launchers = self.cluster.rank_launchers()
+        self._ssh = self.cluster.ssh_launchers()
 
     def _init_distributed(self) -> None:
         s = self.settings
-        pending = {r.rank: self.client[r.engine_id].apply_async(engine.joined) for r in self.ranks}
+        coordinator = None
+        if s.where.launcher != "local" and s.backend != "none":
+            try:
+                coordinator = self.call(
+                    0, engine.propose_coordinator, self._address, timeout=s.start_timeout
+                )
+            except Exception as exc:
+                raise _init_failure(0, exc) from None
+        pending = {
+            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinator)
+            for r in self.ranks
+        }
         deadline = time.monotonic() + s.start_timeout
         while pending:
             self._check_cancelled()
@@ -256,7 +291,7 @@ class Session:
                         f"Rank {rank}'s engine registered as rank {facts['rank']}, so the ranks "
                         "would be mixed up: start again."
                     )
-                row.pid, row.host = facts["pid"], facts["host"]
+                row.pid, row.host, row.gpus = facts["pid"], facts["host"], facts.get("gpus")
                 row.local_devices = facts["local_devices"]
                 row.global_devices = facts["global_devices"]
                 row.main_thread = facts["main_thread"]
@@ -269,11 +304,16 @@ class Session:
     def _exited_engines(self) -> str:
         """'' while every engine runs; else which exited, and the end of one's log."""
         exited = {r: p for r, p in self.cluster.rank_launchers().items() if _exited(p.process)}
-        if not exited:
-            return ""
-        rank, launcher = min(exited.items())
+        if exited:
+            rank, launcher = min(exited.items())
+            who = f"rank {rank}"
+        else:  # mpiexec, for all its ranks at once
+            launcher = self.cluster.launcher_process()
+            if launcher is None or not _exited(launcher.process):
+                return ""
+            who = " ".join(launcher.find_args()[:1])
         tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
-        return f" (rank {rank}); the last lines it wrote:\n{tail}"
+        return f" ({who}); the last lines it wrote:\n{tail}"
 
     @property
     def running(self) -> bool:
@@ -282,11 +322,16 @@ class Session:
     def stop(self) -> None:
         """End every engine and the controller. Safe to call twice, and at exit."""
         atexit.unregister(self.stop)
-        client, cluster = self.client, self.cluster
+        client, cluster, local = self.client, self.cluster, self._launchers
         self.client = self.cluster = None
-        self._launchers = {}
+        self._launchers, self._ssh, self._vanished = {}, {}, {}
         self.unfinished = None
         if client is not None:
+            far = [r.engine_id for r in self.ranks if r.rank not in local and r.state != "died"]
+            if far and cluster is not None:
+                # Ranks on other hosts end at once on their control channel; the launcher's
+                # own stop (over ssh, mpiexec or scancel) then only confirms it.
+                control.signal(client, far, signal.SIGTERM, timeout=0.5)
             client.close(linger=0)
         if cluster is not None:
             started_in_ranks = _started_by_ranks(cluster)
@@ -307,9 +352,13 @@ class Session:
 
     def signal(self, signum: int = signal.SIGINT, ranks: list[int] | None = None) -> None:
         """Send a signal to the processes of some ranks (default: all)."""
-        if self.cluster is not None:
-            all_ranks = [r.rank for r in self.ranks]
-            self.cluster.signal_ranks(all_ranks if ranks is None else ranks, signum)
+        if self.cluster is None:
+            return
+        chosen = [r.rank for r in self.ranks] if ranks is None else ranks
+        self.cluster.signal_ranks([r for r in chosen if r in self._launchers], signum)
+        far = [self.ranks[r].engine_id for r in chosen if r not in self._launchers]
+        if far and self.client is not None:
+            control.signal(self.client, far, signum)
 
     # -- cells ----------------------------------------------------------------------------
 
@@ -413,23 +462,63 @@ class Session:
     # -- deaths and stacks --------------------------------------------------------------
 
     def _any_death(self) -> bool:
-        return any(ln.exited_at is not None for ln in self._launchers.values())
+        return any(ln.exited_at is not None for ln in self._watched.values()) or bool(
+            self._vanished_ranks()
+        )
+
+    @property
+    def _watched(self) -> dict:
+        """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
+        return {**self._ssh, **self._launchers}
+
+    def _vanished_ranks(self) -> dict[int, float]:
+        """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
+        lost: their engine missed its heartbeats and was unregistered."""
+        if self.client is not None and self.ranks:
+            registered = set(self.client.ids)
+            for r in self.ranks:
+                if r.rank in self._watched or r.rank in self._vanished:
+                    continue
+                if r.engine_id not in registered:
+                    self._vanished[r.rank] = time.monotonic()
+            # mpiexec ends every rank when one fails: all of them are gone with it
+            whole = self.cluster.launcher_process() if self.cluster is not None else None
+            if whole is not None and _exited(whole.process):
+                for r in self.ranks:
+                    if r.rank not in self._watched:
+                        self._vanished.setdefault(r.rank, time.monotonic())
+        return self._vanished
 
     def _deaths(self) -> list[Death]:
         """Ranks whose processes ended while the cluster runs, first to die first."""
-        gone = [ln for ln in self._launchers.values() if ln.exited_at is not None]
-        gone.sort(key=lambda ln: ln.exited_at)
-        return [
+        gone = [ln for ln in self._watched.values() if ln.exited_at is not None]
+        deaths = [
             Death(
                 ln.rank,
-                ln.pid,
+                self.ranks[ln.rank].pid,
                 ln.exit_code,
                 ln.exited_at,
-                last_lines(ln.get_output()),
-                self._crash_stack(ln),
+                last_lines(self.cluster.output_of(ln.rank)),
+                self._crash_stack(ln) if ln.rank in self._launchers else None,
+                host=self.ranks[ln.rank].host,
+                cause=f"its process on {self.ranks[ln.rank].host} ended",
             )
             for ln in gone
         ]
+        culprit = None
+        for rank, at in self._vanished_ranks().items():
+            row = self.ranks[rank]
+            output = self.cluster.output_of(rank) if self.cluster is not None else ""
+            death = Death(
+                rank, row.pid, None, at, last_lines(output), host=row.host,
+                cause="it stopped answering the controller's heartbeat",
+            )
+            culprit = culprit or remote.mpi_culprit(output)
+            if culprit and culprit[0] == row.pid:  # the one mpiexec names went first
+                death.exit_code, death.at = culprit[1], at - 1.0
+            deaths.append(death)
+        deaths.sort(key=lambda d: d.at)
+        return deaths
 
     def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:
         """Where a rank was when it crashed, from faulthandler's dump in its stack file."""
@@ -471,20 +560,27 @@ class Session:
 
     def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
         """The main-thread Python stack of each rank (None: it did not answer)."""
-        if not ranks or not self._launchers:
+        if not ranks or self.client is None:
             return {}
-        targets = {
+        # Local ranks answer a signal from C (even while holding the GIL); the others
+        # answer on their control channel.
+        local = {
             r: (
                 self._launchers[r].process,
                 self._launchers[r].stack_file,
                 self.ranks[r].main_thread,
             )
             for r in ranks
+            if r in self._launchers
         }
-        return {
-            r: None if frames is None else self._stack(r, frames)
-            for r, frames in where.dump(targets).items()
-        }
+        found = where.dump(local) if local else {}
+        far = [r for r in ranks if r not in self._launchers]
+        if far:
+            by_engine = control.stacks(self.client, [self.ranks[r].engine_id for r in far])
+            for r in far:
+                frames = by_engine.get(self.ranks[r].engine_id)
+                found[r] = None if frames is None else [where.Frame(*f) for f in frames]
+        return {r: None if frames is None else self._stack(r, frames) for r, frames in found.items()}
 
     def interrupt(self) -> tuple[list[int], list[int]]:
         """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 from dataclasses import dataclass, field
 
 from spmd.cluster.lockstep import rank_label, rank_words
@@ -30,13 +31,15 @@ class Death:
     at: float  # time.monotonic()
     last_lines: list[str] = field(default_factory=list)
     crash: Stack | None = None  # where it was, if it crashed with a Python stack to show
+    host: str = ""
+    cause: str = ""  # what is known where the exit code is not (a rank on another host)
 
     @property
     def how(self) -> str:
         """'killed by SIGKILL', 'exit code 1'."""
         code = self.exit_code
         if code is None:
-            return "it exited"
+            return self.cause or "it exited"
         if code < 0:
             try:
                 return f"killed by {signal.Signals(-code).name}"
@@ -51,7 +54,8 @@ class Death:
 
     def describe(self, headline: bool = True) -> list[str]:
         """Where it crashed, if it did, and its last lines; ``headline`` adds who and how."""
-        lines = [f"Rank {self.rank} (pid {self.pid}) died: {self.how_and_why}."] if headline else []
+        on = f" on {self.host}" if self.host and self.host != socket.gethostname() else ""
+        lines = [f"Rank {self.rank} (pid {self.pid}{on}) died: {self.how_and_why}."] if headline else []
         if self.crash is not None and self.crash.frames:
             lines.append(f"Rank {self.rank} crashed {self.crash.at_cell_line}".rstrip())
             lines.extend(self.crash.lines())

@@ -163,7 +163,8 @@ def with_sources(frames: list[Frame], cells: Iterable[str]) -> list[Frame]:
             lines = by_name.get(m.group(1), [])
             text = lines[f.line - 1] if 0 < f.line <= len(lines) else ""
         else:
-            text = linecache.getline(f.file, f.line)
+            # (a rank on another host sends its own line: the file may not exist here)
+            text = f.source or linecache.getline(f.file, f.line)
         out.append(Frame(f.file, f.line, f.function, text.strip()))
     return out
 

@@ -20,13 +20,14 @@ import threading
 import time
 from typing import Any
 
-from spmd.engine import commands
-from spmd.engine.orphans import watch_parent
+from spmd.engine import commands, control, placement
+from spmd.engine.address import address_toward, free_port
+from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
 
 BACKEND_ENV = "SPMD_BACKEND"
 CPU_DEVICES_ENV = "SPMD_CPU_DEVICES"
-RANK_ENV = "SPMD_RANK"
+RANK_ENV = placement.RANK_ENV
 NUM_PROCESSES_ENV = "SPMD_NUM_PROCESSES"
 COORDINATOR_ENV = "SPMD_COORDINATOR"
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
@@ -48,9 +49,16 @@ class _Join:
     def __init__(self) -> None:
         env = os.environ
         self.backend = env.get(BACKEND_ENV, "none")
-        self.rank = int(env.get(RANK_ENV, "0"))
+        self.rank, self.local_rank, self.local_size = placement.place(env)
         self.num_processes = int(env.get(NUM_PROCESSES_ENV, "1"))
+        per_process = env.get(placement.GPUS_PER_PROCESS_ENV)
+        self.gpus_per_process = None if per_process in (None, "") else int(per_process)
+        # Given at launch where the notebook knows rank 0's address (local ranks); else
+        # rank 0 proposes one once it runs, and the notebook hands it to every rank.
         self.coordinator = env.get(COORDINATOR_ENV, "")
+        self._coordinator_given = threading.Event()
+        if self.coordinator:
+            self._coordinator_given.set()
         self.timeout = int(env.get(INIT_TIMEOUT_ENV, "300"))
         self.cpu_devices = int(env.get(CPU_DEVICES_ENV) or 0)
         self.error: BaseException | None = None
@@ -64,6 +72,26 @@ class _Join:
         if self._thread.ident is not None:
             self._thread.join()
 
+    def give_coordinator(self, address: str) -> None:
+        if not self._coordinator_given.is_set():
+            self.coordinator = address
+            self._coordinator_given.set()
+
+    def _share_gpus(self, host: str) -> list[str] | None:
+        """Pick this rank's GPUs and show only those to jax and torch (before they start)."""
+        gpus = placement.share_gpus(
+            self.local_rank,
+            self.local_size,
+            placement.host_gpus(),
+            self.gpus_per_process,
+            host,
+        )
+        if gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        # torch's name for a rank's place on its host (its device index, with GPUs)
+        os.environ["LOCAL_RANK"] = str(self.local_rank)
+        return gpus
+
     def _run(self) -> None:
         try:
             self.facts = self._join()
@@ -72,14 +100,18 @@ class _Join:
         TIMELINE["joined"] = time.time()
 
     def _join(self) -> dict[str, Any]:
+        host = socket.gethostname()
         facts: dict[str, Any] = {
             "rank": self.rank,
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": host,
             "backend": self.backend,
             "local_devices": 0,
             "global_devices": 0,
+            "gpus": self._share_gpus(host),
         }
+        if self.backend != "none" and not self._coordinator_given.wait(self.timeout):
+            raise TimeoutError(f"no coordinator address came within {self.timeout} s")
         if self.backend == "jax":
             jax = _import("jax")
             TIMELINE["imported"] = time.time()
@@ -129,12 +161,25 @@ _join = _Join()
 
 def _exit_now(signum: int, frame: Any) -> None:
     # XLA installs its own SIGTERM handler (a preemption notice) that ignores the signal, so
-    # a polite stop would wait for the kill timeout. A rank has nothing to save.
+    # a polite stop would wait for the kill timeout. A rank has nothing to save; what its
+    # cells started (subprocesses, DataLoader workers) would outlive it, reparented to init.
+    end_children()
     os._exit(128 + signum)
 
 
-def joined() -> dict:
-    """Wait until this rank has joined the distributed job; return this process's facts."""
+def propose_coordinator(toward: str) -> str:
+    """Rank 0: an address for the coordinator on the interface that reaches ``toward`` (the
+    notebook's machine), which the other hosts reach too; a port free there now."""
+    host = address_toward(toward)
+    return f"{host}:{free_port(host)}"
+
+
+def joined(coordinator: str | None = None) -> dict:
+    """Wait until this rank has joined the distributed job; return this process's facts.
+
+    ``coordinator``: rank 0's address, where it was not known at launch (remote ranks)."""
+    if coordinator:
+        _join.give_coordinator(coordinator)
     _join.wait()
     if _join.error is not None:
         raise _join.error
@@ -144,9 +189,11 @@ def joined() -> dict:
     signal.signal(signal.SIGTERM, _exit_now)
     from IPython import get_ipython
 
-    commands.install(get_ipython())
+    shell = get_ipython()
+    commands.install(shell)
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
+    control.install(shell.kernel, main_thread)
     return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
 
 
@@ -160,6 +207,10 @@ def main() -> None:
     # once in 75 starts). ipyparallel connects no debugger to an engine, so debugpy stays
     # hidden until the rank has joined (``joined`` lets cells import it again).
     sys.modules.setdefault("debugpy", None)
+    # The engine asks the controller for id = rank, so that sorted ids and ranks agree, as
+    # they do for MPI ranks; mpiexec and srun only tell the rank through the environment.
+    if not any(arg.startswith("--IPEngine.id=") for arg in sys.argv):
+        sys.argv.append(f"--IPEngine.id={_join.rank}")
     _join.start()
     listen_for_where()
     watch_parent()

@@ -14,8 +14,9 @@ import time
 PARENT_ENV = "SPMD_PARENT_PID"
 
 
-def _end_children() -> None:
-    # The controller forks a heartbeat process; os._exit would leave it behind.
+def end_children() -> None:
+    """Kill every descendant of this process (before it exits with os._exit, which ends
+    nothing else: the controller's heartbeat process, what a rank's cells started)."""
     import psutil
 
     for child in psutil.Process().children(recursive=True):
@@ -36,7 +37,7 @@ def watch_parent(period: float = 1.0) -> None:
         while True:
             time.sleep(period)
             if os.getppid() != parent_pid:
-                _end_children()
+                end_children()
                 os._exit(1)
 
     threading.Thread(target=watch, name="spmd-parent-watch", daemon=True).start()

@@ -6,6 +6,7 @@ import argparse
 import ast
 import functools
 import math
+import os
 import re
 import shlex
 import sys
@@ -16,7 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
+from traitlets.config import Config
 
+from spmd.cluster import remote
 from spmd.cluster.lockstep import rank_set, rank_words
 from spmd.cluster.session import OutOfStep, Session, Settings, StartError
 from spmd.cluster.watchdog import stack_section
@@ -96,7 +99,56 @@ def _start_parser() -> _Parser:
     p.add_argument("--backend", choices=BACKENDS, default="jax")
     p.add_argument("--timeout", type=_seconds, default=None)
     p.add_argument("--grace", type=_grace, default=Settings.grace)
+    p.add_argument("--hosts", default="")
+    p.add_argument("--launcher", choices=remote.LAUNCHERS, default=None)
+    p.add_argument("--launcher-arg", type=_key_value, action="append", default=[])
+    p.add_argument("--python", default="")
+    p.add_argument("--gpus-per-process", type=_gpus, default=None)
+    p.add_argument("--no-curve", action="store_true")
     return p
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"--launcher-arg takes KEY=VALUE, like partition=gpu, not {text!r}"
+        )
+    return key.strip(), value
+
+
+def _gpus(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"--gpus-per-process takes a whole number (0 hides the GPUs), not {text!r}"
+        )
+    return int(text)
+
+
+def _placement(opts) -> remote.Placement:
+    """Where the ranks of ``%spmd start`` run, from its options; UsageError if they clash."""
+    launcher = opts.launcher or ("ssh" if opts.hosts else "local")
+    if launcher == "local" and (opts.hosts or opts.launcher_arg):
+        flag = "--hosts" if opts.hosts else "--launcher-arg"
+        raise UsageError(
+            f"%spmd start: {flag} is for ranks on other hosts: add --launcher ssh, mpi or slurm."
+        )
+    if launcher == "ssh" and not opts.hosts:
+        raise UsageError("%spmd start: --launcher ssh needs --hosts, like --hosts node1,node2.")
+    if opts.python and launcher in ("local", "mpi") and not opts.hosts:
+        if not (os.path.isfile(opts.python) and os.access(opts.python, os.X_OK)):
+            raise UsageError(
+                f"%spmd start: --python {opts.python} is not a Python interpreter on this "
+                "machine: give the path of one, like /usr/bin/python3."
+            )
+    try:
+        hosts = remote.parse_hosts(opts.hosts, opts.processes) if opts.hosts else ()
+        placed = remote.Placement(launcher, hosts, tuple(opts.launcher_arg), opts.python)
+        if launcher != "local":  # the launcher's settings exist and take these values
+            remote.configure(Config(), placed, [], [], {})
+    except (remote.HostsError, ValueError) as exc:
+        raise UsageError(f"%spmd start: {exc}.") from None
+    return placed
 
 
 @functools.cache  # built once: %%spmd parses its line on every cell
@@ -219,6 +271,9 @@ class SpmdMagics(Magics):
             backend=opts.backend,
             cell_timeout=opts.timeout,
             grace=opts.grace or None,
+            where=_placement(opts),
+            gpus_per_process=opts.gpus_per_process,
+            curve=not opts.no_curve,
         )
         if self._kernel_cluster_is(settings):
             print(summary(self.session))
@@ -249,6 +304,12 @@ class SpmdMagics(Magics):
         return False
 
     def _start(self, settings: Settings) -> None:
+        if not settings.curve and settings.where.leaves_machine:
+            print(
+                "Warning: --no-curve: messages to and from the other hosts are signed but "
+                "not encrypted.",
+                file=sys.stderr,
+            )
         session = Session(settings)
         try:
             session.start()

@@ -1,0 +1,440 @@
+"""Ranks beyond this process's machine: SSH, MPI and Slurm, through ipyparallel's launchers.
+
+ipyparallel starts, signals and stops the processes (its SSH, MPI and Slurm engine set
+launchers); this module only turns ``--hosts``, ``--launcher`` and ``--launcher-arg`` into their
+settings, tells each SSH rank its rank and its place on its host, and picks the address the
+controller listens on: the interface that reaches the hosts, never all interfaces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ipyparallel.cluster.launcher import (
+    MPIEngineSetLauncher,
+    SlurmEngineSetLauncher,
+    SSHEngineLauncher,
+    SSHEngineSetLauncher,
+)
+from ipyparallel.cluster.shellcmd import ShellCommandSend
+from traitlets import Any, Bool, Dict, Float, Integer, List, Unicode
+from traitlets.config import Config
+
+from spmd.engine import placement
+from spmd.engine.address import address_toward
+
+LOOPBACK = "127.0.0.1"
+LAUNCHERS = ("local", "ssh", "mpi", "slurm")
+
+# ssh must never stop to ask (a password, a new host key): it fails at once, and says why.
+SSH_ARGS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+
+# Slurm's own option names, and the launcher setting each one is.
+_SLURM_NAMES = {"partition": "queue", "time": "timelimit"}
+
+
+class HostsError(ValueError):
+    """``--hosts`` or ``--launcher-arg`` cannot be used; the text says what to do."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks run: which launcher, and how many ranks on each host, in rank order."""
+
+    launcher: str = "local"
+    hosts: tuple[tuple[str, int], ...] = ()
+    launcher_args: tuple[tuple[str, str], ...] = ()
+    python: str = ""  # the engines' interpreter on the hosts ('' : the notebook's own)
+
+    @property
+    def on_this_machine(self) -> bool:
+        """Whether every rank runs on this machine (so its memory must hold them)."""
+        return self.launcher in ("local", "mpi") and not self.leaves_machine
+
+    @property
+    def ssh_args(self) -> list[str]:
+        """ssh's arguments: ours, then the user's ``--launcher-arg ssh_args=...``."""
+        return SSH_ARGS + shlex.split(dict(self.launcher_args).get("ssh_args", ""))
+
+    @property
+    def leaves_machine(self) -> bool:
+        """Whether ranks may run on another machine (so traffic is encrypted by default)."""
+        if self.launcher == "slurm":
+            return True
+        return any(not _is_this_machine(host) for host, _ in self.hosts)
+
+
+def parse_hosts(text: str, n: int) -> tuple[tuple[str, int], ...]:
+    """``h1,h2`` (ranks shared out in order, the first hosts taking one more where they do
+    not divide) or ``h1:2,h2:6`` (ranks per host, adding up to ``n``)."""
+    entries = [part.strip() for part in text.split(",") if part.strip()]
+    names, counts = [], []
+    for entry in entries:
+        name, _, count = entry.partition(":")
+        if not name or (count and not count.isdigit()) or count == "0":
+            raise HostsError(
+                f"--hosts takes host names with an optional count of ranks, like "
+                f"node1,node2 or node1:2,node2:6, not {entry!r}"
+            )
+        names.append(name)
+        counts.append(int(count) if count else None)
+    if not names:
+        raise HostsError("--hosts needs at least one host name, like --hosts node1,node2")
+    if len(set(names)) < len(names):
+        raise HostsError(f"--hosts names a host twice ({text}): give each host once, with a count")
+    if all(c is None for c in counts):
+        base, extra = divmod(n, len(names))
+        counts = [base + (i < extra) for i in range(len(names))]
+        if 0 in counts:
+            raise HostsError(f"-n {n} is fewer ranks than the {len(names)} hosts given")
+    elif None in counts or sum(counts) != n:
+        raise HostsError(
+            f"the counts in --hosts {text} add up to {sum(c or 0 for c in counts)}, not -n {n}: "
+            "give every host a count that adds up to -n, or no counts"
+        )
+    return tuple(zip(names, counts))
+
+
+def _is_this_machine(host: str) -> bool:
+    return host.rsplit("@", 1)[-1] in ("localhost", LOOPBACK, "::1")
+
+
+def ssh_address(host: str, ssh_args: list[str]) -> str:
+    """The IP address ssh connects to for ``host``, after the user's ssh config
+    (``HostName`` aliases) and DNS."""
+    try:
+        out = subprocess.run(
+            ["ssh", *ssh_args, "-G", host], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    name = host.rsplit("@", 1)[-1]
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname":
+            name = value.strip()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        raise HostsError(f"the host {host} cannot be found: check its name") from None
+
+
+def controller_address(where: Placement, ssh_args: list[str]) -> str:
+    """The address of this machine that the ranks reach: loopback when they all run here."""
+    if where.launcher in ("local", "mpi") and not where.leaves_machine:
+        return LOOPBACK
+    if where.hosts:
+        first = ssh_address(where.hosts[0][0], ssh_args)
+        return address_toward(first)
+    # Slurm without hosts: the nodes are not known yet; they reach this machine by the
+    # interface of its default route, or else by its name.
+    try:
+        return address_toward("192.0.2.1")  # (a documentation address: nothing is sent)
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class _Sender(ShellCommandSend):
+    """ipyparallel's ssh command runner, keeping what the host prints on stderr in the error
+    it raises (for the start's one-sentence error), not in the notebook's terminal."""
+
+    def _check_output(self, cmd, **kwargs):
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        return super()._check_output(cmd, **kwargs)
+
+
+class RankedSSHEngineLauncher(SSHEngineLauncher):
+    """One engine over SSH that knows its rank and its place on its host, from the start."""
+
+    @property
+    def ssh_sender(self) -> ShellCommandSend:
+        if self._ssh_sender is None:
+            self._ssh_sender = _Sender(
+                self.ssh_cmd, [*self.ssh_args, self.location], self.remote_python, log=self.log
+            )
+        return self._ssh_sender
+
+    @property
+    def rank_place(self) -> tuple[int, int, int]:
+        host, index = self.identifier.rsplit("/", 1)
+        offset = 0
+        for name, count in self.parent.engines.items():
+            if name == host:
+                return offset + int(index), int(index), count
+            offset += count
+        raise KeyError(host)
+
+    @property
+    def rank(self) -> int:
+        return self.rank_place[0]
+
+    # ipyparallel runs each engine's ssh commands on the event loop's thread, one engine
+    # after the other (~1.5 s per engine to start, ~0.5 s to signal). Here they run on the
+    # engine set's threads, all engines at once.
+
+    def start(self, hostname=None, user=None, port=None):
+        self.loop  # noqa: B018 (bound here, on the loop's thread, where the wait thread reports)
+        self.parent.in_parallel(super().start, hostname, user, port)
+
+    def signal(self, sig) -> None:
+        # (its wait, in ``join``, polls the host until the process has ended)
+        self.parent.in_parallel(super().signal, sig)
+
+    exit_code: int | None = None
+    exited_at: float | None = None  # time.monotonic(), as RankedEngineLauncher has them
+
+    def _wait(self) -> None:
+        """ipyparallel's wait (a long poll of the host over ssh), keeping the exit code where
+        the notebook reads it in the middle of a cell, as RankedEngineLauncher does."""
+        exit_code = None
+        while not self._stop_waiting.is_set() and self.state == "running":
+            try:
+                exit_code = self.wait_one(timeout=self.poll_seconds)
+            except TimeoutError:
+                continue
+            except Exception:  # the host or the connection went away: the cluster will stop
+                break
+            else:
+                break
+        if exit_code is not None and not self._stop_waiting.is_set():
+            # (ipyparallel's remote wait cannot know the code of a process it did not start:
+            # it says -1, which is not a signal)
+            self.exit_code = None if exit_code == -1 else exit_code
+            self.exited_at = time.monotonic()
+        stop_data = dict(exit_code=exit_code, pid=self.pid, identifier=self.identifier)
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+    async def join(self, timeout=None) -> None:
+        if self.state != "running":  # its start failed: there is nothing to wait for
+            return
+        try:
+            await super().join(timeout)
+        except subprocess.CalledProcessError:  # the host, or its Python, is gone
+            pass
+
+    def get_output(self, remove=False) -> str:
+        """What the engine wrote, as far as fetched (ipyparallel fetches it at every stop:
+        one more ssh command per engine; the notebook needs it only for a death report)."""
+        return self._output or ""
+
+    def fetch_output(self) -> str:
+        """What the engine wrote, fetched from its host now."""
+        self._output = None
+        return super().get_output(remove=False)
+
+    def get_env(self) -> dict[str, str]:
+        rank, local, size = self.rank_place
+        return dict(
+            super().get_env(),
+            **{
+                placement.RANK_ENV: str(rank),
+                placement.LOCAL_RANK_ENV: str(local),
+                placement.LOCAL_SIZE_ENV: str(size),
+            },
+        )
+
+
+class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
+    """ipyparallel's SSH engine set, over one ssh connection per host.
+
+    The launchers run several ssh commands per engine (checks, the start, signals, the wait,
+    fetching its output); each would log in afresh (~0.3 s). One master connection per host,
+    which this launcher starts and ends by its own handle, carries them all.
+    """
+
+    launcher_class = RankedSSHEngineLauncher
+
+    def start(self, n):
+        self._connect()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="spmd-ssh")
+        self._starting: list[Future] = []
+        started = super().start(n)
+        for future in self._starting:
+            future.result()  # the first failure, if any, as ipyparallel would raise it
+        return started
+
+    def in_parallel(self, fn, *args) -> Future:
+        future = self._pool.submit(fn, *args)
+        self._starting.append(future)
+        return future
+
+    async def stop(self):
+        try:
+            return await super().stop()
+        finally:
+            if getattr(self, "_pool", None) is not None:
+                self._pool.shutdown(wait=True)
+            self._disconnect()
+
+    def _connect(self) -> None:
+        # A short folder: the control socket's path must fit in 108 bytes.
+        self._control_folder = tempfile.mkdtemp(prefix="spmd-ssh-")
+        shared = ["-o", f"ControlPath={self._control_folder}/%C"]
+        self._masters = [
+            subprocess.Popen(
+                ["ssh", *self.ssh_args, *shared, "-o", "ControlMaster=yes", "-N", host],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                preexec_fn=_end_with_parent,
+            )
+            for host in self.engines
+        ]
+        for host, master in zip(self.engines, self._masters):
+            check = ["ssh", *self.ssh_args, *shared, "-O", "check", host]
+            deadline = time.monotonic() + 30
+            while subprocess.run(check, capture_output=True).returncode != 0:
+                if master.poll() is not None:  # it could not connect: say why
+                    raise subprocess.CalledProcessError(
+                        master.returncode, ["ssh", host], stderr=master.stderr.read()
+                    )
+                if time.monotonic() > deadline:
+                    raise subprocess.CalledProcessError(
+                        255, ["ssh", host], stderr=f"{host} did not answer within 30 s"
+                    )
+                time.sleep(0.02)
+        self.ssh_args = [*self.ssh_args, *shared, "-o", "ControlMaster=no"]
+        self.scp_args = [*self.scp_args, *shared, "-o", "ControlMaster=no"]
+
+    def _disconnect(self) -> None:
+        for master in getattr(self, "_masters", []):
+            master.kill()
+            master.wait()
+            master.stderr.close()
+        self._masters = []
+        if getattr(self, "_control_folder", None):
+            shutil.rmtree(self._control_folder, ignore_errors=True)
+
+    def _notice_engine_stopped(self, data) -> None:
+        # Kept for the death report, as RankedEngineSetLauncher does for local ranks.
+        self.__dict__.setdefault("ended", {})[data["identifier"]] = self.launchers.get(
+            data["identifier"]
+        )
+        super()._notice_engine_stopped(data)
+
+
+def _end_with_parent() -> None:
+    """In a child, before exec: the kernel sends it SIGTERM when this process ends, even by
+    SIGKILL, so a connection never outlives the notebook (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+_SET_LAUNCHERS = {
+    "ssh": RankedSSHEngineSetLauncher,
+    "mpi": MPIEngineSetLauncher,
+    "slurm": SlurmEngineSetLauncher,
+}
+
+
+def _value(launcher_cls, key: str, text: str):
+    """``text`` as the type of the launcher's setting ``key``."""
+    trait = launcher_cls.class_traits(config=True).get(key)
+    if isinstance(trait, List):
+        return shlex.split(text)
+    if isinstance(trait, Bool):
+        return text.lower() in ("1", "true", "yes", "on")
+    if isinstance(trait, Integer):
+        return int(text)
+    if isinstance(trait, Float):
+        return float(text)
+    if isinstance(trait, Dict):
+        raise HostsError(f"--launcher-arg cannot set {key}, a dict; use --hosts for engines")
+    if isinstance(trait, (Unicode, Any)):
+        return text
+    raise HostsError(f"--launcher-arg {key}={text} cannot be set")
+
+
+def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: list[str],
+              env: dict[str, str]) -> type:
+    """Set the config of ``where.launcher``'s engine set launcher; return its class."""
+    cls = _SET_LAUNCHERS[where.launcher]
+    section = c[cls.__name__]
+    section.engine_cmd = engine_cmd
+    section.engine_args = engine_args
+    section.environment = env
+    if where.launcher == "ssh":
+        section.engines = dict(where.hosts)
+        section.ssh_args = list(SSH_ARGS)
+        section.scp_args = list(SSH_ARGS)
+        # The connection info travels in the engines' environment, over ssh; nothing is copied.
+        c.SSHEngineLauncher.to_send = []
+        if where.python:
+            section.remote_python = where.python
+    elif where.launcher == "mpi":
+        if where.hosts:
+            section.mpi_args = _mpi_hosts(where.hosts)
+    options = []
+    for key, text in where.launcher_args:
+        name = _SLURM_NAMES.get(key, key) if where.launcher == "slurm" else key
+        if where.launcher == "ssh" and name == "ssh_args":
+            # scp takes the same -F, -i and -o options (a port would be -P there)
+            section.ssh_args = section.scp_args = where.ssh_args
+        elif name in cls.class_traits(config=True):
+            section[name] = _value(cls, name, text)
+        elif where.launcher == "slurm":
+            options.append(f"#SBATCH --{key}={text}")
+        else:
+            known = ", ".join(sorted(cls.class_traits(config=True)))
+            raise HostsError(
+                f"the {where.launcher} launcher has no setting {key!r}; "
+                f"its settings are: {known}"
+            )
+    if options:
+        section.options = "\n".join(options)
+    return cls
+
+
+def _mpi_hosts(hosts) -> list[str]:
+    """mpiexec's own flag for ranks per host: MPICH's ``-hosts`` or Open MPI's ``--host``."""
+    try:
+        version = subprocess.run(
+            ["mpiexec", "--version"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    spec = ",".join(f"{host}:{count}" for host, count in hosts)
+    return ["--host", spec] if "Open MPI" in version else ["-hosts", spec]
+
+
+def launch_failure(where: Placement, exc: subprocess.CalledProcessError) -> str:
+    """One sentence for a launch command that failed, with what it said."""
+    said = (exc.stderr or exc.output or b"")
+    if isinstance(said, bytes):
+        said = said.decode(errors="replace")
+    lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
+    detail = lines[-1] if lines else f"exit status {exc.returncode}"
+    command = exc.cmd[0] if isinstance(exc.cmd, list) and exc.cmd else str(exc.cmd)
+    if where.launcher == "ssh":
+        hosts = ", ".join(host for host, _ in where.hosts)
+        return (
+            f"Starting ranks over ssh on {hosts} failed ({detail}): check that "
+            "`ssh HOST` logs in without a prompt and that --python names a Python with "
+            "jupyter-spmd installed there."
+        )
+    return f"{command} failed ({detail}): check the {where.launcher} launcher's settings."
+
+
+def mpi_culprit(output: str) -> tuple[int, int] | None:
+    """(pid, exit code: negative for a signal) of the rank whose end made mpiexec end the
+    others, from what MPICH's mpiexec printed; None where it did not say."""
+    pid = re.search(r"PID (\d+) RUNNING AT", output)
+    if pid is None:
+        return None
+    by_signal = re.search(r"\(signal (\d+)\)", output)
+    if by_signal:
+        return int(pid.group(1)), -int(by_signal.group(1))
+    code = re.search(r"EXIT CODE: (\d+)", output)
+    return int(pid.group(1)), int(code.group(1)) if code else None

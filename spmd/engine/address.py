@@ -1,0 +1,35 @@
+"""Addresses a rank chooses: the coordinator's port, and its own address as others see it."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+# The coordinator's port is chosen now and bound a second later, by rank 0, after its jax
+# import. In between, the controller binds random ports (zmq: 49152-65535) and every
+# connection takes an ephemeral one (Linux: 32768-60999); a port below both is not taken by
+# this start itself. A collision with another program is still possible, hence the retry.
+_COORDINATOR_PORTS = (20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from."""
+    for _ in range(100):
+        port = random.randrange(*_COORDINATOR_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def address_toward(peer: str) -> str:
+    """This machine's address on the interface that reaches ``peer`` (no packet is sent:
+    connecting a UDP socket only asks the routing table)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]

@@ -1,0 +1,236 @@
+"""Ranks beyond this process: over SSH into hosts made on this machine (network namespaces on
+a bridge, each with its own sshd), and through mpiexec. Each test starts its own cluster and
+checks that nothing is left on any host after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import psutil
+import pytest
+from conftest import run, spmd_processes, wait_until_gone
+from hosts import Hosts, why_not
+from IPython.core.error import UsageError
+
+from spmd.magics.render import RankErrors
+
+pytestmark = pytest.mark.timeout(240)
+
+SETUP = (
+    "import os, socket, time, jax, jax.numpy as jnp\n"
+    "rank = jax.process_index()\n"
+    "psum = jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')"
+)
+PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    reason = why_not()
+    if reason:
+        pytest.skip(f"no hosts in network namespaces here: {reason}")
+    with Hosts(2) as made:
+        yield made
+
+
+def magics(shell):
+    return shell.magics_manager.registry["SpmdMagics"]
+
+
+@pytest.fixture
+def fresh(shell):
+    """The shell with no cluster; whatever a test starts is stopped after it."""
+    session = magics(shell).session
+    if session is not None and session.running:
+        session.stop()
+    yield shell
+    session = magics(shell).session
+    if session is not None and session.running:
+        session.stop()
+    magics(shell).auto.on = False
+
+
+def ssh_start(hosts: Hosts, n: int = 2, extra: str = "") -> str:
+    return (
+        f"%spmd start -n {n} --hosts {','.join(hosts.names)} --python {hosts.python} "
+        f"{hosts.launcher_arg} {extra}"
+    )
+
+
+def nothing_left_on(hosts: Hosts) -> list[int]:
+    """Processes still running in the hosts' namespaces, other than their sshd."""
+    sshd = {p.pid for p in hosts._sshd}
+    left = [pid for pid in hosts.pids() if pid not in sshd]
+    return [p.pid for p in wait_until_gone([psutil.Process(pid) for pid in left if
+                                            psutil.pid_exists(pid)], timeout=10)]
+
+
+def report(result) -> str:
+    assert isinstance(result.error, RankErrors), result.error
+    return "\n".join(result.error._render_traceback_())
+
+
+# -- ssh --------------------------------------------------------------------------------------
+
+
+def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
+    out = run(fresh, ssh_start(hosts))
+    assert out.error is None, out.stdout + out.stderr
+    assert out.stdout.startswith("Started 2 processes")
+    status = run(fresh, "%spmd status").stdout
+    assert re.search(r"^0\s+node1\s", status, re.M) and re.search(r"^1\s+node2\s", status, re.M)
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, "print(socket.gethostname(), jax.process_count())")
+    assert out.stdout == "[rank 0] node1 2\n[rank 1] node2 2\n", out.stdout + out.stderr
+    out = run(fresh, PSUM)
+    assert out.stdout == "[ranks 0-1] [2.]\n", out.stdout + out.stderr
+
+    session = magics(fresh).session
+    # The controller listens for ranks on the bridge's address only, not on all interfaces.
+    bridge = session._address
+    assert bridge not in ("127.0.0.1", "0.0.0.0") and bridge.rsplit(".", 1)[0] in hosts.addresses[0]
+    controller = psutil.Process(session.cluster.controller.process.pid)
+    listening = {c.laddr.ip for c in controller.net_connections() if c.status == "LISTEN"}
+    # (its schedulers talk to each other on the loopback, which no other host reaches)
+    assert listening - {"127.0.0.1"} == {bridge}
+    # CurveZMQ encrypts, and the key still signs every message.
+    security = os.path.join(session.cluster.profile_dir, "security")
+    client_file = next(n for n in os.listdir(security) if n.endswith("-client.json"))
+    with open(os.path.join(security, client_file)) as f:
+        info = json.load(f)
+    assert info["curve_serverkey"] and info["key"]
+
+    out = run(fresh, "%spmd stop")
+    assert out.error is None
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):
+    assert run(fresh, ssh_start(hosts)).error is None
+    assert run(fresh, SETUP).error is None
+    out = run(
+        fresh,
+        "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM,
+    )
+    text = report(out)
+    assert text.startswith("Rank 1 died: its process on node2 ended."), text
+    status = run(fresh, "%spmd status").stdout
+    assert "died" in status
+    assert run(fresh, "%spmd restart").error is None
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    run(fresh, "%spmd stop")
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):
+    assert run(fresh, ssh_start(hosts)).error is None
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, "%%spmd --grace 1\nif rank == 1:\n    time.sleep(60)\n")
+    text = report(out)
+    # rank 1's stack came over its control channel, from node2
+    assert "[rank 1] was running at cell line 2: time.sleep(60)" in text
+    # ... and the interrupt reached it there: it is idle, nobody is left busy
+    assert "did not respond" not in text
+    assert magics(fresh).session.busy_ranks() == []
+    assert run(fresh, "%spmd restart").error is None
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    run(fresh, "%spmd stop")
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_processes_a_remote_cell_started_end_with_the_cluster(fresh, hosts):
+    assert run(fresh, ssh_start(hosts, extra="--backend none")).error is None
+    out = run(fresh, "import subprocess\nchild = subprocess.Popen(['sleep', '1000'])\nchild.pid")
+    assert out.error is None
+    assert len(nothing_left_on(hosts)) >= 4  # two engines, two sleeps
+    assert run(fresh, "%spmd stop").error is None
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_four_ranks_fill_the_hosts_in_order(fresh, hosts):
+    assert run(fresh, ssh_start(hosts, n=4, extra="--backend none")).error is None
+    status = run(fresh, "%spmd status").stdout
+    placed = re.findall(r"^(\d)\s+(node\d)\s", status, re.M)
+    assert placed == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")]
+    out = run(fresh, "import os\nprint(os.environ['LOCAL_RANK'])")
+    assert out.stdout == "[ranks 0,2] 0\n[ranks 1,3] 1\n"
+    run(fresh, "%spmd stop")
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_bad_hosts_give_one_sentence_and_leave_nothing(fresh, hosts, tmp_path):
+    with pytest.raises(UsageError, match=r"the host nosuchhost cannot be found: check its name"):
+        fresh.run_line_magic("spmd", f"start -n 2 --hosts nosuchhost,node2 {hosts.launcher_arg}")
+    # a key the hosts do not know: ssh refuses, and says so
+    config = tmp_path / "ssh_config"
+    with open(hosts.ssh_config) as f:
+        config.write_text(f.read().replace("IdentityFile", "IdentityFile /nonexistent #"))
+    with pytest.raises(UsageError, match=r"ssh on node1, node2 failed \(.*Permission denied"):
+        fresh.run_line_magic(
+            "spmd", f'start -n 2 --hosts node1,node2 --launcher-arg "ssh_args=-F {config}"'
+        )
+    # a --python that is not there
+    with pytest.raises(UsageError, match=r"--python names a Python with jupyter-spmd"):
+        fresh.run_line_magic("spmd", ssh_start(hosts, extra="").replace(
+            f"--python {hosts.python}", "--python /nonexistent/python3"
+        ).removeprefix("%spmd "))
+    assert nothing_left_on(hosts) == []
+    assert magics(fresh).session is None or not magics(fresh).session.running
+
+
+def test_ssh_jax_missing_on_the_hosts_says_so(fresh, hosts, tmp_path):
+    # A Python on the hosts where jax cannot be imported.
+    fake = tmp_path / "nojax" / "jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'jax'\")\n")
+    python = tmp_path / "python-without-jax"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={fake.parent} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    with pytest.raises(UsageError, match=r"jax cannot be imported in the engines' Python"):
+        fresh.run_line_magic(
+            "spmd", ssh_start(hosts).replace(hosts.python, str(python)).removeprefix("%spmd ")
+        )
+    assert nothing_left_on(hosts) == []
+
+
+# -- mpi --------------------------------------------------------------------------------------
+
+needs_mpiexec = pytest.mark.skipif(
+    shutil.which("mpiexec") is None, reason="mpiexec is not installed (apt-get install mpich)"
+)
+
+
+@needs_mpiexec
+def test_mpi_psum_with_ranks_from_mpiexec(fresh):
+    out = run(fresh, "%spmd start -n 2 --launcher mpi")
+    assert out.error is None, out.stdout + out.stderr
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, "print(os.environ.get('PMI_RANK') or os.environ['OMPI_COMM_WORLD_RANK'], rank)")
+    assert out.stdout == "[rank 0] 0 0\n[rank 1] 1 1\n"
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    # a rank that dies takes mpiexec's whole job down: the report names the one that died
+    out = run(fresh, "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM)
+    text = report(out)
+    assert text.startswith("Rank 1 died: killed by SIGKILL"), text
+    assert run(fresh, "%spmd restart").error is None
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    pid = os.getpid()
+    run(fresh, "%spmd stop")
+    assert wait_until_gone(spmd_processes(pid)) == []
+
+
+@needs_mpiexec
+def test_mpi_where_and_interrupt_reach_ranks_without_handles(fresh):
+    assert run(fresh, "%spmd start -n 2 --launcher mpi").error is None
+    assert run(fresh, SETUP).error is None
+    text = report(run(fresh, "%%spmd --grace 1\nif rank == 0:\n    time.sleep(60)\n"))
+    assert "[rank 0] was running at cell line 2: time.sleep(60)" in text
+    assert magics(fresh).session.busy_ranks() == []
+    run(fresh, "%spmd stop")
