@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import psutil
 import pytest
@@ -234,3 +235,52 @@ def test_mpi_where_and_interrupt_reach_ranks_without_handles(fresh):
     assert "[rank 0] was running at cell line 2: time.sleep(60)" in text
     assert magics(fresh).session.busy_ranks() == []
     run(fresh, "%spmd stop")
+
+
+# -- slurm ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    from slurm import Slurm
+    from slurm import why_not as slurm_why_not
+
+    reason = slurm_why_not()
+    if reason:
+        pytest.skip(f"no Slurm here: {reason}")
+    with Slurm() as made:
+        before = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = made.conf  # sbatch and scancel find this cluster
+        try:
+            yield made
+        finally:
+            if before is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = before
+
+
+def test_slurm_psum_with_ranks_from_srun_and_sbatch_options(fresh, slurm):
+    out = run(
+        fresh,
+        "%spmd start -n 2 --launcher slurm --launcher-arg partition=debug "
+        "--launcher-arg time=10 --launcher-arg comment=spmd-test",
+    )
+    assert out.error is None, out.stdout + out.stderr
+    session = magics(fresh).session
+    with open(f"{session.cluster.profile_dir}/engines.sbatch") as f:
+        script = f.read()
+    # Slurm's own option names reach the batch script
+    for line in ("#SBATCH --partition=debug", "#SBATCH --time=10", "#SBATCH --comment=spmd-test"):
+        assert line in script, script
+    assert "srun " in script and "spmd.engine" in script
+    assert len(slurm.jobs().splitlines()) == 1
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, "print(os.environ['SLURM_PROCID'], rank)")
+    assert out.stdout == "[rank 0] 0 0\n[rank 1] 1 1\n"
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    run(fresh, "%spmd stop")
+    deadline = time.monotonic() + 30
+    while slurm.jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slurm.jobs() == ""

@@ -332,11 +332,29 @@ def _end_with_parent() -> None:
         pass
 
 
+class SpmdSlurmEngineSetLauncher(SlurmEngineSetLauncher):
+    """ipyparallel's Slurm engine set, writing any sbatch option in its script.
+
+    ipyparallel writes partition, time, account and qos; its ``options`` setting is not
+    written at all. ``--launcher-arg mem=4G`` becomes ``#SBATCH --mem=4G`` here.
+    """
+
+    sbatch_lines = List(Unicode(), config=True, help="Lines to add to the batch script.")
+
+    def _insert_options_in_script(self) -> None:
+        super()._insert_options_in_script()
+        if self.sbatch_lines:
+            first, rest = self.batch_template.split("\n", 1)
+            self.batch_template = "\n".join([first, *self.sbatch_lines, rest])
+
+
 _SET_LAUNCHERS = {
     "ssh": RankedSSHEngineSetLauncher,
     "mpi": MPIEngineSetLauncher,
-    "slurm": SlurmEngineSetLauncher,
+    "slurm": SpmdSlurmEngineSetLauncher,
 }
+
+
 
 
 def _value(launcher_cls, key: str, text: str):
@@ -393,7 +411,7 @@ def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: l
                 f"its settings are: {known}"
             )
     if options:
-        section.options = "\n".join(options)
+        section.sbatch_lines = options
     return cls
 
 

@@ -217,6 +217,8 @@ class Session:
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
+        if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
+            config.SpmdSlurmEngineSetLauncher.batch_file_name = f"{self._profile_dir}/engines.sbatch"
         self.cluster = SpmdCluster(
             n=s.n,
             profile_dir=self._profile_dir,

@@ -1,0 +1,131 @@
+"""A real single-node Slurm for the tests: munged, slurmctld and slurmd on this machine.
+
+Its own config, ports, state folder and munge socket, so it touches no Slurm the machine may
+already run; every daemon is started here and ended by its handle. Jobs run as root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def why_not() -> str:
+    """'' when a Slurm can be started here; else why not."""
+    if os.geteuid() != 0:
+        return "slurmd and munged run as root here"
+    for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (apt-get install slurm-wlm munge)"
+    if not os.path.exists("/etc/munge/munge.key"):
+        return "munge has no key (/etc/munge/munge.key)"
+    return ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Slurm:
+    """``with Slurm() as slurm:`` a cluster of one node; ``slurm.env`` points Slurm's
+    commands at it (``SLURM_CONF``)."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="spmd-slurm-")
+        self.conf = os.path.join(self.folder, "slurm.conf")
+        self.env = {"SLURM_CONF": self.conf}
+        self._daemons: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Slurm:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        f, node = self.folder, socket.gethostname()
+        os.makedirs(f"{f}/state")
+        os.makedirs(f"{f}/spool")
+        with open(self.conf, "w") as conf:
+            conf.write(
+                f"ClusterName=spmdtest\nSlurmctldHost={node}(127.0.0.1)\n"
+                "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nCredType=cred/munge\n"
+                f"AuthInfo=socket={f}/munge.sock\n"
+                f"SlurmctldPort={_free_port()}\nSlurmdPort={_free_port()}\n"
+                f"StateSaveLocation={f}/state\nSlurmdSpoolDir={f}/spool\n"
+                f"SlurmctldPidFile={f}/slurmctld.pid\nSlurmdPidFile={f}/slurmd.pid\n"
+                f"SlurmctldLogFile={f}/slurmctld.log\nSlurmdLogFile={f}/slurmd.log\n"
+                # 8 CPUs on a 2-core machine: 4 ranks of 1 CPU each fit, as on a real node
+                "SlurmdParameters=config_overrides\n"
+                "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+                "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
+                "SchedulerType=sched/builtin\nReturnToService=2\nMpiDefault=none\n"
+                # a step that ignores SIGTERM is killed 2 s later, not 30
+                "KillWait=2\n"
+                "JobAcctGatherType=jobacct_gather/none\n"
+                "AccountingStorageType=accounting_storage/none\n"
+                f"NodeName={node} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n"
+                f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP\n"
+            )
+        env = dict(os.environ, **self.env)
+        quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
+                 "stderr": subprocess.DEVNULL, "env": env}
+        self._daemons.append(subprocess.Popen(
+            ["munged", "--force", "-F", f"--socket={f}/munge.sock",
+             f"--pid-file={f}/munged.pid", f"--seed-file={f}/munge.seed",
+             f"--log-file={f}/munged.log"], **quiet))
+        self._wait_for(lambda: os.path.exists(f"{f}/munge.sock"), "munged")
+        self._daemons.append(subprocess.Popen(["slurmctld", "-D", "-i"], **quiet))
+        self._daemons.append(subprocess.Popen(["slurmd", "-D"], **quiet))
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True,
+                                 text=True, env=env).stdout.strip()
+            if "drain" in out:  # a state left from a start with other settings
+                subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                               capture_output=True, env=env)
+            return out == "idle"
+
+        self._wait_for(idle, "the Slurm node")
+
+    def _wait_for(self, ready, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if any(d.poll() is not None for d in self._daemons):
+                raise RuntimeError(f"a Slurm daemon exited while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} was not ready within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def jobs(self) -> str:
+        return subprocess.run(["squeue", "-h"], capture_output=True, text=True,
+                              env=dict(os.environ, **self.env)).stdout
+
+    def close(self) -> None:
+        # Jobs end before the daemons do: a step whose slurmd is gone would run on.
+        env = dict(os.environ, **self.env)
+        if self._daemons and self.jobs():
+            subprocess.run(["scancel", "--full", "--user=root"], capture_output=True, env=env)
+            deadline = time.monotonic() + 30
+            while self.jobs() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        for daemon in reversed(self._daemons):
+            daemon.terminate()
+        for daemon in reversed(self._daemons):
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
