@@ -5,7 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean system
+
+# What the cluster tests need from Debian: sshd for hosts made in network namespaces,
+# MPICH's mpiexec, a one-node Slurm. Installed where this runs as root with apt-get (CI);
+# elsewhere those tests skip and say why.
+SYSTEM_PACKAGES := iproute2 openssh-server openssh-client mpich slurm-wlm munge
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +24,17 @@ demo: $(STAMP)
 	$(BIN)/python -m spmd.kernel install --sys-prefix
 	$(BIN)/python -m spmd.demo $(NOTEBOOKS:%=notebooks/%.ipynb)
 
-test: $(STAMP)
+test: $(STAMP) system
 	$(BIN)/python -m pytest
+
+system:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	    echo "Installing $$missing (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  fi; \
+	fi
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(ARGS)

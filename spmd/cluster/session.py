@@ -142,6 +142,8 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
         return StartError(
             f"{evalue}: install it there, or start with --backend none."
         )
+    if ename == "GpuError":  # (its text names the host and says what to do)
+        return StartError(evalue)
     return StartError(f"Rank {rank} failed to initialize: {ename}: {evalue}")
 
 

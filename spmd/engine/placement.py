@@ -83,7 +83,7 @@ def share_gpus(
             return None
         if len(gpus) % local_size:
             raise GpuError(
-                f"{host} has {len(gpus)} GPUs, which do not divide among its {local_size} "
+                f"{host} has {_gpus(len(gpus))}, which cannot be shared evenly by its {local_size} "
                 "ranks: start a number of ranks that divides them, or give --gpus-per-process."
             )
         per_process = len(gpus) // local_size
@@ -94,7 +94,11 @@ def share_gpus(
         )
     if per_process * local_size > len(gpus):
         raise GpuError(
-            f"{host} has {len(gpus)} GPUs, too few for {local_size} ranks with "
+            f"{host} has {_gpus(len(gpus))}, too few for {local_size} ranks with "
             f"--gpus-per-process {per_process}: start fewer ranks there."
         )
     return gpus[local_rank * per_process : (local_rank + 1) * per_process]
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"

@@ -20,7 +20,9 @@ def summary(session: Session) -> str:
 
 
 def status_table(session: Session, auto_on: bool) -> str:
-    head = ("rank", "host", "pid", "state", "devices", "last cell")
+    # GPUs: what each rank was given (CUDA_VISIBLE_DEVICES), where any rank was given some
+    gpus = any(r.gpus is not None for r in session.ranks)
+    head = ("rank", "host", "pid", "state", "devices", *(("gpus",) if gpus else ()), "last cell")
     rows = [
         (
             str(r.rank),
@@ -28,6 +30,7 @@ def status_table(session: Session, auto_on: bool) -> str:
             str(r.pid),
             r.state,
             str(r.local_devices),
+            *((",".join(r.gpus or []) or "none",) if gpus else ()),
             "-" if r.last_seconds is None else f"{r.last_seconds:.2f} s",
         )
         for r in session.ranks
