@@ -9,9 +9,11 @@ round hold. Every figure is the median of its rounds, with the min-max. Results 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -29,6 +31,9 @@ from IPython.utils.capture import capture_output
 from benchmarks.floor import EchoServers, bare_processes
 from benchmarks.kernel import KernelBench
 from spmd.engine.address import free_port
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from hosts import Hosts, why_not  # noqa: E402 (the tests' namespace hosts)
 
 PSUM = (
     "import jax\nxs = jax.numpy.ones(jax.local_device_count())\n"
@@ -92,6 +97,27 @@ class Bench:
             t0 = time.perf_counter()
             cluster.stop_cluster_sync()
             self.record("stop/ipyparallel", time.perf_counter() - t0)
+
+    def remote_lifecycle(self, hosts) -> None:
+        """4 ranks over SSH into two hosts (network namespaces on this machine), and 4 ranks
+        through mpiexec: start until a psum returns, and stop."""
+        for name, start in (
+            (
+                "ssh",
+                f"%spmd start -n 4 -d 2 --hosts {','.join(hosts.names)} "
+                f"--python {hosts.python} {hosts.launcher_arg}",
+            ),
+            ("mpi", "%spmd start -n 4 -d 2 --launcher mpi"),
+        ):
+            if name == "mpi" and shutil.which("mpiexec") is None:
+                continue
+            t0 = time.perf_counter()
+            self.cell(start)
+            self.cell(PSUM)
+            self.record(f"start_to_ready/{name}", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            self.cell("%spmd stop")
+            self.record(f"stop/{name}", time.perf_counter() - t0)
 
     # -- faults: how soon the notebook says what went wrong, and how fast it recovers ------
 
@@ -256,6 +282,10 @@ TARGETS = [
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
     ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
+    ("start_to_ready/ssh", "start_to_ready/spmd", None, ""),
+    ("stop/ssh", "stop/spmd", None, ""),
+    ("start_to_ready/mpi", "start_to_ready/spmd", None, ""),
+    ("stop/mpi", "stop/spmd", None, ""),
 ]
 
 # Detection times: absolute, from the fault to the failed cell in the notebook. Plain
@@ -304,6 +334,32 @@ def table(stats: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
+    for i in range(rounds):
+        print(f"round {i + 1}/{rounds}: start, restart, stop", file=sys.stderr, flush=True)
+        bench.record("start_to_ready/floor", bare_processes())
+        bench.spmd_lifecycle()
+        if not quick:
+            bench.ipyparallel_lifecycle()
+        if hosts is not None:
+            print(f"round {i + 1}/{rounds}: ssh and mpi", file=sys.stderr, flush=True)
+            bench.remote_lifecycle(hosts)
+        print(f"round {i + 1}/{rounds}: faults", file=sys.stderr, flush=True)
+        bench.faults()
+        print(f"round {i + 1}/{rounds}: kernel", file=sys.stderr, flush=True)
+        with KernelBench() as kernels:
+            bench.record("first_result/kernel", kernels.spmd_kernel(PSUM))
+            bench.record("first_result/magic", kernels.magic_in_python3(PSUM))
+    sizes = (4,) if quick else (2, 4, 8)
+    for n in sizes:
+        print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
+        bench.per_cell(n, cells=30 if quick else 100)
+    print("output, 4 ranks", file=sys.stderr, flush=True)
+    bench.output(lines=10_000, rounds=1 if quick else 3)
+    print("memory", file=sys.stderr, flush=True)
+    bench.memory(cells=200 if quick else 1000)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a one-minute subset")
@@ -314,27 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = Bench()
     started = time.perf_counter()
-    for i in range(rounds):
-        print(f"round {i + 1}/{rounds}: start, restart, stop", file=sys.stderr, flush=True)
-        bench.record("start_to_ready/floor", bare_processes())
-        bench.spmd_lifecycle()
-        if not args.quick:
-            bench.ipyparallel_lifecycle()
-        print(f"round {i + 1}/{rounds}: faults", file=sys.stderr, flush=True)
-        bench.faults()
-        print(f"round {i + 1}/{rounds}: kernel", file=sys.stderr, flush=True)
-        with KernelBench() as kernels:
-            bench.record("first_result/kernel", kernels.spmd_kernel(PSUM))
-            bench.record("first_result/magic", kernels.magic_in_python3(PSUM))
-    sizes = (4,) if args.quick else (2, 4, 8)
-    for n in sizes:
-        print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
-        bench.per_cell(n, cells=30 if args.quick else 100)
-    print("output, 4 ranks", file=sys.stderr, flush=True)
-    bench.output(lines=10_000, rounds=1 if args.quick else 3)
-    print("memory", file=sys.stderr, flush=True)
-    bench.memory(cells=200 if args.quick else 1000)
-
+    with contextlib.ExitStack() as stack:
+        # Two SSH hosts in network namespaces, where this machine can make them (root).
+        hosts = None if why_not() else stack.enter_context(Hosts(2))
+        run_all(bench, rounds, args.quick, hosts)
     stats = summarize(bench.samples)
     machine = (
         f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, {sys.platform}"

@@ -205,6 +205,9 @@ class SpmdMagics(Magics):
         Line magic::
 
             %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S] [--grace S]
+                        [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
+                        [--launcher-arg KEY=VALUE ...] [--python PATH]
+                        [--gpus-per-process K] [--no-curve]
             %spmd stop | restart | status | interrupt | where | on | off
             %spmd sharding EXPR          one picture: which process and device holds what
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
@@ -213,6 +216,9 @@ class SpmdMagics(Magics):
         ``start`` launches N engine processes on 127.0.0.1, joins them into one distributed
         job (``jax.distributed.initialize``) and turns auto mode on: from then on every cell
         runs on every rank, in lockstep. ``-d K`` gives each process K CPU devices.
+        ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
+        through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
+        becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
 
         Cell magic (runs one cell on the cluster, also when auto mode is off)::
 
