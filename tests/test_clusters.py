@@ -200,6 +200,28 @@ def test_ssh_jax_missing_on_the_hosts_says_so(fresh, hosts, tmp_path):
     assert nothing_left_on(hosts) == []
 
 
+def test_ssh_hosts_slower_than_the_start_timeout_are_named(fresh, hosts, tmp_path):
+    # A Python that takes 60 s to start an engine there (and no time for anything else).
+    python = tmp_path / "slow-python"
+    python.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in *spmd.engine*) exec {sys.executable} -c '
+        f'"import os, sys, time; time.sleep(60); os.execv(sys.executable, sys.argv)" "$@";; '
+        f'esac\nexec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match=(
+        r"Only 0 of 2 engines registered within 3 s; ranks 0-1 \(on node1, node2\) did not: "
+        r"check the engines' Python environment there, or give them more time with "
+        r"--start-timeout"
+    )):
+        fresh.run_line_magic("spmd", ssh_start(hosts, extra="--start-timeout 3").replace(
+            hosts.python, str(python)).removeprefix("%spmd "))
+    assert time.monotonic() - t0 < 30
+    assert nothing_left_on(hosts) == []
+
+
 # -- mpi --------------------------------------------------------------------------------------
 
 needs_mpiexec = pytest.mark.skipif(

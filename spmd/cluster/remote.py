@@ -105,6 +105,16 @@ def parse_hosts(text: str, n: int) -> tuple[tuple[str, int], ...]:
     return tuple(zip(names, counts))
 
 
+def hosts_of(where: Placement, ranks: list[int]) -> list[str]:
+    """The hosts that ``--hosts`` put these ranks on, in order ([] where it did not say)."""
+    found, first = [], 0
+    for host, count in where.hosts:
+        if any(first <= r < first + count for r in ranks):
+            found.append(host)
+        first += count
+    return found
+
+
 def _is_this_machine(host: str) -> bool:
     return host.rsplit("@", 1)[-1] in ("localhost", LOOPBACK, "::1")
 

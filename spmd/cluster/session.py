@@ -23,7 +23,7 @@ from spmd.cluster.launch import (
     SpmdCluster,
     cluster_config,
 )
-from spmd.cluster.lockstep import CellRun
+from spmd.cluster.lockstep import CellRun, rank_words
 from spmd.cluster.outputs import Output
 from spmd.cluster.profiles import new_profile_dir
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
@@ -254,9 +254,14 @@ class Session:
             if exited:
                 raise StartError(f"An engine process exited during start-up{exited}")
             if time.monotonic() > deadline:
+                missing = sorted(set(range(s.n)) - set(client.ids))  # (engine id = rank)
+                hosts = remote.hosts_of(s.where, missing)
+                where_ = f" (on {', '.join(hosts)})" if hosts else ""
                 raise StartError(
                     f"Only {len(client.ids)} of {s.n} engines registered within "
-                    f"{s.start_timeout:.0f} s: check the engines' Python environment."
+                    f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
+                    "engines' Python environment there, or give them more time with "
+                    "--start-timeout."
                 )
             time.sleep(0.01)
         # Rank = position in the sorted engine ids at start (ids change after a restart).

@@ -99,6 +99,7 @@ def _start_parser() -> _Parser:
     p.add_argument("--backend", choices=BACKENDS, default="jax")
     p.add_argument("--timeout", type=_seconds, default=None)
     p.add_argument("--grace", type=_grace, default=Settings.grace)
+    p.add_argument("--start-timeout", type=_seconds, default=Settings.start_timeout)
     p.add_argument("--hosts", default="")
     p.add_argument("--launcher", choices=remote.LAUNCHERS, default=None)
     p.add_argument("--launcher-arg", type=_key_value, action="append", default=[])
@@ -207,7 +208,7 @@ class SpmdMagics(Magics):
             %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S] [--grace S]
                         [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
-                        [--gpus-per-process K] [--no-curve]
+                        [--gpus-per-process K] [--no-curve] [--start-timeout S]
             %spmd stop | restart | status | interrupt | where | on | off
             %spmd sharding EXPR          one picture: which process and device holds what
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
@@ -280,6 +281,7 @@ class SpmdMagics(Magics):
             where=_placement(opts),
             gpus_per_process=opts.gpus_per_process,
             curve=not opts.no_curve,
+            start_timeout=opts.start_timeout,
         )
         if self._kernel_cluster_is(settings):
             print(summary(self.session))
