@@ -237,10 +237,11 @@ def test_mpi_psum_with_ranks_from_mpiexec(fresh):
     out = run(fresh, "print(os.environ.get('PMI_RANK') or os.environ['OMPI_COMM_WORLD_RANK'], rank)")
     assert out.stdout == "[rank 0] 0 0\n[rank 1] 1 1\n"
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    # a rank that dies takes mpiexec's whole job down: the report names the one that died
+    # a rank that dies takes mpiexec's whole job down; the report names the rank mpiexec
+    # names (almost always the one that died: which end mpiexec sees first is a race)
     out = run(fresh, "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM)
     text = report(out)
-    assert text.startswith("Rank 1 died: killed by SIGKILL"), text
+    assert re.match(r"Rank [01] died: mpiexec says it ended by SIGKILL\.", text), text
     assert run(fresh, "%spmd restart").error is None
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"

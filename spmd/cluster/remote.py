@@ -8,6 +8,7 @@ controller listens on: the interface that reaches the hosts, never all interface
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import re
 import shlex
@@ -196,7 +197,13 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
         self.loop  # noqa: B018 (bound here, on the loop's thread, where the wait thread reports)
         self.parent.in_parallel(super().start, hostname, user, port)
 
+    # Set when the engine confirmed a SIGTERM on its control channel (Session.stop): it is
+    # ending, and the wait that runs since its start (a long poll over ssh) sees it end.
+    ended_by_control = False
+
     def signal(self, sig) -> None:
+        if sig == signal.SIGTERM and self.ended_by_control:
+            return
         # (its wait, in ``join``, polls the host until the process has ended)
         self.parent.in_parallel(super().signal, sig)
 
@@ -227,6 +234,12 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
     async def join(self, timeout=None) -> None:
         if self.state != "running":  # its start failed: there is nothing to wait for
             return
+        waiting = getattr(self, "_wait_thread", None)
+        if self.ended_by_control and waiting is not None:
+            # no new ssh command: the running wait returns when the process has ended
+            await asyncio.get_running_loop().run_in_executor(None, waiting.join, 5)
+            if not waiting.is_alive():
+                return
         try:
             await super().join(timeout)
         except subprocess.CalledProcessError:  # the host, or its Python, is gone
@@ -402,8 +415,7 @@ def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: l
         if where.python:
             section.remote_python = where.python
     elif where.launcher == "mpi":
-        if where.hosts:
-            section.mpi_args = _mpi_hosts(where.hosts)
+        section.mpi_args = _mpi_args(where.hosts)
     options = []
     for key, text in where.launcher_args:
         name = _SLURM_NAMES.get(key, key) if where.launcher == "slurm" else key
@@ -425,16 +437,20 @@ def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: l
     return cls
 
 
-def _mpi_hosts(hosts) -> list[str]:
-    """mpiexec's own flag for ranks per host: MPICH's ``-hosts`` or Open MPI's ``--host``."""
+def _mpi_args(hosts) -> list[str]:
+    """mpiexec's own flags for ranks per host: MPICH's ``-hosts`` or Open MPI's ``--host``."""
     try:
         version = subprocess.run(
             ["mpiexec", "--version"], capture_output=True, text=True, timeout=10
         ).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    spec = ",".join(f"{host}:{count}" for host, count in hosts)
-    return ["--host", spec] if "Open MPI" in version else ["-hosts", spec]
+    open_mpi = "Open MPI" in version
+    args = []
+    if hosts:
+        spec = ",".join(f"{host}:{count}" for host, count in hosts)
+        args += ["--host", spec] if open_mpi else ["-hosts", spec]
+    return args
 
 
 def launch_failure(where: Placement, exc: subprocess.CalledProcessError) -> str:

@@ -340,7 +340,10 @@ class Session:
             if far and cluster is not None:
                 # Ranks on other hosts end at once on their control channel; the launcher's
                 # own stop (over ssh, mpiexec or scancel) then only confirms it.
-                control.signal(client, far, signal.SIGTERM, timeout=0.5)
+                ended = control.signal(client, far, signal.SIGTERM, timeout=0.5)
+                for launcher in cluster.ssh_launchers().values():
+                    engine_id = self.ranks[launcher.rank].engine_id if self.ranks else None
+                    launcher.ended_by_control = engine_id in ended
             client.close(linger=0)
         if cluster is not None:
             started_in_ranks = _started_by_ranks(cluster)
@@ -523,8 +526,19 @@ class Session:
                 cause="it stopped answering the controller's heartbeat",
             )
             culprit = culprit or remote.mpi_culprit(output)
-            if culprit and culprit[0] == row.pid:  # the one mpiexec names went first
-                death.exit_code, death.at = culprit[1], at - 1.0
+            if culprit and culprit[0] == row.pid:
+                # mpiexec kills every rank when one dies, and names the first end it saw:
+                # almost always the rank that died, but not always. Say whose word it is.
+                code = culprit[1]
+                if code is None:
+                    how = "an error"
+                elif code >= 0:
+                    how = f"exit code {code}"
+                else:
+                    how = signal.Signals(-code).name if -code in signal.valid_signals() else (
+                        f"signal {-code}"
+                    )
+                death.cause, death.at = f"mpiexec says it ended by {how}", at - 1.0
             deaths.append(death)
         deaths.sort(key=lambda d: d.at)
         return deaths

@@ -13,6 +13,7 @@ import linecache
 import os
 import signal
 import sys
+import threading
 
 from spmd.engine.orphans import end_children
 
@@ -32,6 +33,11 @@ def stack_of(thread_id: int) -> list[list]:
     return frames[::-1]
 
 
+def _exit_now(signum: int) -> None:
+    end_children()
+    os._exit(128 + signum)
+
+
 def install(kernel, main_thread: int) -> None:
     """Add the two requests to this engine's kernel (from the main thread, once joined)."""
 
@@ -44,9 +50,11 @@ def install(kernel, main_thread: int) -> None:
         kernel.session.send(stream, "spmd_signal_reply", {"status": "ok"}, parent, ident)
         if signum == signal.SIGTERM:
             # Python runs signal handlers on the main thread only, and a rank blocked in a
-            # collective never gets there: a stop ends the process from here instead.
-            end_children()
-            os._exit(128 + signum)
+            # collective never gets there: a stop ends the process from here instead, once
+            # zmq's own thread has had a moment to send the reply.
+            stream.flush()
+            threading.Timer(0.05, _exit_now, (signum,)).start()
+            return
         os.kill(os.getpid(), signum)
 
     kernel.control_handlers[WHERE] = where
