@@ -17,7 +17,7 @@ from ipyparallel import Cluster
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets.config import Config
 
-from spmd.cluster import remote
+from spmd.cluster import remote, ssh
 from spmd.engine import bootstrap as engine
 from spmd.engine import placement
 from spmd.engine.orphans import PARENT_ENV
@@ -176,12 +176,12 @@ class SpmdCluster(Cluster):
             if isinstance(launcher, RankedEngineLauncher)
         }
 
-    def ssh_launchers(self) -> dict[int, remote.RankedSSHEngineLauncher]:
+    def ssh_launchers(self) -> dict[int, ssh.RankedSSHEngineLauncher]:
         """The launcher of every rank started over SSH, by rank."""
         return {
             launcher.rank: launcher
             for launcher in self._engine_launchers()
-            if isinstance(launcher, remote.RankedSSHEngineLauncher)
+            if isinstance(launcher, ssh.RankedSSHEngineLauncher)
         }
 
     def launcher_process(self):

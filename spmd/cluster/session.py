@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import shutil
 import signal
 import subprocess
@@ -13,9 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
-
-from spmd.cluster import control, remote, where
+from spmd.cluster import control, processes, remote, where
 from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import (
     LOOPBACK,
@@ -72,69 +69,6 @@ class Rank:
     main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
 
 
-@contextlib.contextmanager
-def _interrupts_held():
-    """SIGINT does nothing inside this block (main thread only: where the notebook runs)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-# What one rank needs on this machine: its engine with jax imported and initialized.
-RANK_MEMORY = 256 * 2**20
-
-
-def max_local_ranks() -> int:
-    """How many ranks this machine has room for now, by free memory."""
-    return max(1, int(psutil.virtual_memory().available // RANK_MEMORY))
-
-
-def _check_room(n: int) -> None:
-    room = max_local_ranks()
-    if n > room:
-        free = psutil.virtual_memory().available / 2**30
-        raise StartError(
-            f"-n {n} is more ranks than this machine has room for: each needs about "
-            f"{RANK_MEMORY / 2**30:.2f} GiB and {free:.1f} GiB is free, enough for {room}: "
-            "start fewer."
-        )
-
-
-def _started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
-    """What user code started inside the ranks (``subprocess``, DataLoader workers): once its
-    engine is gone it would live on, reparented to init."""
-    found = []
-    for launcher in cluster.rank_launchers().values():
-        try:
-            found += launcher.process.children(recursive=True)
-        except (psutil.Error, AttributeError):
-            continue
-    return found
-
-
-def _end(processes: list[psutil.Process]) -> None:
-    """Kill these processes, by handle (psutil checks it is still the same process)."""
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(processes, timeout=2)
-
-
-def _exited(process) -> bool:
-    """Whether a psutil process handle has ended (a zombie has ended too)."""
-    try:
-        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def _init_failure(rank: int, exc: Exception) -> StartError:
     ename = getattr(exc, "ename", type(exc).__name__)
     evalue = getattr(exc, "evalue", str(exc))
@@ -172,7 +106,10 @@ class Session:
         """Start the engines and join them into one distributed job. Raises StartError."""
         t0 = time.perf_counter()
         if self.settings.where.on_this_machine:
-            _check_room(self.settings.n)
+            try:
+                processes.check_room(self.settings.n)
+            except processes.StartRefused as exc:
+                raise StartError(str(exc)) from None
         for attempt in (1, 2):
             self._profile_dir = new_profile_dir()
             atexit.register(self.stop)
@@ -312,13 +249,13 @@ class Session:
 
     def _exited_engines(self) -> str:
         """'' while every engine runs; else which exited, and the end of one's log."""
-        exited = {r: p for r, p in self.cluster.rank_launchers().items() if _exited(p.process)}
+        exited = {r: p for r, p in self.cluster.rank_launchers().items() if processes.exited(p.process)}
         if exited:
             rank, launcher = min(exited.items())
             who = f"rank {rank}"
         else:  # mpiexec, for all its ranks at once
             launcher = self.cluster.launcher_process()
-            if launcher is None or not _exited(launcher.process):
+            if launcher is None or not processes.exited(launcher.process):
                 return ""
             who = " ".join(launcher.find_args()[:1])
         tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
@@ -346,11 +283,11 @@ class Session:
                     launcher.ended_by_control = engine_id in ended
             client.close(linger=0)
         if cluster is not None:
-            started_in_ranks = _started_by_ranks(cluster)
+            started_in_ranks = processes.started_by_ranks(cluster)
             # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
             cluster._in_thread(cluster.stop_cluster)
-            _end(started_in_ranks)
+            processes.end(started_in_ranks)
             # ... and end that thread's loop: every restart makes a new Cluster.
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None:
@@ -408,7 +345,7 @@ class Session:
             if reason:
                 # People press Interrupt twice: a second one must not cut the report short
                 # and leave the ranks busy without the out-of-step guard.
-                with _interrupts_held():
+                with processes.interrupts_held():
                     run.stall = self._stop_waiting(run, reason, seconds)
         finally:
             for rank, cell in run.cells.items():
@@ -495,7 +432,7 @@ class Session:
                     self._vanished[r.rank] = time.monotonic()
             # mpiexec ends every rank when one fails: all of them are gone with it
             whole = self.cluster.launcher_process() if self.cluster is not None else None
-            if whole is not None and _exited(whole.process):
+            if whole is not None and processes.exited(whole.process):
                 for r in self.ranks:
                     if r.rank not in self._watched:
                         self._vanished.setdefault(r.rank, time.monotonic())

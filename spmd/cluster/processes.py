@@ -1,0 +1,78 @@
+"""The processes of a cluster on this machine: room for them, and ending them by handle."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import psutil
+
+from spmd.cluster.launch import SpmdCluster
+
+
+class StartRefused(RuntimeError):
+    """This machine cannot hold the ranks asked for; the text says why and what to do."""
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """SIGINT does nothing inside this block (main thread only: where the notebook runs)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# What one rank needs on this machine: its engine with jax imported and initialized.
+RANK_MEMORY = 256 * 2**20
+
+
+def max_local_ranks() -> int:
+    """How many ranks this machine has room for now, by free memory."""
+    return max(1, int(psutil.virtual_memory().available // RANK_MEMORY))
+
+
+def check_room(n: int) -> None:
+    room = max_local_ranks()
+    if n > room:
+        free = psutil.virtual_memory().available / 2**30
+        raise StartRefused(
+            f"-n {n} is more ranks than this machine has room for: each needs about "
+            f"{RANK_MEMORY / 2**30:.2f} GiB and {free:.1f} GiB is free, enough for {room}: "
+            "start fewer."
+        )
+
+
+def started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
+    """What user code started inside the ranks (``subprocess``, DataLoader workers): once its
+    engine is gone it would live on, reparented to init."""
+    found = []
+    for launcher in cluster.rank_launchers().values():
+        try:
+            found += launcher.process.children(recursive=True)
+        except (psutil.Error, AttributeError):
+            continue
+    return found
+
+
+def end(processes: list[psutil.Process]) -> None:
+    """Kill these processes, by handle (psutil checks it is still the same process)."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(processes, timeout=2)
+
+
+def exited(process) -> bool:
+    """Whether a psutil process handle has ended (a zombie has ended too)."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -1,0 +1,218 @@
+"""Ranks over SSH: ipyparallel's SSH engine set, with ranks, one connection per host, and
+its per-engine commands run side by side."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
+from ipyparallel.cluster.shellcmd import ShellCommandSend
+
+from spmd.engine import placement
+
+
+class _Sender(ShellCommandSend):
+    """ipyparallel's ssh command runner, keeping what the host prints on stderr in the error
+    it raises (for the start's one-sentence error), not in the notebook's terminal."""
+
+    def _check_output(self, cmd, **kwargs):
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        return super()._check_output(cmd, **kwargs)
+
+
+class RankedSSHEngineLauncher(SSHEngineLauncher):
+    """One engine over SSH that knows its rank and its place on its host, from the start."""
+
+    @property
+    def ssh_sender(self) -> ShellCommandSend:
+        if self._ssh_sender is None:
+            self._ssh_sender = _Sender(
+                self.ssh_cmd, [*self.ssh_args, self.location], self.remote_python, log=self.log
+            )
+        return self._ssh_sender
+
+    @property
+    def rank_place(self) -> tuple[int, int, int]:
+        host, index = self.identifier.rsplit("/", 1)
+        offset = 0
+        for name, count in self.parent.engines.items():
+            if name == host:
+                return offset + int(index), int(index), count
+            offset += count
+        raise KeyError(host)
+
+    @property
+    def rank(self) -> int:
+        return self.rank_place[0]
+
+    # ipyparallel runs each engine's ssh commands on the event loop's thread, one engine
+    # after the other (~1.5 s per engine to start, ~0.5 s to signal). Here they run on the
+    # engine set's threads, all engines at once.
+
+    def start(self, hostname=None, user=None, port=None):
+        self.loop  # noqa: B018 (bound here, on the loop's thread, where the wait thread reports)
+        self.parent.in_parallel(super().start, hostname, user, port)
+
+    # Set when the engine confirmed a SIGTERM on its control channel (Session.stop): it is
+    # ending, and the wait that runs since its start (a long poll over ssh) sees it end.
+    ended_by_control = False
+
+    def signal(self, sig) -> None:
+        if sig == signal.SIGTERM and self.ended_by_control:
+            return
+        # (its wait, in ``join``, polls the host until the process has ended)
+        self.parent.in_parallel(super().signal, sig)
+
+    exit_code: int | None = None
+    exited_at: float | None = None  # time.monotonic(), as RankedEngineLauncher has them
+
+    def _wait(self) -> None:
+        """ipyparallel's wait (a long poll of the host over ssh), keeping the exit code where
+        the notebook reads it in the middle of a cell, as RankedEngineLauncher does."""
+        exit_code = None
+        while not self._stop_waiting.is_set() and self.state == "running":
+            try:
+                exit_code = self.wait_one(timeout=self.poll_seconds)
+            except TimeoutError:
+                continue
+            except Exception:  # the host or the connection went away: the cluster will stop
+                break
+            else:
+                break
+        if exit_code is not None and not self._stop_waiting.is_set():
+            # (ipyparallel's remote wait cannot know the code of a process it did not start:
+            # it says -1, which is not a signal)
+            self.exit_code = None if exit_code == -1 else exit_code
+            self.exited_at = time.monotonic()
+        stop_data = dict(exit_code=exit_code, pid=self.pid, identifier=self.identifier)
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+    async def join(self, timeout=None) -> None:
+        if self.state != "running":  # its start failed: there is nothing to wait for
+            return
+        waiting = getattr(self, "_wait_thread", None)
+        if self.ended_by_control and waiting is not None:
+            # no new ssh command: the running wait returns when the process has ended
+            await asyncio.get_running_loop().run_in_executor(None, waiting.join, 5)
+            if not waiting.is_alive():
+                return
+        try:
+            await super().join(timeout)
+        except subprocess.CalledProcessError:  # the host, or its Python, is gone
+            pass
+
+    def get_output(self, remove=False) -> str:
+        """What the engine wrote, as far as fetched (ipyparallel fetches it at every stop:
+        one more ssh command per engine; the notebook needs it only for a death report)."""
+        return self._output or ""
+
+    def fetch_output(self) -> str:
+        """What the engine wrote, fetched from its host now."""
+        self._output = None
+        return super().get_output(remove=False)
+
+    def get_env(self) -> dict[str, str]:
+        rank, local, size = self.rank_place
+        return dict(
+            super().get_env(),
+            **{
+                placement.RANK_ENV: str(rank),
+                placement.LOCAL_RANK_ENV: str(local),
+                placement.LOCAL_SIZE_ENV: str(size),
+            },
+        )
+
+
+class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
+    """ipyparallel's SSH engine set, over one ssh connection per host.
+
+    The launchers run several ssh commands per engine (checks, the start, signals, the wait,
+    fetching its output); each would log in afresh (~0.3 s). One master connection per host,
+    which this launcher starts and ends by its own handle, carries them all.
+    """
+
+    launcher_class = RankedSSHEngineLauncher
+
+    def start(self, n):
+        self._connect()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="spmd-ssh")
+        self._starting: list[Future] = []
+        started = super().start(n)
+        for future in self._starting:
+            future.result()  # the first failure, if any, as ipyparallel would raise it
+        return started
+
+    def in_parallel(self, fn, *args) -> Future:
+        future = self._pool.submit(fn, *args)
+        self._starting.append(future)
+        return future
+
+    async def stop(self):
+        try:
+            return await super().stop()
+        finally:
+            if getattr(self, "_pool", None) is not None:
+                self._pool.shutdown(wait=True)
+            self._disconnect()
+
+    def _connect(self) -> None:
+        # A short folder: the control socket's path must fit in 108 bytes.
+        self._control_folder = tempfile.mkdtemp(prefix="spmd-ssh-")
+        shared = ["-o", f"ControlPath={self._control_folder}/%C"]
+        self._masters = [
+            subprocess.Popen(
+                ["ssh", *self.ssh_args, *shared, "-o", "ControlMaster=yes", "-N", host],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                preexec_fn=_end_with_parent,
+            )
+            for host in self.engines
+        ]
+        for host, master in zip(self.engines, self._masters):
+            check = ["ssh", *self.ssh_args, *shared, "-O", "check", host]
+            deadline = time.monotonic() + 30
+            while subprocess.run(check, capture_output=True).returncode != 0:
+                if master.poll() is not None:  # it could not connect: say why
+                    raise subprocess.CalledProcessError(
+                        master.returncode, ["ssh", host], stderr=master.stderr.read()
+                    )
+                if time.monotonic() > deadline:
+                    raise subprocess.CalledProcessError(
+                        255, ["ssh", host], stderr=f"{host} did not answer within 30 s"
+                    )
+                time.sleep(0.02)
+        self.ssh_args = [*self.ssh_args, *shared, "-o", "ControlMaster=no"]
+        self.scp_args = [*self.scp_args, *shared, "-o", "ControlMaster=no"]
+
+    def _disconnect(self) -> None:
+        for master in getattr(self, "_masters", []):
+            master.kill()
+            master.wait()
+            master.stderr.close()
+        self._masters = []
+        if getattr(self, "_control_folder", None):
+            shutil.rmtree(self._control_folder, ignore_errors=True)
+
+    def _notice_engine_stopped(self, data) -> None:
+        # Kept for the death report, as RankedEngineSetLauncher does for local ranks.
+        self.__dict__.setdefault("ended", {})[data["identifier"]] = self.launchers.get(
+            data["identifier"]
+        )
+        super()._notice_engine_stopped(data)
+
+
+def _end_with_parent() -> None:
+    """In a child, before exec: the kernel sends it SIGTERM when this process ends, even by
+    SIGKILL, so a connection never outlives the notebook (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
