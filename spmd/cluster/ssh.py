@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -18,13 +19,38 @@ from ipyparallel.cluster.shellcmd import ShellCommandSend
 from spmd.engine import placement
 
 
+class _Once:
+    """A step that one engine of a host runs and the others wait for."""
+
+    def __init__(self) -> None:
+        self.lock, self.done = threading.Lock(), False
+
+
 class _Sender(ShellCommandSend):
     """ipyparallel's ssh command runner, keeping what the host prints on stderr in the error
-    it raises (for the start's one-sentence error), not in the notebook's terminal."""
+    it raises (for the start's one-sentence error), not in the notebook's terminal.
+
+    ipyparallel creates the (shared) profile folder on the host once per engine, an IPython
+    start each (~1 s of CPU): here the first engine of each host creates it, and the others
+    wait for that.
+    """
+
+    profile_made: _Once | None = None
 
     def _check_output(self, cmd, **kwargs):
         kwargs.setdefault("stderr", subprocess.PIPE)
         return super()._check_output(cmd, **kwargs)
+
+    def check_output_python_module(self, module_params, **kwargs):
+        once = self.profile_made
+        if once is None or list(module_params[:3]) != ["IPython", "profile", "create"]:
+            return super().check_output_python_module(module_params, **kwargs)
+        with once.lock:
+            if once.done:
+                return ""
+            out = super().check_output_python_module(module_params, **kwargs)
+            once.done = True
+            return out
 
 
 class RankedSSHEngineLauncher(SSHEngineLauncher):
@@ -36,6 +62,8 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
             self._ssh_sender = _Sender(
                 self.ssh_cmd, [*self.ssh_args, self.location], self.remote_python, log=self.log
             )
+            made = self.parent.__dict__.setdefault("_profiles_made", {})
+            self._ssh_sender.profile_made = made.setdefault(self.location, _Once())
         return self._ssh_sender
 
     @property
