@@ -423,19 +423,19 @@ class Session:
     def _vanished_ranks(self) -> dict[int, float]:
         """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
         lost: their engine missed its heartbeats and was unregistered."""
-        if self.client is not None and self.ranks:
-            registered = set(self.client.ids)
-            for r in self.ranks:
-                if r.rank in self._watched or r.rank in self._vanished:
-                    continue
-                if r.engine_id not in registered:
-                    self._vanished[r.rank] = time.monotonic()
-            # mpiexec ends every rank when one fails: all of them are gone with it
-            whole = self.cluster.launcher_process() if self.cluster is not None else None
-            if whole is not None and processes.exited(whole.process):
-                for r in self.ranks:
-                    if r.rank not in self._watched:
-                        self._vanished.setdefault(r.rank, time.monotonic())
+        watched = self._watched
+        unwatched = [r for r in self.ranks if r.rank not in watched]
+        if self.client is None or not unwatched:  # (every poll of every cell comes here)
+            return self._vanished
+        registered = set(self.client.ids)
+        for r in unwatched:
+            if r.engine_id not in registered:
+                self._vanished.setdefault(r.rank, time.monotonic())
+        # mpiexec ends every rank when one fails: all of them are gone with it
+        whole = self.cluster.launcher_process() if self.cluster is not None else None
+        if whole is not None and processes.exited(whole.process):
+            for r in unwatched:
+                self._vanished.setdefault(r.rank, time.monotonic())
         return self._vanished
 
     def _deaths(self) -> list[Death]:
