@@ -75,6 +75,15 @@ def report(result) -> str:
     return "\n".join(result.error._render_traceback_())
 
 
+def restart_psum_and_stop(shell, hosts: Hosts) -> None:
+    """One %spmd restart brings back ranks where a psum works; stop leaves nothing there."""
+    assert run(shell, "%spmd restart").error is None
+    assert run(shell, SETUP).error is None
+    assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    run(shell, "%spmd stop")
+    assert nothing_left_on(hosts) == []
+
+
 # -- ssh --------------------------------------------------------------------------------------
 
 
@@ -121,11 +130,7 @@ def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):
     assert text.startswith("Rank 1 died: its process on node2 ended."), text
     status = run(fresh, "%spmd status").stdout
     assert "died" in status
-    assert run(fresh, "%spmd restart").error is None
-    assert run(fresh, SETUP).error is None
-    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    run(fresh, "%spmd stop")
-    assert nothing_left_on(hosts) == []
+    restart_psum_and_stop(fresh, hosts)
 
 
 def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):
@@ -138,11 +143,7 @@ def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts
     # ... and the interrupt reached it there: it is idle, nobody is left busy
     assert "did not respond" not in text
     assert magics(fresh).session.busy_ranks() == []
-    assert run(fresh, "%spmd restart").error is None
-    assert run(fresh, SETUP).error is None
-    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    run(fresh, "%spmd stop")
-    assert nothing_left_on(hosts) == []
+    restart_psum_and_stop(fresh, hosts)
 
 
 def test_ssh_processes_a_remote_cell_started_end_with_the_cluster(fresh, hosts):

@@ -4,6 +4,8 @@ GPU, so a fake ``nvidia-smi`` on the ranks' PATH lists 1, 2 or 8, and each rank'
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import run
 from IPython.core.error import UsageError
@@ -52,7 +54,7 @@ def fake_gpus(tmp_path, monkeypatch):
         smi = tmp_path / "nvidia-smi"
         smi.write_text("#!/bin/sh\n" + "".join(f"echo {i}\n" for i in range(count)))
         smi.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+        monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     return make
