@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# torch is installed first, pinned: the CPU build this machine keeps on disk. Left to
+# resolve the [torch] extra ("torch>=2.4") alone, pip would pick a CUDA build of several GB.
+TORCH_VERSION := 2.13.0
 
 .PHONY: demo test bench lint clean system
 
@@ -15,10 +18,12 @@ SYSTEM_PACKAGES := iproute2 openssh-server openssh-client mpich slurm-wlm munge
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet -e '.[test,torch]'
 	touch $(STAMP)
 
-NOTEBOOKS := quickstart 01-multi-process 02-parallel-programming 03-distributed-initialize pitfalls
+NOTEBOOKS := quickstart 01-multi-process 02-parallel-programming 03-distributed-initialize \
+             04-torch-distributed pitfalls
 
 demo: $(STAMP)
 	$(BIN)/python -m spmd.kernel install --sys-prefix

@@ -23,7 +23,8 @@ def unload_ipython_extension(ipython) -> None:
 
 
 def show_sharding(x, title: str = "") -> None:
-    """Display one picture of jax.Array ``x``: which process and device holds each block.
+    """Display one picture of jax.Array or DTensor ``x``: which process and device holds
+    each block (a DTensor's devices are the ranks of its DeviceMesh).
 
     Call it in a cell on the ranks (``spmd.show_sharding(y)``); every process draws the same
     picture from the sharding alone, so the notebook shows it once. ``%spmd sharding y`` draws
@@ -40,3 +41,11 @@ def initialize_args() -> dict:
     from spmd.engine.bootstrap import INITIALIZE_ARGS
 
     return dict(INITIALIZE_ARGS)
+
+
+def init_process_group_args() -> dict:
+    """On a rank: the keyword arguments ``%spmd start --backend torch`` passed to
+    ``torch.distributed.init_process_group`` in this process (``{}`` in the notebook)."""
+    from spmd.engine.torch_group import INIT_ARGS
+
+    return dict(INIT_ARGS)

@@ -4,7 +4,32 @@ from __future__ import annotations
 
 import argparse
 
-BACKENDS = ("jax", "torch", "none")
+# What every rank initializes: jax, torch, both (on separate ports), or nothing.
+BACKENDS = ("jax", "torch", "jax,torch", "none")
+TORCH_BACKENDS = ("gloo", "nccl", "mpi")
+INIT_METHODS = ("tcp", "env", "file")
+
+
+def backend(text: str) -> str:
+    """An argparse type: jax, torch, none, or jax and torch together (in either order)."""
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    chosen = [b for b in ("jax", "torch") if b in names]
+    if names == ["none"]:
+        return "none"
+    if not chosen or len(chosen) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"--backend takes jax, torch, jax,torch or none, not {text!r}"
+        )
+    return ",".join(chosen)
+
+
+def init_method(text: str) -> str:
+    """An argparse type: torch's init method, tcp, env, file, or file:///path/to/a/file."""
+    if text in INIT_METHODS or (text.startswith("file:///") and not text.endswith("/")):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"--init-method takes tcp, env, file or file:///path/to/a/file, not {text!r}"
+    )
 
 
 def count(what: str, example: str):

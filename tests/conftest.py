@@ -107,6 +107,18 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> Inter
     return shell
 
 
+@pytest.fixture
+def fresh(shell):
+    """The shell with no cluster; whatever a test starts is stopped after it."""
+    magics = shell.magics_manager.registry["SpmdMagics"]
+    if magics.session is not None and magics.session.running:
+        magics.session.stop()
+    yield shell
+    if magics.session is not None and magics.session.running:
+        magics.session.stop()
+    magics.auto.on = False
+
+
 @pytest.fixture(scope="module")
 def module_shell(shell):
     """The shared shell; the module's cluster is stopped when the module ends."""

@@ -31,7 +31,10 @@ def usage_error(shell, line: str) -> str:
             "%spmd start -n 2 --devices-per-process 0",
             "--devices-per-process must be a whole number",
         ),
-        ("%spmd start -n 2 --backend tensorflow", "invalid choice: 'tensorflow'"),
+        (
+            "%spmd start -n 2 --backend tensorflow",
+            "--backend takes jax, torch, jax,torch or none, not 'tensorflow'",
+        ),
         ("%spmd start -n 2 --timeout -1", "a timeout is a number of seconds above 0"),
         ("%spmd launch -n 2", "%spmd has no command 'launch'"),
         ("%spmd", "Say what to do"),

@@ -42,19 +42,6 @@ def magics(shell):
     return shell.magics_manager.registry["SpmdMagics"]
 
 
-@pytest.fixture
-def fresh(shell):
-    """The shell with no cluster; whatever a test starts is stopped after it."""
-    session = magics(shell).session
-    if session is not None and session.running:
-        session.stop()
-    yield shell
-    session = magics(shell).session
-    if session is not None and session.running:
-        session.stop()
-    magics(shell).auto.on = False
-
-
 def ssh_start(hosts: Hosts, n: int = 2, extra: str = "") -> str:
     return (
         f"%spmd start -n {n} --hosts {','.join(hosts.names)} --python {hosts.python} "

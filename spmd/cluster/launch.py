@@ -95,18 +95,25 @@ class RankedEngineSetLauncher(LocalEngineSetLauncher):
         return self.__dict__.setdefault("_ended", {})
 
 
+# The user's settings for torch's backends that ranks on other hosts get too.
+PASSED_THROUGH = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
+
+
 def cluster_config(
     n: int,
     backend: str,
     cpu_devices: int | None,
-    coordinator: str,
+    coordinators: dict[str, str],
     init_timeout: int,
     where: remote.Placement | None = None,
     address: str = LOOPBACK,
     gpus_per_process: int | None = None,
+    torch_backend: str = "gloo",
+    torch_init: str = "tcp",
 ) -> Config:
     """The traitlets config of an SPMD cluster of ``n`` engines, placed as ``where`` says;
-    the controller listens on ``address`` only. ``coordinator`` is '' where rank 0 picks it."""
+    the controller listens on ``address`` only. ``coordinators``: rank 0's address for each
+    backend (jax, torch), or {} where rank 0 picks them."""
     where = where or remote.Placement()
     c = Config()
     c.Cluster.controller_ip = address
@@ -123,9 +130,14 @@ def cluster_config(
     env = {
         engine.BACKEND_ENV: backend,
         engine.NUM_PROCESSES_ENV: str(n),
-        engine.COORDINATOR_ENV: coordinator,
+        engine.COORDINATOR_ENV: coordinators.get("jax", ""),
+        engine.TORCH_MASTER_ENV: coordinators.get("torch", ""),
+        engine.TORCH_BACKEND_ENV: torch_backend,
+        engine.TORCH_INIT_ENV: torch_init,
         engine.INIT_TIMEOUT_ENV: str(init_timeout),
     }
+    # Which network interface gloo and NCCL use: the user's choice reaches every host.
+    env.update({k: os.environ[k] for k in PASSED_THROUGH if k in os.environ})
     if cpu_devices:
         env[engine.CPU_DEVICES_ENV] = str(cpu_devices)
     if gpus_per_process is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,22 @@ from spmd.engine import bootstrap as engine
 from spmd.engine.address import free_port
 
 
+def _loopback_ports(backend: str) -> dict[str, str]:
+    """A free port on 127.0.0.1 for each backend's coordinator (jax's and torch's differ)."""
+    ports: dict[str, str] = {}
+    for name in backend.split(","):
+        if name != "none":
+            port = free_port()
+            while f"{LOOPBACK}:{port}" in ports.values():
+                port = free_port()
+            ports[name] = f"{LOOPBACK}:{port}"
+    return ports
+
+
+# How long the other ranks may take to finish their cell once one died (see _stop_waiting).
+AFTER_DEATH_SECONDS = 0.5
+
+
 class OutOfStep(RuntimeError):
     """A cell was refused: an earlier one left the ranks out of step, or a rank died."""
 
@@ -42,7 +60,9 @@ class Settings:
 
     n: int
     cpu_devices: int | None = None
-    backend: str = "jax"
+    backend: str = "jax"  # jax, torch, "jax,torch" or none
+    torch_backend: str = "gloo"  # gloo, nccl or mpi
+    init_method: str = "tcp"  # torch's: tcp, env, file (in the cluster's folder) or file:///path
     cell_timeout: float | None = None
     # Seconds the other ranks may still run after one finished before the watchdog reports
     # them (None: never). Ranks of one SPMD program finish a cell together, give or take.
@@ -76,7 +96,7 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
         return StartError(
             f"{evalue}: install it there, or start with --backend none."
         )
-    if ename == "GpuError":  # (its text names the host and says what to do)
+    if ename in ("GpuError", "TorchSetupError"):  # (its text names the host and says what to do)
         return StartError(evalue)
     return StartError(f"Rank {rank} failed to initialize: {ename}: {evalue}")
 
@@ -147,12 +167,14 @@ class Session:
             s.n,
             s.backend,
             s.cpu_devices,
-            # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own address.
-            coordinator=f"{LOOPBACK}:{free_port()}" if placed.launcher == "local" else "",
+            # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own addresses.
+            coordinators=_loopback_ports(s.backend) if placed.launcher == "local" else {},
             init_timeout=int(s.start_timeout),
             where=placed,
             address=self._address,
             gpus_per_process=s.gpus_per_process,
+            torch_backend=s.torch_backend,
+            torch_init=self._torch_init(),
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
@@ -178,6 +200,22 @@ class Session:
             ) from None
         except subprocess.CalledProcessError as exc:  # ssh, sbatch or mpiexec said no
             raise StartError(remote.launch_failure(placed, exc)) from None
+
+    def _torch_init(self) -> str:
+        """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's
+        folder. A file left by an earlier start would break this one: it is removed first."""
+        method = self.settings.init_method
+        if method == "file":
+            method = f"file://{self._profile_dir}/torch-init"
+        if "torch" in self.settings.backend:
+            self._remove_torch_file(method)
+        return method
+
+    def _remove_torch_file(self, method: str | None = None) -> None:
+        method = method or self.settings.init_method
+        if "torch" in self.settings.backend and method.startswith("file://"):
+            with contextlib.suppress(OSError):
+                os.remove(method[len("file://"):])
 
     def _init_client(self) -> None:
         s = self.settings
@@ -208,16 +246,16 @@ class Session:
 
     def _init_distributed(self) -> None:
         s = self.settings
-        coordinator = None
+        coordinators = None
         if s.where.launcher != "local" and s.backend != "none":
             try:
-                coordinator = self.call(
-                    0, engine.propose_coordinator, self._address, timeout=s.start_timeout
+                coordinators = self.call(
+                    0, engine.propose_coordinators, self._address, timeout=s.start_timeout
                 )
             except Exception as exc:
                 raise _init_failure(0, exc) from None
         pending = {
-            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinator)
+            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
             for r in self.ranks
         }
         deadline = time.monotonic() + s.start_timeout
@@ -295,6 +333,7 @@ class Session:
         for r in self.ranks:
             if r.state != "died":
                 r.state = "stopped"
+        self._remove_torch_file()
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
             self._profile_dir = None
@@ -382,7 +421,10 @@ class Session:
         return (DIED, None) if self._any_death() else ("", None)
 
     def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:
-        stall = Stall.at(reason, seconds, run.cells, deaths=self._deaths())
+        deaths = self._deaths() if reason == DIED else []
+        if deaths:
+            self._let_survivors_finish(run, {d.rank for d in deaths})
+        stall = Stall.at(reason, seconds, run.cells, deaths=deaths or self._deaths())
         busy = stall.busy
         # Where the busy ranks are, before an interrupt moves them.
         stall.stacks = self.stacks(busy)
@@ -399,6 +441,23 @@ class Session:
             f"the last cell {what}, so the ranks are out of step: %spmd restart before going on."
         )
         return stall
+
+    def _let_survivors_finish(self, run: CellRun, dead: set[int]) -> None:
+        """gloo (unlike jax) raises at once in the other ranks when a peer's connection
+        drops. Their errors belong in the death report, not stacks caught half-way through
+        formatting them: wait a moment, and longer for ranks already past the cell's code."""
+
+        def busy() -> list[int]:
+            return [r for r, c in run.cells.items() if not c.done and r not in dead]
+
+        def wait(ranks: list[int], seconds: float) -> None:
+            until = time.monotonic() + seconds
+            while time.monotonic() < until and any(not run.cells[r].done for r in ranks):
+                run.poll(0.02)
+
+        wait(busy(), AFTER_DEATH_SECONDS)
+        stacks = self.stacks(busy())
+        wait([r for r, s in stacks.items() if s is not None and not s.at_cell_line], 5.0)
 
     def _interrupt(self, run: CellRun, busy: list[int], grace: float = 0.5) -> list[int]:
         """SIGINT to the busy ranks; the ones still busy after ``grace`` seconds."""

@@ -143,6 +143,11 @@ class Stall:
                     if aborted
                     else "exited too."
                 )
+            if raised:
+                text += (
+                    f" {rank_words(raised).capitalize()} then raised an error, below (a "
+                    "collective that lost it, as gloo does)."
+                )
             if waiting:
                 text += f" {rank_words(waiting).capitalize()} {_be(waiting)} waiting in a collective for it."
             return text

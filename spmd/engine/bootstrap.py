@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from spmd.engine import commands, control, placement
+from spmd.engine import commands, control, placement, torch_group
 from spmd.engine.address import address_toward, free_port
 from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
@@ -29,7 +29,10 @@ BACKEND_ENV = "SPMD_BACKEND"
 CPU_DEVICES_ENV = "SPMD_CPU_DEVICES"
 RANK_ENV = placement.RANK_ENV
 NUM_PROCESSES_ENV = "SPMD_NUM_PROCESSES"
-COORDINATOR_ENV = "SPMD_COORDINATOR"
+COORDINATOR_ENV = "SPMD_COORDINATOR"  # jax's coordinator, host:port
+TORCH_MASTER_ENV = "SPMD_TORCH_MASTER"  # torch's MASTER_ADDR:MASTER_PORT
+TORCH_BACKEND_ENV = "SPMD_TORCH_BACKEND"  # gloo, nccl or mpi
+TORCH_INIT_ENV = "SPMD_TORCH_INIT"  # tcp, env or file:///path
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
 
 # The keyword arguments this rank passed to jax.distributed.initialize (``spmd.initialize_args``).
@@ -48,16 +51,23 @@ class _Join:
 
     def __init__(self) -> None:
         env = os.environ
-        self.backend = env.get(BACKEND_ENV, "none")
+        # "jax", "torch", "jax,torch" or "none"
+        self.backends = [b for b in env.get(BACKEND_ENV, "none").split(",") if b != "none"]
         self.rank, self.local_rank, self.local_size = placement.place(env)
         self.num_processes = int(env.get(NUM_PROCESSES_ENV, "1"))
         per_process = env.get(placement.GPUS_PER_PROCESS_ENV)
         self.gpus_per_process = None if per_process in (None, "") else int(per_process)
         # Given at launch where the notebook knows rank 0's address (local ranks); else
-        # rank 0 proposes one once it runs, and the notebook hands it to every rank.
-        self.coordinator = env.get(COORDINATOR_ENV, "")
+        # rank 0 proposes them once it runs, and the notebook hands them to every rank.
+        self.coordinators = {
+            backend: env[var]
+            for backend, var in (("jax", COORDINATOR_ENV), ("torch", TORCH_MASTER_ENV))
+            if env.get(var)
+        }
+        self.torch_backend = env.get(TORCH_BACKEND_ENV, "gloo")
+        self.torch_init = env.get(TORCH_INIT_ENV, "tcp")
         self._coordinator_given = threading.Event()
-        if self.coordinator:
+        if self.coordinators:
             self._coordinator_given.set()
         self.timeout = int(env.get(INIT_TIMEOUT_ENV, "300"))
         self.cpu_devices = int(env.get(CPU_DEVICES_ENV) or 0)
@@ -72,9 +82,9 @@ class _Join:
         if self._thread.ident is not None:
             self._thread.join()
 
-    def give_coordinator(self, address: str) -> None:
+    def give_coordinators(self, addresses: dict[str, str]) -> None:
         if not self._coordinator_given.is_set():
-            self.coordinator = address
+            self.coordinators = dict(addresses)
             self._coordinator_given.set()
 
     def _share_gpus(self, host: str) -> list[str] | None:
@@ -105,43 +115,56 @@ class _Join:
             "rank": self.rank,
             "pid": os.getpid(),
             "host": host,
-            "backend": self.backend,
+            "backend": ",".join(self.backends) or "none",
             "local_devices": 0,
             "global_devices": 0,
             "gpus": self._share_gpus(host),
         }
-        if self.backend != "none" and not self._coordinator_given.wait(self.timeout):
+        if self.backends and not self._coordinator_given.wait(self.timeout):
             raise TimeoutError(f"no coordinator address came within {self.timeout} s")
-        if self.backend == "jax":
-            jax = _import("jax")
-            TIMELINE["imported"] = time.time()
-            if self.cpu_devices:
-                # Must happen before any jax operation creates the backends.
-                jax.config.update("jax_num_cpu_devices", self.cpu_devices)
-            INITIALIZE_ARGS.update(
-                coordinator_address=self.coordinator,
-                num_processes=self.num_processes,
-                process_id=self.rank,
-                # Listen on the coordinator's own address only, never on all interfaces.
-                coordinator_bind_address=self.coordinator,
-                initialization_timeout=self.timeout,
-            )
-            jax.distributed.initialize(**INITIALIZE_ARGS)
-            facts["local_devices"] = jax.local_device_count()
-            facts["global_devices"] = jax.device_count()
-            facts["platform"] = jax.devices()[0].platform
-        elif self.backend == "torch":
-            dist = _import("torch.distributed")
-            TIMELINE["imported"] = time.time()
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://{self.coordinator}",
+        if "jax" in self.backends:
+            facts.update(self._join_jax())
+        if "torch" in self.backends:
+            _import("torch.distributed")
+            TIMELINE["imported_torch"] = time.time()
+            joined = torch_group.join(
                 rank=self.rank,
                 world_size=self.num_processes,
+                local_rank=self.local_rank,
+                local_size=self.local_size,
+                master=self.coordinators["torch"],
+                backend=self.torch_backend,
+                init_method=self.torch_init,
+                gpus_given=facts["gpus"] is not None,
+                host=host,
+                timeout=self.timeout,
             )
-            facts["local_devices"] = 1
-            facts["global_devices"] = self.num_processes
+            if "jax" in facts["backend"]:  # jax's devices fill the rank table; torch adds its own
+                joined = {k: v for k, v in joined.items() if k.startswith("torch")}
+            facts.update(joined)
         return facts
+
+    def _join_jax(self) -> dict[str, Any]:
+        jax = _import("jax")
+        TIMELINE["imported"] = time.time()
+        if self.cpu_devices:
+            # Must happen before any jax operation creates the backends.
+            jax.config.update("jax_num_cpu_devices", self.cpu_devices)
+        coordinator = self.coordinators["jax"]
+        INITIALIZE_ARGS.update(
+            coordinator_address=coordinator,
+            num_processes=self.num_processes,
+            process_id=self.rank,
+            # Listen on the coordinator's own address only, never on all interfaces.
+            coordinator_bind_address=coordinator,
+            initialization_timeout=self.timeout,
+        )
+        jax.distributed.initialize(**INITIALIZE_ARGS)
+        return {
+            "local_devices": jax.local_device_count(),
+            "global_devices": jax.device_count(),
+            "platform": jax.devices()[0].platform,
+        }
 
 
 def _import(name: str):
@@ -167,19 +190,31 @@ def _exit_now(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
-def propose_coordinator(toward: str) -> str:
-    """Rank 0: an address for the coordinator on the interface that reaches ``toward`` (the
-    notebook's machine), which the other hosts reach too; a port free there now."""
+def this_rank() -> int:
+    """This process's rank (the launcher said it, before any backend started)."""
+    return _join.rank
+
+
+def propose_coordinators(toward: str) -> dict[str, str]:
+    """Rank 0: for each backend it starts, an address on the interface that reaches
+    ``toward`` (the notebook's machine), which the other hosts reach too; ports free now."""
     host = address_toward(toward)
-    return f"{host}:{free_port(host)}"
+    addresses: dict[str, str] = {}
+    for backend in _join.backends:
+        port = free_port(host)
+        while f"{host}:{port}" in addresses.values():
+            port = free_port(host)
+        addresses[backend] = f"{host}:{port}"
+    return addresses
 
 
-def joined(coordinator: str | None = None) -> dict:
+def joined(coordinators: dict[str, str] | None = None) -> dict:
     """Wait until this rank has joined the distributed job; return this process's facts.
 
-    ``coordinator``: rank 0's address, where it was not known at launch (remote ranks)."""
-    if coordinator:
-        _join.give_coordinator(coordinator)
+    ``coordinators``: rank 0's addresses by backend, where they were not known at launch
+    (remote ranks)."""
+    if coordinators:
+        _join.give_coordinators(coordinators)
     _join.wait()
     if _join.error is not None:
         raise _join.error

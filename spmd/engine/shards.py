@@ -1,6 +1,7 @@
 """On a rank: what this process holds of a distributed array, as plain data.
 
-The notebook calls these through ipyparallel's ``apply`` (signed messages; numpy buffers
+jax.Arrays here; torch tensors and DTensors in ``spmd.engine.torch_shards``, in the same
+form. The notebook calls these through ipyparallel's ``apply`` (signed messages; numpy buffers
 travel without copies). Nothing here runs a collective: ``%spmd gather`` and
 ``%spmd sharding`` must work when the ranks are out of step, so each process only reports its
 own addressable shards, and the notebook puts the pieces together.
@@ -15,11 +16,14 @@ jax's backends, can draw it:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+from spmd.engine import torch_shards
 
 
 class NotAnArray(TypeError):
-    """The expression's value is not a jax.Array."""
+    """The expression's value is not a jax.Array or a torch tensor."""
 
 
 class TooLarge(ValueError):
@@ -32,14 +36,30 @@ def _evaluate(expr: str) -> Any:
     return eval(expr, get_ipython().user_ns)  # the user's own namespace on this rank
 
 
-def _jax_array(value: Any, expr: str):
-    import jax
+def _is_jax_array(value: Any) -> bool:
+    jax = sys.modules.get("jax")  # a jax.Array exists only where jax was imported
+    return jax is not None and isinstance(value, jax.Array)
 
-    if not isinstance(value, jax.Array):
+
+def _array(value: Any, expr: str):
+    if not (_is_jax_array(value) or torch_shards.is_tensor(value)):
         name = type(value).__name__
         article = "an" if name[:1].lower() in "aeiou" else "a"
-        raise NotAnArray(f"{expr} is {article} {name}, not a jax.Array")
+        raise NotAnArray(f"{expr} is {article} {name}, not a jax.Array or a torch tensor")
     return value
+
+
+def _rank() -> int:
+    from spmd.engine.bootstrap import this_rank
+
+    return this_rank()
+
+
+def any_layout(x, everywhere: bool = False) -> dict:
+    """The layout of a jax.Array or a torch tensor (see the module's docstring)."""
+    if torch_shards.is_tensor(x):
+        return torch_shards.layout(x, _rank(), everywhere)
+    return layout(x, everywhere)
 
 
 def _bounds(index: tuple, shape: tuple) -> tuple[list[int], list[int]]:
@@ -102,45 +122,46 @@ def _spec_text(spec) -> str:
 
 
 def describe(expr: str) -> dict:
-    """This process's layout of the jax.Array that ``expr`` names."""
-    return layout(_jax_array(_evaluate(expr), expr))
+    """This process's layout of the jax.Array or torch tensor that ``expr`` names."""
+    return any_layout(_array(_evaluate(expr), expr))
 
 
 def fetch(expr: str, max_bytes: int) -> list:
     """What this process holds of ``expr``'s value, for ``%spmd gather``.
 
-    A jax.Array: ``[info, data, data, ...]``: its layout and, in ``info["pieces"]``, where each
-    following numpy array goes (the shards this process holds first copies of, replica 0).
-    The arrays are top-level items so that ipyparallel sends them as raw buffers, not
-    inside a pickle. Anything else: ``[{"kind": "value", "value": value}]``.
+    A jax.Array or torch tensor: ``[info, data, data, ...]``: its layout and, in
+    ``info["pieces"]``, where each following numpy array goes (the shards this process holds
+    first copies of, replica 0). The arrays are top-level items so that ipyparallel sends
+    them as raw buffers, not inside a pickle. Anything else: ``[{"kind": "value", "value":
+    value}]``.
     """
     value = _evaluate(expr)
-    import jax
-    import numpy as np
-
-    if not isinstance(value, jax.Array):
+    if not (_is_jax_array(value) or torch_shards.is_tensor(value)):
         size = getattr(value, "nbytes", 0)
         if size > max_bytes:
             raise TooLarge(f"{expr} is {size:,} bytes on this rank, over --max-bytes {max_bytes:,}")
         return [{"kind": "value", "value": value}]
-    info = layout(value)
+    info = any_layout(value)
     if info["nbytes"] > max_bytes:
         raise TooLarge(f"{expr} is {info['nbytes']:,} bytes in all, over --max-bytes {max_bytes:,}")
-    shards = [s for s in value.addressable_shards if s.replica_id == 0]
-    pieces = [_bounds(s.index, value.shape) for s in shards]
-    return [{"kind": "array", "layout": info, "pieces": pieces}] + [
-        np.asarray(s.data) for s in shards
-    ]
+    if torch_shards.is_tensor(value):
+        pieces, data = torch_shards.pieces(value, expr, info)
+    else:
+        import numpy as np
+
+        shards = [s for s in value.addressable_shards if s.replica_id == 0]
+        pieces = [_bounds(s.index, value.shape) for s in shards]
+        data = [np.asarray(s.data) for s in shards]
+    return [{"kind": "array", "layout": info, "pieces": pieces}, *data]
 
 
 def spanning(names: list[str]) -> list[str]:
     """Which of ``names`` are jax.Arrays with shards on other processes' devices (arrays this
     process cannot print or turn into numpy on its own)."""
-    import jax
     from IPython import get_ipython
 
     ns = get_ipython().user_ns
-    return [n for n in names if isinstance(ns.get(n), jax.Array) and not ns[n].is_fully_addressable]
+    return [n for n in names if _is_jax_array(ns.get(n)) and not ns[n].is_fully_addressable]
 
 
 def receive(name: str, value: Any) -> None:
@@ -160,4 +181,5 @@ def show(x, title: str = "") -> None:
 
     from spmd.picture import bundle
 
-    display(bundle(layout(_jax_array(x, title or "x"), everywhere=True), title), raw=True)
+    name = title or ("DTensor" if torch_shards.is_dtensor(x) else type(x).__name__)
+    display(bundle(any_layout(_array(x, name), everywhere=True), name), raw=True)

@@ -21,7 +21,7 @@ from traitlets import Enum, Float, Integer
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
-from spmd.options import BACKENDS
+from spmd.options import BACKENDS, TORCH_BACKENDS
 
 
 class SpmdKernel(IPythonKernel):
@@ -34,6 +34,9 @@ class SpmdKernel(IPythonKernel):
         config=True
     )
     backend = Enum(BACKENDS, "jax", help="What every rank initializes.").tag(config=True)
+    torch_backend = Enum(TORCH_BACKENDS, "gloo", help="torch.distributed's backend.").tag(
+        config=True
+    )
     answer_seconds = Float(
         2.0,
         help="How long completion and inspection wait for rank 0 before the notebook answers "
@@ -51,6 +54,7 @@ class SpmdKernel(IPythonKernel):
                 n=self.processes,
                 cpu_devices=self.devices_per_process or None,
                 backend=self.backend,
+                torch_backend=self.torch_backend,
             )
         )
 

@@ -1,7 +1,8 @@
 """Kernelspecs for the SPMD kernel: typed functions, with a thin command line over them.
 
     python -m spmd.kernel install [--user | --sys-prefix | --prefix P] [--name NAME]
-                                  [--display-name TEXT] [-n N] [-d K] [--backend jax|torch|none]
+                                  [--display-name TEXT] [-n N] [-d K] [--backend jax|torch|jax,torch|none]
+                                  [--torch-backend gloo|nccl|mpi]
     python -m spmd.kernel list
     python -m spmd.kernel remove NAME
 
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
-from spmd.options import BACKENDS, count
+from spmd.options import TORCH_BACKENDS, count
+from spmd.options import backend as backend_type
 
 KERNEL_NAME = "spmd"
 APP_MODULE = "spmd.kernel.app"
@@ -33,11 +35,14 @@ def kernel_dict(
     devices_per_process: int | None = None,
     backend: str = "jax",
     display_name: str | None = None,
+    torch_backend: str = "gloo",
 ) -> dict:
     """The contents of kernel.json."""
     from ipykernel.kernelspec import make_ipkernel_cmd
 
     settings = [f"--SpmdKernel.processes={processes}", f"--SpmdKernel.backend={backend}"]
+    if "torch" in backend:
+        settings.append(f"--SpmdKernel.torch_backend={torch_backend}")
     if devices_per_process:
         settings.append(f"--SpmdKernel.devices_per_process={devices_per_process}")
     return {
@@ -120,7 +125,8 @@ def _parser() -> _Parser:
     inst.add_argument(
         "-d", "--devices-per-process", type=count("-d", "-d 2"), help="CPU devices per rank"
     )
-    inst.add_argument("--backend", choices=BACKENDS, default="jax")
+    inst.add_argument("--backend", type=backend_type, default="jax")
+    inst.add_argument("--torch-backend", choices=TORCH_BACKENDS, default="gloo")
     commands.add_parser("list", help="list the SPMD kernelspecs")
     rm = commands.add_parser("remove", help="remove an SPMD kernelspec")
     rm.add_argument("name")
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 processes=args.processes,
                 devices_per_process=args.devices_per_process,
                 backend=args.backend,
+                torch_backend=args.torch_backend,
                 display_name=args.display_name,
             )
         except OSError as exc:  # no permission, or a file where a folder should be

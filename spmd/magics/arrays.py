@@ -71,9 +71,11 @@ def _failure(failures: dict[int, tuple[str, str]], expr: str) -> UsageError:
         )
     if ename == "NotAnArray":
         return UsageError(
-            f"{evalue} ({where}): %spmd sharding draws jax.Arrays; "
+            f"{evalue} ({where}): %spmd sharding draws jax.Arrays and torch tensors; "
             f"%spmd gather {expr} fetches any value, by rank."
         )
+    if ename == "PartialValues":
+        return UsageError(f"{evalue}.")
     if ename == "TooLarge":
         return UsageError(f"{evalue}: gather a slice, like {expr}[:100], or raise --max-bytes.")
     return UsageError(f"{expr} failed {where}: {ename}: {evalue}")
@@ -122,15 +124,18 @@ def _each_its_own(expr: str, layouts: dict[int, dict]) -> str:
 
 
 def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
-    """The global value of ``expr``: numpy for a global jax.Array; a list by rank for arrays
-    each process holds on its own, and for anything else."""
+    """The global value of ``expr``: numpy for a global jax.Array or DTensor; a list by rank
+    (numpy) for arrays and tensors each process holds on its own, and for anything else."""
     answers = ask(session, shards.fetch, expr, max_bytes)
     parts = {rank: answer[0] for rank, answer in answers.items()}
     kinds = {p["kind"] for p in parts.values()}
     if kinds == {"value"}:
         return [parts[r]["value"] for r in sorted(parts)]
     if kinds != {"array"}:
-        raise UsageError(f"{expr} is a jax.Array on some ranks and not on others.")
+        raise UsageError(
+            f"{expr} is an array (jax or torch) on some ranks and not on others: "
+            f"%spmd gather {expr} works when it is one kind on every rank."
+        )
     if separate_arrays({rank: p["layout"] for rank, p in parts.items()}):
         return [_assemble(expr, parts[r]["layout"], {r: answers[r]}) for r in sorted(answers)]
     return _assemble(expr, picture.merge([p["layout"] for p in parts.values()]), answers)

@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
 from traitlets.config import Config
 
+from spmd import options
 from spmd.cluster import remote
 from spmd.cluster.lockstep import rank_set, rank_words
 from spmd.cluster.session import OutOfStep, Session, Settings, StartError
@@ -36,7 +37,7 @@ from spmd.magics.render import (
     show_group,
 )
 from spmd.magics.status import status_table, summary
-from spmd.options import BACKENDS, count
+from spmd.options import count
 
 NOT_RUNNING = "No SPMD cluster is running: start one with %spmd start -n 4."
 
@@ -96,7 +97,9 @@ def _start_parser() -> _Parser:
     p = _Parser(prog="%spmd start", add_help=False)
     p.add_argument("-n", "--processes", type=count("-n", "-n 4"), required=True)
     p.add_argument("-d", "--devices-per-process", type=count("--devices-per-process", "-d 2"))
-    p.add_argument("--backend", choices=BACKENDS, default="jax")
+    p.add_argument("--backend", type=options.backend, default="jax")
+    p.add_argument("--torch-backend", choices=options.TORCH_BACKENDS, default=None)
+    p.add_argument("--init-method", type=options.init_method, default=None)
     p.add_argument("--timeout", type=_seconds, default=None)
     p.add_argument("--grace", type=_grace, default=Settings.grace)
     p.add_argument("--start-timeout", type=_seconds, default=Settings.start_timeout)
@@ -124,6 +127,31 @@ def _gpus(text: str) -> int:
             f"--gpus-per-process takes a whole number (0 hides the GPUs), not {text!r}"
         )
     return int(text)
+
+
+def _torch_checked(opts, where: remote.Placement) -> remote.Placement:
+    """``where``, once the torch options agree with the backend and the launcher."""
+    torch_flag = "--torch-backend" if opts.torch_backend else "--init-method"
+    if (opts.torch_backend or opts.init_method) and "torch" not in opts.backend:
+        raise UsageError(f"%spmd start: {torch_flag} is for --backend torch: add it.")
+    if opts.torch_backend == "mpi" and where.launcher != "mpi":
+        raise UsageError(
+            "%spmd start: --torch-backend mpi needs ranks started by mpiexec: add --launcher mpi."
+        )
+    method = opts.init_method or ""
+    if method == "file" and not where.on_this_machine:
+        raise UsageError(
+            "%spmd start: --init-method file keeps its file in a folder of this machine, which "
+            "the other hosts cannot see: give one on a shared file system, like "
+            "--init-method file:///shared/spmd-init."
+        )
+    folder = os.path.dirname(method[len("file://"):])
+    if method.startswith("file:///") and where.on_this_machine and not os.path.isdir(folder):
+        raise UsageError(
+            f"%spmd start: the folder of --init-method {method} does not exist: create it, or "
+            "name a file in a folder that does."
+        )
+    return where
 
 
 def _placement(opts) -> remote.Placement:
@@ -205,8 +233,9 @@ class SpmdMagics(Magics):
 
         Line magic::
 
-            %spmd start -n 4 [-d K] [--backend jax|torch|none] [--timeout S] [--grace S]
-                        [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
+            %spmd start -n 4 [-d K] [--backend jax|torch|jax,torch|none] [--timeout S]
+                        [--grace S] [--torch-backend gloo|nccl|mpi]
+                        [--init-method tcp|env|file|file:///PATH] [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
             %spmd stop | restart | status | interrupt | where | on | off
@@ -220,6 +249,8 @@ class SpmdMagics(Magics):
         ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
         becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
+        ``--backend torch`` runs ``torch.distributed.init_process_group`` instead (gloo by
+        default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
         Cell magic (runs one cell on the cluster, also when auto mode is off)::
 
@@ -276,9 +307,11 @@ class SpmdMagics(Magics):
             n=opts.processes,
             cpu_devices=opts.devices_per_process,
             backend=opts.backend,
+            torch_backend=opts.torch_backend or Settings.torch_backend,
+            init_method=opts.init_method or Settings.init_method,
             cell_timeout=opts.timeout,
             grace=opts.grace or None,
-            where=_placement(opts),
+            where=_torch_checked(opts, _placement(opts)),
             gpus_per_process=opts.gpus_per_process,
             curve=not opts.no_curve,
             start_timeout=opts.start_timeout,
@@ -494,7 +527,8 @@ class SpmdMagics(Magics):
                 details = ["", *stall.deaths[0].describe(headline=False), *details]
         else:
             hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
-        raise RankErrors(errors, sorted(run.cells), notes, details, hints)
+        dead = [d.rank for d in stall.deaths] if stall is not None else []
+        raise RankErrors(errors, sorted(run.cells), notes, details, hints, dead)
 
 
 def _interrupted_by_us(stall) -> set[int]:

@@ -175,8 +175,10 @@ class RankErrors(Exception):
         notes: list[str] = (),
         details: list[str] = (),
         hints: list[str] = (),
+        dead: list[int] = (),
     ) -> None:
         self.errors = errors
+        self.dead = list(dead)  # ranks that died: the notes, not the error count, come first
         self.ranks = ranks
         self.notes = list(notes)
         self.details = list(details)
@@ -191,14 +193,15 @@ class RankErrors(Exception):
 
     def _render_traceback_(self) -> list[str]:
         failed, n = self.failed_ranks, len(self.ranks)
-        ok = sorted(set(self.ranks) - set(failed))
-        lines = []
+        ok = sorted(set(self.ranks) - set(failed) - set(self.dead))
+        lines = list(self.notes) if self.dead else []
         if failed:
             lines.append(
                 f"Error on {len(failed)} of {n} ranks ({rank_set(failed)})"
                 + (f"; {rank_words(ok)} did not raise." if ok else ".")
             )
-        lines.extend(self.notes)
+        if not self.dead:
+            lines.extend(self.notes)
         lines.extend(self.hints)
         for ranks, err in self.errors:
             lines.append("")

@@ -1,0 +1,338 @@
+"""torch.distributed on real ranks: gloo over tcp, env and file init methods, torch beside jax,
+the faults of a gloo collective, tensors and DTensors in %spmd gather and %spmd sharding, and
+the options' bad input. (The CPU build of torch has no NCCL and no MPI: those are refused with
+a sentence, and the GPU choice is checked on a stand-in torch.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import threading
+import types
+
+import numpy as np
+import psutil
+import pytest
+from conftest import ready_cluster, run, spmd_processes
+from IPython.core.error import UsageError
+
+from spmd.engine import torch_group
+from spmd.magics.render import RankErrors
+
+pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+
+pytestmark = pytest.mark.timeout(180)
+
+SETUP = "import os, time, torch, torch.distributed as dist\nrank = dist.get_rank()"
+ALL_REDUCE = "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nprint(t.item())"
+
+
+@pytest.fixture
+def cluster(module_shell):
+    return ready_cluster(module_shell, "start -n 2 --backend torch", SETUP)
+
+
+def session(shell):
+    return shell.magics_manager.registry["SpmdMagics"].session
+
+
+def report(result) -> str:
+    assert isinstance(result.error, RankErrors), result.error
+    return "\n".join(result.error._render_traceback_())
+
+
+def restart_and_all_reduce(shell) -> None:
+    restarted = run(shell, "%spmd restart")
+    assert restarted.error is None, restarted.stderr
+    assert run(shell, SETUP).error is None
+    out = run(shell, ALL_REDUCE)
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1] 3.0\n"
+
+
+def listening(pids: list[int]) -> set[str]:
+    """The addresses the processes ``pids`` listen on (TCP)."""
+    found = set()
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                found.add(conn.laddr.ip)
+    return found
+
+
+def test_torch_ranks_get_torchruns_variables_and_all_reduce(cluster):
+    out = run(
+        cluster,
+        "print({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+        "'LOCAL_WORLD_SIZE')}, dist.get_backend(), os.environ['MASTER_ADDR'])",
+    )
+    assert out.error is None
+    assert "[rank 0] {'RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '2'} gloo 127.0.0.1" in out.stdout
+    assert "[rank 1] {'RANK': '1', 'WORLD_SIZE': '2', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '2'} gloo 127.0.0.1" in out.stdout
+    out = run(cluster, ALL_REDUCE)
+    assert out.stdout == "[ranks 0-1] 3.0\n"
+    out = run(cluster, "import spmd\nspmd.init_process_group_args()")
+    args = out.outputs[-1]["text/plain"]
+    port = run(cluster, "print(os.environ['MASTER_PORT'])").stdout.split()[-1]
+    assert f"'init_method': 'tcp://127.0.0.1:{port}'" in args
+    assert "'backend': 'gloo'" in args
+
+
+def test_torch_rank_processes_listen_on_loopback_only(cluster):
+    # torch's TCPStore on rank 0 and gloo's pairs would listen on every interface, or on the
+    # host name's address, if the ranks did not choose.
+    pids = [r.pid for r in session(cluster).ranks]
+    assert run(cluster, ALL_REDUCE).error is None
+    assert listening(pids) == {"127.0.0.1"}
+    out = run(cluster, "print(os.environ['GLOO_SOCKET_IFNAME'])")
+    assert out.stdout == "[ranks 0-1] lo\n"
+
+
+@pytest.mark.parametrize("method", ["env", "file", "named-file"])
+def test_torch_init_methods_env_and_file_join_and_clean_up(fresh, tmp_path, method):
+    shell = fresh
+    init = method
+    if method == "named-file":
+        init_file = tmp_path / "spmd-init"
+        init_file.write_text("left by a crashed run: a stale file breaks the next start")
+        init = f"file://{init_file}"
+    try:
+        out = run(shell, f"%spmd start -n 2 --backend torch --init-method {init}")
+        assert out.error is None, out.stderr
+        assert run(shell, SETUP).error is None
+        out = run(shell, ALL_REDUCE)
+        assert out.stdout == "[ranks 0-1] 3.0\n"
+        out = run(shell, "import spmd\nprint(spmd.init_process_group_args()['init_method'])")
+        if method == "env":
+            assert out.stdout == "[ranks 0-1] env://\n"
+        else:
+            used = out.stdout.split()[-1]
+            assert used.startswith("file:///")
+            assert os.path.exists(used[len("file://"):])
+            if method == "named-file":
+                assert used == init
+    finally:
+        run(shell, "%spmd stop")
+    if method != "env":
+        assert not os.path.exists(used[len("file://"):]), "the init file outlived the cluster"
+
+
+def test_torch_and_jax_together_on_separate_ports(fresh):
+    shell = fresh
+    try:
+        out = run(shell, "%spmd start -n 2 --backend jax,torch")
+        assert out.error is None, out.stderr
+        out = run(
+            shell,
+            SETUP + "\nimport jax, jax.numpy as jnp, spmd\n"
+            "psum = jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')\n"
+            "print(psum(jnp.ones(1)), jax.process_index() == rank)\n" + ALL_REDUCE,
+        )
+        assert out.error is None, report(out)
+        assert out.stdout == "[ranks 0-1]\n[2.] True\n3.0\n"
+        jax_at = run(shell, "spmd.initialize_args()['coordinator_address']").outputs[-1]
+        torch_at = run(shell, "os.environ['MASTER_PORT']").outputs[-1]
+        assert jax_at["text/plain"].strip("'").split(":")[1] != torch_at["text/plain"].strip("'")
+    finally:
+        run(shell, "%spmd stop")
+
+
+def test_torch_rank_that_raises_before_all_reduce_gets_a_divergence_report(cluster):
+    out = run(
+        cluster,
+        "t = torch.ones(3)\n"
+        "if rank == 1:\n"
+        "    raise ValueError('bad batch on rank 1')\n"
+        "dist.all_reduce(t)",
+    )
+    text = report(out)
+    assert text.startswith("Error on 1 of 2 ranks (1); rank 0 did not raise.\n")
+    assert (
+        "The ranks diverged: rank 0 is waiting in a collective that rank 1 never reached: "
+        "rank 1 raised an error first." in text
+    )
+    assert "[rank 1] ValueError: bad batch on rank 1" in text
+    assert "[rank 0] was running at cell line 4: dist.all_reduce(t)" in text
+    assert "torch/distributed/distributed_c10d.py" in text
+    # gloo does not let SIGINT in while it waits: the report says so, and restart ends it
+    assert "Rank 0 did not respond to the interrupt (still inside C code); a restart ends them." in text
+    restart_and_all_reduce(cluster)
+
+
+def test_torch_rank_killed_inside_a_gloo_collective_gets_the_death_report(cluster):
+    victim = session(cluster).ranks[1].pid
+    out = run(
+        cluster,
+        "t = torch.ones(3)\n"
+        "if rank == 1:\n"
+        "    os.kill(os.getpid(), 9)\n"
+        "dist.all_reduce(t)",
+    )
+    text = report(out)
+    assert text.startswith(
+        "Rank 1 died: killed by SIGKILL (sent by hand, or by the out-of-memory killer). "
+    ), text
+    # gloo raises in the survivor at once; its error is the report's, not a half-made stack
+    assert "Rank 0 then raised an error, below" in text
+    assert re.search(r"\[rank 0\] RuntimeError: .*(Connection closed by peer|Connection reset by peer)", text)
+    assert "The other ranks were stopped. Next: %spmd restart starts a fresh cluster." in text
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+    assert session(cluster).ranks[1].state == "died"
+    restart_and_all_reduce(cluster)
+
+
+def test_torch_interrupt_names_the_ranks_gloo_keeps_from_answering(cluster):
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        out = run(
+            cluster,
+            "%%spmd --grace off\n"
+            "t = torch.ones(3)\n"
+            "if rank == 1:\n"
+            "    time.sleep(60)\n"
+            "dist.all_reduce(t)",
+        )
+    finally:
+        timer.cancel()
+    text = report(out)
+    assert (
+        "Interrupted: ranks 0-1 are running; rank 0 is waiting in a collective for rank 1, "
+        "still in its own code." in text
+    )
+    assert "Rank 0 did not respond to the interrupt (still inside C code); a restart ends them." in text
+    assert "[rank 1] was running at cell line 3: time.sleep(60)" in text
+    restart_and_all_reduce(cluster)
+
+
+def test_torch_tensors_are_gathered_as_a_list_by_rank(cluster):
+    assert run(cluster, "t = torch.arange(3.) + 10 * rank").error is None
+    gathered = run(cluster, "%spmd gather t").outputs[-1]["text/plain"]
+    assert gathered == (
+        "[array([0., 1., 2.], dtype=float32), array([10., 11., 12.], dtype=float32)]"
+    )
+    text = run(cluster, "%spmd sharding t").outputs[-1]["text/plain"]
+    assert text.startswith("t: each rank holds an array of its own")
+    assert "  rank 1: float32[3] on CPU 1" in text
+
+
+DTENSORS = (
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.tensor import distribute_tensor, Shard, Replicate, Partial\n"
+    "mesh = init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))\n"
+    "full = torch.arange(12.).reshape(6, 2)\n"
+    "rows = distribute_tensor(full, mesh, [Shard(0)])\n"
+    "cols = distribute_tensor(full, mesh, [Shard(1)])\n"
+    "same = distribute_tensor(full, mesh, [Replicate()])\n"
+    "parts = torch.distributed.tensor.DTensor.from_local(torch.ones(2), mesh, [Partial()])\n"
+    "print(rows.to_local().tolist())"
+)
+
+
+def test_torch_dtensor_is_drawn_over_its_mesh_and_gathered_from_its_shards(cluster):
+    out = run(cluster, DTENSORS)
+    assert out.error is None, report(out)
+    assert "[rank 1] [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0]]" in out.stdout
+    text = run(cluster, "%spmd sharding rows").outputs[-1]["text/plain"]
+    assert text.splitlines()[:3] == [
+        "rows: float32[6,2], mesh dp=2, (Shard(dim=0)), 2 blocks on 2 devices of 2 processes",
+        "  [0:3, 0:2]  CPU 0 (process 0)",
+        "  [3:6, 0:2]  CPU 1 (process 1)",
+    ]
+    text = run(cluster, "%spmd sharding same").outputs[-1]["text/plain"]
+    assert "[0:6, 0:2]  CPU 0 (process 0), CPU 1 (process 1)   replicated ×2" in text
+    full = np.arange(12.0).reshape(6, 2)
+    for name in ("rows", "cols", "same"):
+        gathered = run(cluster, f"%spmd gather {name} -o got")
+        assert gathered.error is None, gathered.error
+        got = cluster.user_ns["got"]
+        assert got.dtype == np.float32 and (got == full).all(), (name, got)
+    # the picture drawn on the ranks from the placements alone is shown once
+    shown = run(cluster, "import spmd\nspmd.show_sharding(cols, 'cols')")
+    assert shown.error is None
+    assert len(shown.outputs) == 1
+    assert shown.outputs[0]["text/plain"].startswith("cols: float32[6,2], mesh dp=2, (Shard(dim=1))")
+    refused = run(cluster, "%spmd gather parts")
+    assert isinstance(refused.error, UsageError)
+    assert "parts is Partial(sum) on its mesh" in str(refused.error)
+    assert "gather parts.full_tensor()" in str(refused.error)
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (
+            "%spmd start -n 2 --torch-backend gloo",
+            "--torch-backend is for --backend torch: add it.",
+        ),
+        ("%spmd start -n 2 --init-method env", "--init-method is for --backend torch: add it."),
+        (
+            "%spmd start -n 2 --backend torch --torch-backend mpi",
+            "--torch-backend mpi needs ranks started by mpiexec: add --launcher mpi.",
+        ),
+        (
+            "%spmd start -n 2 --backend torch --init-method udp://x",
+            "--init-method takes tcp, env, file or file:///path/to/a/file, not 'udp://x'",
+        ),
+        (
+            "%spmd start -n 2 --backend torch --init-method file:///no/such/folder/f",
+            "the folder of --init-method file:///no/such/folder/f does not exist",
+        ),
+        (
+            "%spmd start -n 2 --backend torch --hosts a,b --init-method file",
+            "--init-method file keeps its file in a folder of this machine",
+        ),
+        ("%spmd start -n 2 --backend torch,torch", "--backend takes jax, torch, jax,torch or none"),
+        ("%spmd start -n 2 --backend torch --torch-backend xla", "invalid choice: 'xla'"),
+    ],
+)
+def test_torch_bad_options_are_refused_before_anything_starts(fresh, line, says):
+    shell = fresh
+    out = run(shell, line)
+    assert isinstance(out.error, UsageError), out.error
+    assert says in str(out.error)
+    assert not spmd_processes()
+
+
+def test_torch_nccl_on_a_cpu_build_says_to_use_gloo(fresh):
+    shell = fresh
+    out = run(shell, "%spmd start -n 2 --backend torch --torch-backend nccl")
+    assert isinstance(out.error, UsageError), out.error
+    assert "has no NCCL (it is a CPU build): use --torch-backend gloo" in str(out.error)
+    assert not spmd_processes()
+
+
+@pytest.mark.skipif(not shutil.which("mpiexec"), reason="no mpiexec (apt-get install mpich)")
+def test_torch_mpi_backend_without_mpi_in_torch_says_to_use_gloo(fresh):
+    shell = fresh
+    out = run(shell, "%spmd start -n 2 --backend torch --torch-backend mpi --launcher mpi")
+    assert isinstance(out.error, UsageError), out.error
+    assert "was built without MPI" in str(out.error)
+    assert "use --torch-backend gloo" in str(out.error)
+    assert not spmd_processes()
+
+
+def _stand_in_torch(gpus: int):
+    """torch with ``gpus`` CUDA devices, for the one thing this machine cannot run."""
+    chosen = []
+    cuda = types.SimpleNamespace(is_available=lambda: gpus > 0, set_device=chosen.append)
+    torch = types.SimpleNamespace(__version__="2.13.0+cu130", cuda=cuda, device=lambda *a: a)
+    dist = types.SimpleNamespace(is_nccl_available=lambda: True, is_mpi_available=lambda: False)
+    return torch, dist, chosen
+
+
+@pytest.mark.parametrize("gpus_given, local_rank, device", [(True, 3, 0), (False, 3, 3)])
+def test_torch_nccl_picks_the_ranks_own_gpu(gpus_given, local_rank, device):
+    torch, dist, chosen = _stand_in_torch(gpus=8)
+    got = torch_group._check_backend(torch, dist, "nccl", 3, local_rank, gpus_given, "node1")
+    # CUDA_VISIBLE_DEVICES narrowed to the rank's own GPU: it is device 0 there
+    assert chosen == [device]
+    assert got == ("cuda", device)
+
+
+def test_torch_nccl_without_a_gpu_names_the_rank_and_host():
+    torch, dist, _ = _stand_in_torch(gpus=0)
+    with pytest.raises(torch_group.TorchSetupError, match="rank 2 on node1 sees none"):
+        torch_group._check_backend(torch, dist, "nccl", 2, 0, False, "node1")
