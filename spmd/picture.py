@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import io
+import textwrap
 from collections import defaultdict
 
 Block = tuple[int, int, list[int], list[int], int]  # device, process, starts, stops, replica
+TITLE_WIDTH = 64  # characters of the picture's title that fit its width at fontsize 10
 
 
 def merge(layouts: list[dict]) -> dict:
@@ -212,7 +214,8 @@ def figure(layout: dict, title: str):
 
 def _title_lines(layout: dict, title: str) -> str:
     first, *rest = headline(layout, title).split(", ")
-    lines = [first, ", ".join(rest)]
+    # (a DTensor's placements make a long line: wrapped to the figure's width)
+    lines = [first, *textwrap.wrap(", ".join(rest), TITLE_WIDTH)]
     dims, panel_dims = _drawn_dims(layout)
     whole = [d for d in range(len(layout["shape"])) if d not in dims and d not in panel_dims]
     if whole:

@@ -241,7 +241,7 @@ def test_install_list_and_remove_a_kernelspec(tmp_path):
     "args, says",
     [
         (["install", "-n", "0"], "-n must be a whole number of at least 1, like -n 4, not '0'"),
-        (["install", "--backend", "tensorflow"], "invalid choice: 'tensorflow'"),
+        (["install", "--backend", "tensorflow"], "--backend takes jax, torch, jax,torch or none, not 'tensorflow'"),
         (["install", "--user", "--sys-prefix"], "not allowed with argument"),
         (["install", "--name", "has space"], "--name takes letters"),
         (["remove", "python3"], "there is no SPMD kernelspec named 'python3'"),

@@ -331,3 +331,56 @@ def test_kernel_interrupt_reaches_blocked_ranks_and_comes_back_within_seconds():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_torch_distributed_document_runs_on_4_ranks_and_prints_what_it_explains():
+    pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    nb = execute(NOTEBOOKS / "04-torch-distributed.ipynb")
+    assert_saved_without_empty_outputs(nb)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    shown = [cell_text(c) for c in cells]
+
+    def output(start: str) -> str:
+        return next(s for c, s in zip(cells, shown) if c.source.startswith(start))
+
+    starts = [s for c, s in zip(cells, shown) if c.source.startswith("%spmd start")]
+    assert len(starts) == 3
+    assert all(s.startswith("Started 4 processes, 1 device per process, 4 global devices (torch)") for s in starts)
+    assert output("import os\nimport torch") == "[ranks 0-3]\nTrue True False False\nTrue gloo 4\n"
+    assert output("rank = dist.get_rank()") == "".join(f"[rank {r}] {r} {r} {r}\n" for r in range(4))
+    assert output("args = ") == (
+        "[ranks 0-3] gloo tcp://127.0.0.1 4\n"
+        + "".join(f"[rank {r}] rank {r}\n" for r in range(4))
+    )
+    # the collectives: one answer, shown once for all four ranks
+    assert output("t = torch.tensor([rank + 1.0])\ndist.all_reduce(t, op") == "[ranks 0-3] tensor([10.])\n"
+    assert output("x = torch.arange") == "[ranks 0-3] tensor([0., 1., 2., 3.])\n"
+    assert output("parts = ") == "[ranks 0-3] tensor([ 0., 10., 20., 30.])\n"
+    assert output("%spmd gather mine").startswith("[array([0., 0.], dtype=float32),\n array([1., 1.]")
+    picture = next(c for c in cells if c.source == "%spmd sharding weights").outputs
+    assert len(picture) == 1 and "image/png" in picture[0]["data"]
+    assert output("%spmd sharding weights").splitlines()[1:] == [
+        "  [0:4, 0:2]  CPU 0 (process 0)",
+        "  [0:4, 2:4]  CPU 1 (process 1)",
+        "  [4:8, 0:2]  CPU 2 (process 2)",
+        "  [4:8, 2:4]  CPU 3 (process 3)",
+    ]
+    assert output("%spmd gather weights").startswith("array([[ 0.,  1.,  2.,  3.],")
+    assert output("store = dist.TCPStore") == (
+        "[ranks 0-3]\n['hello from rank 0', 'hello from rank 1', 'hello from rank 2', "
+        "'hello from rank 3']\n4 ranks arrived\n"
+    )
+    assert output("import tempfile") == "[ranks 0-3]\n[0, 1, 4, 9]\nb'here'\n"
+    env = output("import os, torch, torch.distributed as dist, spmd\nrank = dist.get_rank()\nprint(spmd")
+    assert env.startswith("[ranks 0-3] {'backend': 'gloo', 'init_method': 'env://'} 127.0.0.1 4\n")
+    assert output("import os, torch, torch.distributed as dist, spmd\nrank = dist.get_rank()\ninit_file") == (
+        "[ranks 0-3]\ntorch-init True\ntensor([10.])\n"
+    )
+    losses = output("torch.manual_seed(0)").splitlines()
+    assert [line.split("]")[0] for line in losses] == [f"[rank {r}" for r in range(4)]
+    assert len({line.split(": ")[-1] for line in losses}) == 4  # each rank its own batch
+    weights = output("print(model.weight.data")
+    assert weights.startswith("[ranks 0-3] tensor([[") and weights.count("[rank") == 1
+    assert output("%%local") == "[False, False, False, False]\n"  # stop removed the init file
