@@ -20,13 +20,33 @@ jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")(xs).block_until_ready()
 """
 
 
+_TORCH_RANK = r"""
+import sys
+rank, n, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+t = torch.ones(1)
+dist.all_reduce(t)
+"""
+
+
 def bare_processes(n: int = 4, devices: int = 2) -> float:
     """Seconds for n plain processes to import jax, initialize on 127.0.0.1 and run one psum."""
+    return _bare(_RANK, n, str(devices))
+
+
+def bare_torch_processes(n: int = 4) -> float:
+    """Seconds for n plain processes to import torch, join a gloo process group on
+    127.0.0.1 and run one all_reduce."""
+    return _bare(_TORCH_RANK, n)
+
+
+def _bare(program: str, n: int, *args: str) -> float:
     port = free_port()
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(r), str(n), str(port), str(devices)],
+            [sys.executable, "-c", program, str(r), str(n), str(port), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -28,7 +28,7 @@ from ipyparallel import Cluster
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from benchmarks.floor import EchoServers, bare_processes
+from benchmarks.floor import EchoServers, bare_processes, bare_torch_processes
 from benchmarks.kernel import KernelBench
 from spmd.engine.address import free_port
 
@@ -38,6 +38,9 @@ from hosts import Hosts, why_not  # noqa: E402 (the tests' namespace hosts)
 PSUM = (
     "import jax\nxs = jax.numpy.ones(jax.local_device_count())\n"
     "jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')(xs).block_until_ready()"
+)
+ALL_REDUCE = (
+    "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)"
 )
 RESULTS = Path(__file__).with_name("results.json")
 GRACE = 2.0  # the watchdog's default grace (spmd.cluster.session.Settings.grace)
@@ -77,6 +80,16 @@ class Bench:
         t0 = time.perf_counter()
         self.cell("%spmd stop")
         self.record("stop/spmd", time.perf_counter() - t0)
+
+    def torch_lifecycle(self) -> None:
+        """4 ranks with --backend torch (gloo, tcp): start until an all_reduce returns, stop."""
+        t0 = time.perf_counter()
+        self.cell("%spmd start -n 4 --backend torch")
+        self.cell(ALL_REDUCE)
+        self.record("start_to_ready/torch", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.cell("%spmd stop")
+        self.record("stop/torch", time.perf_counter() - t0)
 
     def ipyparallel_lifecycle(self) -> None:
         with tempfile.TemporaryDirectory(prefix="ipp-bench-") as profile:
@@ -256,6 +269,12 @@ def _arrival(shown: str, lines: int, label: str) -> str:
     return f"{'whole' if whole else 'lines missing or garbled'}, {'in' if ordered else 'not in'} rank order"
 
 
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 def summarize(samples: dict[str, list[float]]) -> dict[str, dict]:
     return {
         name: {
@@ -285,6 +304,8 @@ TARGETS = [
     ("start_to_ready/ssh", "start_to_ready/spmd", None, ""),
     ("stop/ssh", "stop/spmd", None, ""),
     ("start_to_ready/mpi", "start_to_ready/spmd", None, ""),
+    ("start_to_ready/torch", "start_to_ready/torch_floor", 1.25, "≤ 1.25 × floor"),
+    ("stop/torch", "stop/spmd", None, ""),
     ("stop/mpi", "stop/spmd", None, ""),
 ]
 
@@ -341,6 +362,10 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
         bench.spmd_lifecycle()
         if not quick:
             bench.ipyparallel_lifecycle()
+        if _has_torch():
+            print(f"round {i + 1}/{rounds}: torch", file=sys.stderr, flush=True)
+            bench.record("start_to_ready/torch_floor", bare_torch_processes())
+            bench.torch_lifecycle()
         if hosts is not None:
             print(f"round {i + 1}/{rounds}: ssh and mpi", file=sys.stderr, flush=True)
             bench.remote_lifecycle(hosts)

@@ -142,6 +142,34 @@ def test_ssh_processes_a_remote_cell_started_end_with_the_cluster(fresh, hosts):
     assert nothing_left_on(hosts) == []
 
 
+def test_torch_over_ssh_all_reduces_with_gloo_on_the_hosts_own_interface(fresh, hosts):
+    pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    out = run(fresh, ssh_start(hosts, extra="--backend torch"))
+    assert out.error is None, out.stdout + out.stderr
+    out = run(
+        fresh,
+        "import os, socket, torch, torch.distributed as dist\n"
+        "t = torch.tensor([dist.get_rank() + 1.0])\n"
+        "dist.all_reduce(t)\n"
+        "print(socket.gethostname(), os.environ['MASTER_ADDR'], t.item())",
+    )
+    node1 = hosts.addresses[0].split("/")[0]
+    assert out.stdout == f"[rank 0] node1 {node1} 3.0\n[rank 1] node2 {node1} 3.0\n", (
+        out.stdout + out.stderr
+    )
+    # gloo and rank 0's TCPStore listen on the address toward the notebook, not everywhere
+    out = run(
+        fresh,
+        "import psutil\n"
+        "print(sorted({c.laddr.ip for c in psutil.Process().net_connections('tcp') "
+        "if c.status == 'LISTEN'} - {'127.0.0.1'}), os.environ['GLOO_SOCKET_IFNAME'] != 'lo')",
+    )
+    assert "0.0.0.0" not in out.stdout and "::" not in out.stdout, out.stdout
+    assert f"[rank 0] ['{node1}'] True" in out.stdout, out.stdout
+    run(fresh, "%spmd stop")
+    assert nothing_left_on(hosts) == []
+
+
 def test_ssh_four_ranks_fill_the_hosts_in_order(fresh, hosts):
     assert run(fresh, ssh_start(hosts, n=4, extra="--backend none")).error is None
     status = run(fresh, "%spmd status").stdout

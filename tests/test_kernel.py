@@ -288,3 +288,30 @@ def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path
         assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
         reply, text = kernel_stream(kc, "print('hello')")
         assert text == "[ranks 0-1] hello\n"
+
+
+def test_a_torch_kernelspec_starts_torch_ranks_that_all_reduce():
+    pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    done = spmd_kernel_cli(
+        "install", "--user", "--name", "spmd-torch", "-n", "2", "--backend", "torch",
+        "--torch-backend", "gloo",
+    )
+    assert done.returncode == 0, done.stderr
+    spec = KernelSpecManager().get_kernel_spec("spmd-torch")
+    assert "--SpmdKernel.backend=torch" in spec.argv
+    assert "--SpmdKernel.torch_backend=gloo" in spec.argv
+    try:
+        with spmd_kernel("spmd-torch") as (km, kc):
+            kernel_pid = km.provisioner.process.pid
+            reply, text = kernel_stream(
+                kc,
+                "import torch, torch.distributed as dist\n"
+                "t = torch.tensor([dist.get_rank() + 1.0])\n"
+                "dist.all_reduce(t)\n"
+                "print(dist.get_backend(), t.item())",
+            )
+            assert reply["content"]["status"] == "ok", text
+            assert text.endswith("[ranks 0-1] gloo 3.0\n"), text
+        assert not wait_until_gone(spmd_processes(kernel_pid))
+    finally:
+        spmd_kernel_cli("remove", "spmd-torch")

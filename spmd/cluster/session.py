@@ -422,7 +422,7 @@ class Session:
 
     def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:
         deaths = self._deaths() if reason == DIED else []
-        if deaths:
+        if deaths and "torch" in self.settings.backend:
             self._let_survivors_finish(run, {d.rank for d in deaths})
         stall = Stall.at(reason, seconds, run.cells, deaths=deaths or self._deaths())
         busy = stall.busy
@@ -443,9 +443,10 @@ class Session:
         return stall
 
     def _let_survivors_finish(self, run: CellRun, dead: set[int]) -> None:
-        """gloo (unlike jax) raises at once in the other ranks when a peer's connection
-        drops. Their errors belong in the death report, not stacks caught half-way through
-        formatting them: wait a moment, and longer for ranks already past the cell's code."""
+        """gloo raises at once in the other ranks when a peer's connection drops (jax's
+        ranks stay blocked, so a jax death report does not wait for them). Their errors belong
+        in the death report, not stacks caught half-way through formatting them: wait a
+        moment, and longer for ranks already past the cell's code."""
 
         def busy() -> list[int]:
             return [r for r, c in run.cells.items() if not c.done and r not in dead]
