@@ -204,7 +204,7 @@ def test_show_sharding_inside_code_draws_once(cluster):
     [
         (
             "%spmd sharding rank",
-            "rank is an int, not a jax.Array (on ranks 0-3): %spmd sharding draws jax.Arrays",
+            "rank is an int, not a jax.Array or a torch tensor (on ranks 0-3): %spmd sharding draws jax.Arrays and torch tensors",
         ),
         (
             "%spmd sharding total",
