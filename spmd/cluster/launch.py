@@ -110,6 +110,7 @@ def cluster_config(
     gpus_per_process: int | None = None,
     torch_backend: str = "gloo",
     torch_init: str = "tcp",
+    cache_dir: str | None = None,
 ) -> Config:
     """The traitlets config of an SPMD cluster of ``n`` engines, placed as ``where`` says;
     the controller listens on ``address`` only. ``coordinators``: rank 0's address for each
@@ -140,6 +141,8 @@ def cluster_config(
     env.update({k: os.environ[k] for k in PASSED_THROUGH if k in os.environ})
     if cpu_devices:
         env[engine.CPU_DEVICES_ENV] = str(cpu_devices)
+    if cache_dir:
+        env[engine.CACHE_DIR_ENV] = cache_dir
     if gpus_per_process is not None:
         env[placement.GPUS_PER_PROCESS_ENV] = str(gpus_per_process)
     engine_args = [
@@ -176,9 +179,31 @@ def cluster_config(
 class SpmdCluster(Cluster):
     """A Cluster whose controller and engines start concurrently."""
 
+    # The engine set whose engines are the ranks, and the standby set behind it (local
+    # clusters only); None before the start.
+    rank_set: str | None = None
+    standby_set: str | None = None
+
     async def launch(self, n: int) -> None:
         """Start the controller and ``n`` engines at once."""
-        await asyncio.gather(self.start_controller(), self.start_engines(n))
+        _, self.rank_set = await asyncio.gather(self.start_controller(), self.start_engines(n))
+
+    async def start_standby(self, n: int, environment: dict[str, str]) -> None:
+        """Start ``n`` standby engines (``environment`` says so to them) behind the ranks."""
+        self.standby_set = await self.start_engines(n, environment=environment)
+
+    async def promote_standby(self) -> None:
+        """The standbys become the ranks; the old ranks' engines are stopped."""
+        old, self.rank_set, self.standby_set = self.rank_set, self.standby_set, None
+        if old in self.engines:
+            await self.stop_engines(old)
+
+    def standby_launchers(self) -> dict[int, RankedEngineLauncher]:
+        """The standby engines' launchers, by the rank each would become."""
+        engine_set = self.engines.get(self.standby_set) if self.standby_set else None
+        return {} if engine_set is None else {
+            launcher.rank: launcher for launcher in engine_set.launchers.values()
+        }
 
     def rank_launchers(self) -> dict[int, RankedEngineLauncher]:
         """The launcher (local process handle) of every local rank, by rank."""
@@ -221,8 +246,11 @@ class SpmdCluster(Cluster):
         return ""
 
     def _engine_launchers(self) -> list:
+        """The launchers of the ranks' engines (the standbys' are not ranks yet)."""
         found = []
-        for engine_set in self.engines.values():
+        for set_id, engine_set in self.engines.items():
+            if set_id == self.standby_set:
+                continue
             every = {**getattr(engine_set, "ended", {}), **getattr(engine_set, "launchers", {})}
             found += [launcher for launcher in every.values() if launcher is not None]
         return found

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,20 @@ def _loopback_ports(backend: str) -> dict[str, str]:
     return ports
 
 
+def _wait_listening(address: str, rank0, seconds: float) -> None:
+    """Until something listens at ``address`` (host:port), rank 0's join ended, or
+    ``seconds`` passed."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not rank0.ready():
+        with socket.socket() as probe:
+            if probe.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.005)
+
+
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5
 
@@ -71,6 +86,12 @@ class Settings:
     where: remote.Placement = remote.Placement()
     gpus_per_process: int | None = None  # None: an equal share of each host's GPUs
     curve: bool = True  # encrypt (CurveZMQ) when ranks may run on other machines
+    # A second set of engines, ready for a restart: None means on where this machine has
+    # room for both sets (local ranks only); False turns them off.
+    standby: bool | None = None
+    # jax's persistent compilation cache: a folder named by the user (kept), or None for one
+    # of the cluster's own (kept across restarts, emptied at stop).
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -117,6 +138,10 @@ class Session:
     _address: str = LOOPBACK  # where the controller listens
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _profile_dir: str | None = None
+    _cache_dir: str | None = None  # the compilation cache the ranks share
+    _generation: int = 0  # engine sets started so far: their engine ids do not overlap
+    _torch_method: str = ""  # torch's init method as the ranks got it
+    _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
 
@@ -130,6 +155,8 @@ class Session:
                 processes.check_room(self.settings.n)
             except processes.StartRefused as exc:
                 raise StartError(str(exc)) from None
+        if self._cache_dir is None and "jax" in self.settings.backend:
+            self._cache_dir = self.settings.cache_dir or tempfile.mkdtemp(prefix="spmd-jax-cache-")
         for attempt in (1, 2):
             self._profile_dir = new_profile_dir()
             atexit.register(self.stop)
@@ -137,6 +164,7 @@ class Session:
                 self._init_cluster()
                 self._init_client()
                 self._init_distributed()
+                self._start_standby()
                 break
             except StartError as exc:
                 self.stop()
@@ -175,6 +203,8 @@ class Session:
             gpus_per_process=s.gpus_per_process,
             torch_backend=s.torch_backend,
             torch_init=self._torch_init(),
+            # (on other hosts, only a folder the user named: this machine's is not theirs)
+            cache_dir=self._cache_dir if placed.on_this_machine else s.cache_dir,
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
@@ -209,6 +239,7 @@ class Session:
             method = f"file://{self._profile_dir}/torch-init"
         if "torch" in self.settings.backend:
             self._remove_torch_file(method)
+        self._torch_method = method
         return method
 
     def _remove_torch_file(self, method: str | None = None) -> None:
@@ -244,20 +275,29 @@ class Session:
         self._launchers = self.cluster.rank_launchers()
         self._ssh = self.cluster.ssh_launchers()
 
-    def _init_distributed(self) -> None:
+    def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
+        """Wait until every rank has joined; ``coordinators`` go to ranks that were not given
+        them at launch (promoted standbys; remote ranks get rank 0's proposal)."""
         s = self.settings
-        coordinators = None
-        if s.where.launcher != "local" and s.backend != "none":
+        if coordinators is None and s.where.launcher != "local" and s.backend != "none":
             try:
                 coordinators = self.call(
                     0, engine.propose_coordinators, self._address, timeout=s.start_timeout
                 )
             except Exception as exc:
                 raise _init_failure(0, exc) from None
-        pending = {
-            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
-            for r in self.ranks
-        }
+        pending = {0: self.client[self.ranks[0].engine_id].apply_async(engine.joined, coordinators)}
+        if coordinators and s.where.launcher == "local":
+            # Rank 0 first, until its coordinator listens: a rank that connects earlier is
+            # refused and retries after gRPC's back-off (about a second, seen in 1 of 2
+            # promotions), which is most of a restart from standbys.
+            _wait_listening(next(iter(coordinators.values())), pending[0], seconds=5.0)
+        pending.update(
+            {
+                r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
+                for r in self.ranks[1:]
+            }
+        )
         deadline = time.monotonic() + s.start_timeout
         while pending:
             self._check_cancelled()
@@ -285,6 +325,106 @@ class Session:
                 )
             time.sleep(0.005)
 
+    # -- standby engines ----------------------------------------------------------------
+
+    def _standby_wanted(self) -> bool:
+        s = self.settings
+        if s.standby is False or s.where.launcher != "local":
+            return False
+        # on by default where both sets fit; asked for (True), where the one more set fits
+        return processes.max_local_ranks() >= (2 * s.n if s.standby is None else s.n)
+
+    def _start_standby(self) -> None:
+        """Start a set of standby engines behind the ranks: jax (or torch) imported at low
+        priority, waiting to be promoted by a restart. Returns at once (they start alone)."""
+        if self.cluster is None or not self._standby_wanted():
+            return
+        self._generation += 1
+        config = self.cluster.config.LocalEngineSetLauncher
+        environment = dict(
+            config.environment,
+            **{
+                engine.STANDBY_ENV: "1",
+                engine.ENGINE_ID_OFFSET_ENV: str(self._generation * self.settings.n),
+                # their coordinators come with the promotion
+                engine.COORDINATOR_ENV: "",
+                engine.TORCH_MASTER_ENV: "",
+            },
+        )
+        self._settling = {}
+        self.cluster._in_thread(self.cluster.start_standby, self.settings.n, environment)
+
+    def standbys(self) -> list[Rank]:
+        """The standby engines, as rows (rank = the rank each would become); [] if none.
+        state: ready (backends imported), starting, or failed (exited, or its import did)."""
+        if self.cluster is None:
+            return []
+        rows = []
+        offset = self._generation * self.settings.n
+        registered = set(self.client.ids) if self.client is not None else set()
+        for rank, launcher in sorted(self.cluster.standby_launchers().items()):
+            engine_id = offset + rank
+            settling = self._settling.get(engine_id)
+            if settling is None and engine_id in registered:
+                settling = self._settling[engine_id] = self.client[engine_id].apply_async(
+                    engine.settle
+                )
+            if launcher.process is None or processes.exited(launcher.process):
+                state = "failed"
+            elif settling is None or not settling.ready():
+                state = "starting"
+            else:
+                state = "ready" if settling.successful() else "failed"
+            rows.append(
+                Rank(rank=rank, engine_id=engine_id, pid=launcher.pid or 0, state=state,
+                     host=self.ranks[0].host if self.ranks else "")
+            )
+        return rows
+
+    def _standbys_ready(self, seconds: float = 60.0) -> list[Rank]:
+        """The standbys once all are ready (waiting while they start); [] if one failed."""
+        deadline = time.monotonic() + seconds
+        while True:
+            standbys = self.standbys()
+            states = {r.state for r in standbys}
+            if len(standbys) != self.settings.n or "failed" in states:
+                return []
+            if states == {"ready"}:
+                return standbys
+            if time.monotonic() > deadline:
+                return []
+            time.sleep(0.02)
+
+    def restart(self) -> bool:
+        """Promote the standbys to ranks and start new standbys behind them: the controller
+        and the client stay. False (nothing done) where no standby set is ready: the caller
+        then stops and starts afresh. Raises StartError if the promoted ranks fail to join."""
+        standbys = self._standbys_ready()
+        if not standbys:
+            return False
+        t0 = time.perf_counter()
+        cluster = self.cluster
+        self.unfinished = None
+        started_in_ranks = processes.started_by_ranks(cluster)
+        # The old ranks end (they may be stuck in a collective: SIGKILL after 1 s) ...
+        cluster._in_thread(cluster.promote_standby)
+        processes.end(started_in_ranks)
+        self._remove_torch_file(self._torch_method)
+        # ... and the standbys join a new job, as the same ranks.
+        self.ranks = [Rank(rank=r.rank, engine_id=r.engine_id) for r in standbys]
+        self._launchers = cluster.rank_launchers()
+        self._vanished = {}
+        self.out_of_step, self.death = "", None
+        self._cells.clear()
+        try:
+            self._init_distributed(coordinators=_loopback_ports(self.settings.backend))
+        except BaseException:
+            self.stop(keep_cache=True)
+            raise
+        self._start_standby()
+        self.start_seconds = time.perf_counter() - t0
+        return True
+
     def _exited_engines(self) -> str:
         """'' while every engine runs; else which exited, and the end of one's log."""
         exited = {r: p for r, p in self.cluster.rank_launchers().items() if processes.exited(p.process)}
@@ -301,11 +441,16 @@ class Session:
 
     @property
     def running(self) -> bool:
-        return self.cluster is not None
+        """Whether the ranks run (after a death they do not, though standbys may)."""
+        return self.cluster is not None and self.death is None
 
-    def stop(self) -> None:
-        """End every engine and the controller. Safe to call twice, and at exit."""
+    def stop(self, keep_cache: bool = False) -> None:
+        """End every engine and the controller. Safe to call twice, and at exit.
+        ``keep_cache``: keep the compilation cache for the next start (a restart)."""
         atexit.unregister(self.stop)
+        if not keep_cache and self._cache_dir and self._cache_dir != self.settings.cache_dir:
+            shutil.rmtree(self._cache_dir, ignore_errors=True)
+            self._cache_dir = None
         client, cluster, local = self.client, self.cluster, self._launchers
         self.client = self.cluster = None
         self._launchers, self._ssh, self._vanished = {}, {}, {}
@@ -576,7 +721,22 @@ class Session:
         )
         for d in deaths:
             self.ranks[d.rank].state = "died"
-        self.stop()
+        if self.standbys():
+            self._end_ranks()  # the controller and the standbys stay, for a fast restart
+        else:
+            self.stop(keep_cache=True)
+
+    def _end_ranks(self) -> None:
+        """End the ranks' engines (and what their cells started), keeping the rest."""
+        cluster = self.cluster
+        started_in_ranks = processes.started_by_ranks(cluster)
+        if cluster.rank_set in cluster.engines:
+            cluster._in_thread(cluster.stop_engines, cluster.rank_set)
+        processes.end(started_in_ranks)
+        self._launchers, self._vanished, self.unfinished = {}, {}, None
+        for r in self.ranks:
+            if r.state != "died":
+                r.state = "stopped"
 
     def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
         """The main-thread Python stack of each rank (None: it did not answer)."""

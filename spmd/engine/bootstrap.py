@@ -34,6 +34,14 @@ TORCH_MASTER_ENV = "SPMD_TORCH_MASTER"  # torch's MASTER_ADDR:MASTER_PORT
 TORCH_BACKEND_ENV = "SPMD_TORCH_BACKEND"  # gloo, nccl or mpi
 TORCH_INIT_ENV = "SPMD_TORCH_INIT"  # tcp, env or file:///path
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
+# A standby engine: imports its backend at low priority, then waits (without a time limit)
+# until a restart promotes it and hands it the coordinators.
+STANDBY_ENV = "SPMD_STANDBY"
+# Engine ids of a later engine set start here (the controller lives across restarts, and
+# an id is never given twice); the rank still comes from SPMD_RANK.
+ENGINE_ID_OFFSET_ENV = "SPMD_ENGINE_ID_OFFSET"
+# jax's persistent compilation cache, shared by the ranks and kept across restarts.
+CACHE_DIR_ENV = "SPMD_COMPILATION_CACHE"
 
 # The keyword arguments this rank passed to jax.distributed.initialize (``spmd.initialize_args``).
 INITIALIZE_ARGS: dict[str, Any] = {}
@@ -70,8 +78,11 @@ class _Join:
         if self.coordinators:
             self._coordinator_given.set()
         self.timeout = int(env.get(INIT_TIMEOUT_ENV, "300"))
+        self.standby = env.get(STANDBY_ENV) == "1"
+        self.cache_dir = env.get(CACHE_DIR_ENV, "")
         self.cpu_devices = int(env.get(CPU_DEVICES_ENV) or 0)
         self.error: BaseException | None = None
+        self.prepared = threading.Event()  # the backends are imported (or failed to be)
         self.facts: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="spmd-join", daemon=True)
 
@@ -107,6 +118,7 @@ class _Join:
             self.facts = self._join()
         except BaseException as exc:  # reported by joined(), in the notebook
             self.error = exc
+        self.prepared.set()
         TIMELINE["joined"] = time.time()
 
     def _join(self) -> dict[str, Any]:
@@ -120,13 +132,16 @@ class _Join:
             "global_devices": 0,
             "gpus": self._share_gpus(host),
         }
-        if self.backends and not self._coordinator_given.wait(self.timeout):
+        self._prepare()
+        self.prepared.set()
+        # A standby waits as long as the cluster lives; a new rank, as long as a start may.
+        timeout = None if self.standby else self.timeout
+        if self.backends and not self._coordinator_given.wait(timeout):
             raise TimeoutError(f"no coordinator address came within {self.timeout} s")
+        TIMELINE["promoted"] = time.time()
         if "jax" in self.backends:
             facts.update(self._join_jax())
         if "torch" in self.backends:
-            _import("torch.distributed")
-            TIMELINE["imported_torch"] = time.time()
             joined = torch_group.join(
                 rank=self.rank,
                 world_size=self.num_processes,
@@ -144,12 +159,47 @@ class _Join:
             facts.update(joined)
         return facts
 
-    def _join_jax(self) -> dict[str, Any]:
-        jax = _import("jax")
+    def _prepare(self) -> None:
+        """Import the backends and apply the settings that must precede their first use.
+        A standby does it on a thread of low priority (nice 10; Linux counts niceness per
+        thread), so that the ranks' cells keep the CPU; the threads that compute later are
+        made by the join thread, at normal priority."""
+        if not self.standby:
+            self._import_backends()
+            return
+        errors: list[BaseException] = []
+
+        def nice_import() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+                self._import_backends()
+            except BaseException as exc:  # raised on the join thread below
+                errors.append(exc)
+
+        thread = threading.Thread(target=nice_import, name="spmd-standby-import", daemon=True)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    def _import_backends(self) -> None:
+        if "jax" in self.backends:
+            jax = _import("jax")
+            if self.cpu_devices:
+                # Must happen before any jax operation creates the backends.
+                jax.config.update("jax_num_cpu_devices", self.cpu_devices)
+            if self.cache_dir:
+                jax.config.update("jax_compilation_cache_dir", self.cache_dir)
+                # every compiled cell, however quick to compile: a restart re-runs them all
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+                jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        if "torch" in self.backends:
+            _import("torch.distributed")
         TIMELINE["imported"] = time.time()
-        if self.cpu_devices:
-            # Must happen before any jax operation creates the backends.
-            jax.config.update("jax_num_cpu_devices", self.cpu_devices)
+
+    def _join_jax(self) -> dict[str, Any]:
+        import jax
+
         coordinator = self.coordinators["jax"]
         INITIALIZE_ARGS.update(
             coordinator_address=coordinator,
@@ -208,6 +258,17 @@ def propose_coordinators(toward: str) -> dict[str, str]:
     return addresses
 
 
+def settle() -> dict:
+    """A standby, from the notebook once it registered: wait until its backends are
+    imported, and end at once on SIGTERM from now on (jax's import may have set a handler of
+    its own; only the main thread, where this runs, can set one)."""
+    _join.prepared.wait()
+    signal.signal(signal.SIGTERM, _exit_now)
+    if _join.error is not None:
+        raise _join.error
+    return {"pid": os.getpid(), "imported": TIMELINE.get("imported")}
+
+
 def joined(coordinators: dict[str, str] | None = None) -> dict:
     """Wait until this rank has joined the distributed job; return this process's facts.
 
@@ -245,7 +306,11 @@ def main() -> None:
     # The engine asks the controller for id = rank, so that sorted ids and ranks agree, as
     # they do for MPI ranks; mpiexec and srun only tell the rank through the environment.
     if not any(arg.startswith("--IPEngine.id=") for arg in sys.argv):
-        sys.argv.append(f"--IPEngine.id={_join.rank}")
+        offset = int(os.environ.get(ENGINE_ID_OFFSET_ENV) or 0)
+        sys.argv.append(f"--IPEngine.id={offset + _join.rank}")
+    # A standby never runs joined(); it must end at once at stop too (set again in joined,
+    # after jax, whose import may install its own handler).
+    signal.signal(signal.SIGTERM, _exit_now)
     _join.start()
     listen_for_where()
     watch_parent()

@@ -324,6 +324,8 @@ class SpmdMagics(Magics):
                 f"A cluster of {self.session.settings.n} processes is already running: "
                 "use %spmd stop or %spmd restart first."
             )
+        if self.session is not None:
+            self.session.stop()  # (after a death, its controller and standbys)
         _warn_if_notebook_joined_jax()
         self._start(settings)
 
@@ -344,7 +346,7 @@ class SpmdMagics(Magics):
             self.session = None
         return False
 
-    def _start(self, settings: Settings) -> None:
+    def _start(self, settings: Settings, cache_dir: str | None = None) -> None:
         if not settings.curve and settings.where.leaves_machine:
             print(
                 "Warning: --no-curve: messages to and from the other hosts are signed but "
@@ -352,6 +354,7 @@ class SpmdMagics(Magics):
                 file=sys.stderr,
             )
         session = Session(settings)
+        session._cache_dir = cache_dir  # a restart's: compiled cells stay compiled
         try:
             session.start()
         except StartError as exc:
@@ -366,6 +369,7 @@ class SpmdMagics(Magics):
         self.auto.on = self.always_on
         after = "auto mode is off." if not self.always_on else "%spmd restart starts them again."
         if not session.running:  # stopped already, after a rank died
+            session.stop()  # (its standbys and controller, where they were kept)
             print(f"The cluster was already stopped after rank {session.death.rank} died; {after}")
             return
         t0 = time.perf_counter()
@@ -377,8 +381,18 @@ class SpmdMagics(Magics):
     def _cmd_restart(self, args: list[str]) -> None:
         self._no_args("restart", args)
         session = self._require_session(allow_stopped=True)
-        session.stop()
-        self._start(session.settings)
+        t0 = time.perf_counter()
+        try:
+            promoted = session.cluster is not None and session.restart()
+        except StartError as exc:
+            raise UsageError(str(exc)) from None
+        if promoted:
+            session.start_seconds = time.perf_counter() - t0
+            self.auto.on = True
+            print(summary(session, restarted=True))
+            return
+        session.stop(keep_cache=True)
+        self._start(session.settings, cache_dir=session._cache_dir)
 
     def _cmd_status(self, args: list[str]) -> None:
         self._no_args("status", args)

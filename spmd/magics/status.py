@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import psutil
+
 from spmd.cluster.session import Session
 
 
-def summary(session: Session) -> str:
+def summary(session: Session, restarted: bool = False) -> str:
     s, first = session.settings, session.ranks[0]
     per = "device" if first.local_devices == 1 else "devices"
     devices = (
@@ -13,9 +15,30 @@ def summary(session: Session) -> str:
         if s.backend != "none"
         else ""
     )
+    how = ", from the standby engines" if restarted else ""
     return (
-        f"Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s. "
+        f"Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
         "Auto mode on: every cell now runs on all ranks."
+    )
+
+
+def standby_line(session: Session) -> str:
+    """One line on the standby engines: how many are ready, their pids and memory."""
+    standbys = session.standbys()
+    if not standbys:
+        why = "off (--standby off)" if session.settings.standby is False else "none"
+        return f"standby engines: {why}"
+    ready = sum(r.state == "ready" for r in standbys)
+    memory = 0
+    for r in standbys:
+        try:
+            memory += psutil.Process(r.pid).memory_info().rss
+        except psutil.Error:
+            continue
+    pids = ",".join(str(r.pid) for r in standbys)
+    return (
+        f"standby engines: {ready} of {len(standbys)} ready for %spmd restart "
+        f"(pids {pids}), {memory / 2**20:.0f} MB in all"
     )
 
 
@@ -41,6 +64,8 @@ def status_table(session: Session, auto_on: bool) -> str:
     lines.append(
         f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
     )
+    if session.cluster is not None:
+        lines.append(standby_line(session))
     if session.out_of_step:
         lines.append(f"Cells are refused: {session.out_of_step}")
     return "\n".join(lines)
