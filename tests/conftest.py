@@ -95,7 +95,7 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> Inter
         and not s.busy_ranks()
     )
     if not healthy:
-        if s is not None and s.running:
+        if s is not None:  # (stop is idempotent; a died cluster may keep its standbys)
             s.stop()
         out = run(shell, f"%spmd {start}")
         assert out.error is None, out.stdout + out.stderr
@@ -111,10 +111,10 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> Inter
 def fresh(shell):
     """The shell with no cluster; whatever a test starts is stopped after it."""
     magics = shell.magics_manager.registry["SpmdMagics"]
-    if magics.session is not None and magics.session.running:
+    if magics.session is not None:
         magics.session.stop()
     yield shell
-    if magics.session is not None and magics.session.running:
+    if magics.session is not None:
         magics.session.stop()
     magics.auto.on = False
 
@@ -124,7 +124,7 @@ def module_shell(shell):
     """The shared shell; the module's cluster is stopped when the module ends."""
     yield shell
     session = shell.magics_manager.registry["SpmdMagics"].session
-    if session is not None and session.running:
+    if session is not None:
         session.stop()
 
 

@@ -110,13 +110,22 @@ def kernel_stream(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
     return reply, "".join(shown)
 
 
+def rank_engines(procs) -> list:
+    """The engines among ``procs`` that are ranks (not standbys, see %spmd status)."""
+    return [
+        p
+        for p in procs
+        if "spmd.engine" in " ".join(p.cmdline()) and p.environ().get("SPMD_STANDBY") != "1"
+    ]
+
+
 def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
     with spmd_kernel() as (km, kc):
         kernel_pid = km.provisioner.process.pid
         reply, text = kernel_stream(kc, "%spmd start -n 3 --backend none")
         assert reply["content"]["status"] == "ok"
         assert text.startswith("Started 3 processes (none)")
-        engines = [p for p in spmd_processes(kernel_pid) if "spmd.engine" in " ".join(p.cmdline())]
+        engines = rank_engines(spmd_processes(kernel_pid))
         assert len(engines) == 3  # the kernelspec's 2 ranks were cancelled or stopped
         reply, text = kernel_stream(kc, "import os; print(os.environ['SPMD_NUM_PROCESSES'])")
         assert text == "[ranks 0-2] 3\n"
@@ -171,7 +180,7 @@ def test_restart_and_shutdown_of_the_kernel_leave_no_process():
         reply, _ = kernel_stream(kc, "x = 1")  # the cluster is up
         assert reply["content"]["status"] == "ok"
         first = spmd_processes(first_pid)
-        assert len([p for p in first if "spmd.engine" in " ".join(p.cmdline())]) == 2
+        assert len(rank_engines(first)) == 2
         km.restart_kernel(now=False)  # Kernel > Restart
         assert not wait_until_gone(first)
         kc.wait_for_ready(timeout=60)

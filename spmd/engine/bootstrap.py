@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from spmd.engine import commands, control, placement, torch_group
+from spmd.engine import commands, control, jit_cache, placement, torch_group
 from spmd.engine.address import address_toward, free_port
 from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
@@ -189,10 +189,7 @@ class _Join:
                 # Must happen before any jax operation creates the backends.
                 jax.config.update("jax_num_cpu_devices", self.cpu_devices)
             if self.cache_dir:
-                jax.config.update("jax_compilation_cache_dir", self.cache_dir)
-                # every compiled cell, however quick to compile: a restart re-runs them all
-                jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-                jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+                jit_cache.enable(self.cache_dir)
         if "torch" in self.backends:
             _import("torch.distributed")
         TIMELINE["imported"] = time.time()

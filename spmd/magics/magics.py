@@ -109,6 +109,8 @@ def _start_parser() -> _Parser:
     p.add_argument("--python", default="")
     p.add_argument("--gpus-per-process", type=_gpus, default=None)
     p.add_argument("--no-curve", action="store_true")
+    p.add_argument("--standby", choices=("on", "off"), default=None)
+    p.add_argument("--compilation-cache", default=None)
     return p
 
 
@@ -127,6 +129,21 @@ def _gpus(text: str) -> int:
             f"--gpus-per-process takes a whole number (0 hides the GPUs), not {text!r}"
         )
     return int(text)
+
+
+def _cache_folder(path: str | None) -> str | None:
+    """--compilation-cache: the folder, made if missing; UsageError where it cannot be."""
+    if path is None:
+        return None
+    folder = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"%spmd start: --compilation-cache {path} cannot be used ({exc.strerror}): name a "
+            "folder you can write to."
+        ) from None
+    return folder
 
 
 def _torch_checked(opts, where: remote.Placement) -> remote.Placement:
@@ -238,6 +255,7 @@ class SpmdMagics(Magics):
                         [--init-method tcp|env|file|file:///PATH] [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
+                        [--standby on|off] [--compilation-cache DIR]
             %spmd stop | restart | status | interrupt | where | on | off
             %spmd sharding EXPR          one picture: which process and device holds what
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
@@ -249,6 +267,9 @@ class SpmdMagics(Magics):
         ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
         becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
+        A set of standby engines waits behind the ranks (on by default for ranks on this
+        machine, where memory allows): ``%spmd restart`` promotes them in well under a second.
+        jax's compilation cache is shared by the ranks and kept across restarts.
         ``--backend torch`` runs ``torch.distributed.init_process_group`` instead (gloo by
         default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
@@ -315,6 +336,8 @@ class SpmdMagics(Magics):
             gpus_per_process=opts.gpus_per_process,
             curve=not opts.no_curve,
             start_timeout=opts.start_timeout,
+            standby=None if opts.standby is None else opts.standby == "on",
+            cache_dir=_cache_folder(opts.compilation_cache),
         )
         if self._kernel_cluster_is(settings):
             print(summary(self.session))

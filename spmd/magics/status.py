@@ -28,17 +28,19 @@ def standby_line(session: Session) -> str:
     if not standbys:
         why = "off (--standby off)" if session.settings.standby is False else "none"
         return f"standby engines: {why}"
-    ready = sum(r.state == "ready" for r in standbys)
+    counts: dict[str, int] = {}
     memory = 0
     for r in standbys:
+        counts[r.state] = counts.get(r.state, 0) + 1
         try:
             memory += psutil.Process(r.pid).memory_info().rss
         except psutil.Error:
             continue
+    states = ", ".join(f"{n} {state}" for state, n in counts.items())
     pids = ",".join(str(r.pid) for r in standbys)
     return (
-        f"standby engines: {ready} of {len(standbys)} ready for %spmd restart "
-        f"(pids {pids}), {memory / 2**20:.0f} MB in all"
+        f"standby engines: {states} (for %spmd restart; pids {pids}), "
+        f"{memory / 2**20:.0f} MB in all"
     )
 
 
