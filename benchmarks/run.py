@@ -43,7 +43,7 @@ PSUM = (
 JIT_SETUP = (
     "import jax, jax.numpy as jnp\n"
     "from jax.sharding import NamedSharding, PartitionSpec as P\n"
-    "mesh = jax.make_mesh((jax.device_count(),), ('x',))\n"
+    "mesh = jax.make_mesh((jax.device_count(),), ('x',), axis_types=(jax.sharding.AxisType.Auto,))\n"
     "xs = jax.device_put(jnp.ones((jax.device_count() * 8, 64)), NamedSharding(mesh, P('x')))"
 )
 JIT_CELL = (
