@@ -441,11 +441,15 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
             bench.record("first_result/kernel", kernels.spmd_kernel(PSUM))
             bench.record("first_result/magic", kernels.magic_in_python3(PSUM))
     sizes = (4,) if quick else (2, 4, 8)
+    cells = 30 if quick else 100
     for n in sizes:
         print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
-        bench.per_cell(n, cells=30 if quick else 100)
-        if n == 4:
-            bench.per_cell(n, cells=30 if quick else 100, standby=False)
+        if n != 4:
+            bench.per_cell(n, cells)
+            continue
+        for _ in range(3):  # with and without standbys, alternated
+            bench.per_cell(n, cells // 3)
+            bench.per_cell(n, cells // 3, standby=False)
     print("output, 4 ranks", file=sys.stderr, flush=True)
     bench.output(lines=10_000, rounds=1 if quick else 3)
     print("memory", file=sys.stderr, flush=True)

@@ -76,3 +76,18 @@ def exited(process) -> bool:
         return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def kill_now(launchers, after: float = 0.0) -> None:
+    """SIGKILL the processes of these local launchers still running ``after`` seconds from
+    now (by their handles)."""
+    procs = [ln.process for ln in launchers if getattr(ln, "process", None) is not None]
+    alive = [p for p in procs if not exited(p)]
+    if after and alive:
+        _, alive = psutil.wait_procs(alive, timeout=after)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(alive, timeout=2)

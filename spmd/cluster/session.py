@@ -406,7 +406,12 @@ class Session:
         cluster = self.cluster
         self.unfinished = None
         started_in_ranks = processes.started_by_ranks(cluster)
-        # The old ranks end (they may be stuck in a collective: SIGKILL after 1 s) ...
+        # The old ranks end: SIGTERM, and SIGKILL soon for those stuck in a collective
+        # (ipyparallel's own kill comes after a whole second) ...
+        old = list(cluster.rank_launchers().values())
+        for launcher in old:
+            launcher.signal(signal.SIGTERM)
+        processes.kill_now(old, after=0.2)
         cluster._in_thread(cluster.promote_standby)
         processes.end(started_in_ranks)
         self._remove_torch_file(self._torch_method)
@@ -466,6 +471,9 @@ class Session:
                     launcher.ended_by_control = engine_id in ended
             client.close(linger=0)
         if cluster is not None:
+            # Standbys hold nothing and run no cell; one still importing torch holds the GIL
+            # for long stretches and would take ipyparallel's 1 s kill timeout to end.
+            processes.kill_now(cluster.standby_launchers().values())
             started_in_ranks = processes.started_by_ranks(cluster)
             # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
