@@ -48,6 +48,19 @@ def run(shell: InteractiveShell, code: str) -> CellResult:
     return CellResult(stdout, stderr, shown, error)
 
 
+def session(shell: InteractiveShell):
+    """The shell's SPMD session (None before the first start)."""
+    return shell.magics_manager.registry["SpmdMagics"].session
+
+
+def report(result: CellResult) -> str:
+    """The text a notebook shows for a cell that failed on the ranks."""
+    from spmd.magics.render import RankErrors
+
+    assert isinstance(result.error, RankErrors), result.error
+    return "\n".join(result.error._render_traceback_())
+
+
 CLEAR = "\x1b[2K\r"  # what IPython's clear_output writes to a terminal
 
 

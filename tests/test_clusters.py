@@ -13,11 +13,9 @@ import time
 
 import psutil
 import pytest
-from conftest import run, spmd_processes, wait_until_gone
+from conftest import report, run, spmd_processes, wait_until_gone
 from hosts import Hosts, why_not
 from IPython.core.error import UsageError
-
-from spmd.magics.render import RankErrors
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,10 +54,6 @@ def nothing_left_on(hosts: Hosts) -> list[int]:
     return [p.pid for p in wait_until_gone([psutil.Process(pid) for pid in left if
                                             psutil.pid_exists(pid)], timeout=10)]
 
-
-def report(result) -> str:
-    assert isinstance(result.error, RankErrors), result.error
-    return "\n".join(result.error._render_traceback_())
 
 
 def restart_psum_and_stop(shell, hosts: Hosts) -> None:

@@ -10,10 +10,10 @@ import threading
 import time
 
 import pytest
-from conftest import ready_cluster, run
+from conftest import ready_cluster, report, run, session
 from IPython.core.error import UsageError
 
-from spmd.magics.render import LiveView, RankErrors
+from spmd.magics.render import LiveView
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,14 +30,6 @@ def cluster(module_shell):
     return ready_cluster(module_shell, "start -n 2 -d 2", SETUP)
 
 
-def session(shell):
-    return shell.magics_manager.registry["SpmdMagics"].session
-
-
-def report(result) -> str:
-    """The text a notebook shows for a failed cell."""
-    assert isinstance(result.error, RankErrors), result.error
-    return "\n".join(result.error._render_traceback_())
 
 
 def restart_and_psum(shell) -> None:

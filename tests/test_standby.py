@@ -9,9 +9,8 @@ import time
 
 import psutil
 import pytest
-from conftest import run
-
-from spmd.magics.render import RankErrors
+from conftest import report, run, session, spmd_processes
+from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,9 +21,6 @@ SETUP = (
 )
 PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
 
-
-def session(shell):
-    return shell.magics_manager.registry["SpmdMagics"].session
 
 
 def standbys_ready(shell, timeout: float = 60) -> list[int]:
@@ -70,8 +66,7 @@ def test_standby_restart_after_a_divergence_ends_the_blocked_rank(fresh):
     assert run(fresh, "%spmd start -n 2").error is None
     assert run(fresh, SETUP).error is None
     out = run(fresh, "if rank == 0:\n    raise ValueError('diverge')\n" + PSUM)
-    assert isinstance(out.error, RankErrors)
-    assert "The ranks diverged" in "\n".join(out.error._render_traceback_())
+    assert "The ranks diverged" in report(out)
     restart_from_standbys(fresh)
 
 
@@ -79,7 +74,7 @@ def test_standby_restart_after_a_death(fresh):
     assert run(fresh, "%spmd start -n 2").error is None
     assert run(fresh, SETUP).error is None
     out = run(fresh, "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM)
-    text = "\n".join(out.error._render_traceback_())
+    text = report(out)
     assert text.startswith("Rank 1 died: killed by SIGKILL"), text
     # the ranks were ended; the controller and the standbys were kept for the restart
     assert all(r.state in ("died", "stopped") for r in session(fresh).ranks)
@@ -142,3 +137,22 @@ def test_standby_a_named_compilation_cache_outlives_stop(fresh, tmp_path):
     assert run(fresh, SETUP + "\n" + JITTED).error is None
     run(fresh, "%spmd stop")
     assert any(n.startswith("jit_steps") for n in os.listdir(folder))
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (
+            "%spmd start -n 2 --standby on --launcher mpi",
+            "standby engines run only for ranks on this machine for now: drop --standby on",
+        ),
+        ("%spmd start -n 2 --standby maybe", "invalid choice: 'maybe'"),
+        ("%spmd start -n 2 --compilation-cache /dev/null/cache", "--compilation-cache "
+         "/dev/null/cache cannot be used"),
+    ],
+)
+def test_standby_bad_options_are_refused_before_anything_starts(fresh, line, says):
+    out = run(fresh, line)
+    assert isinstance(out.error, UsageError), out.error
+    assert says in str(out.error)
+    assert not spmd_processes()

@@ -15,11 +15,10 @@ import types
 import numpy as np
 import psutil
 import pytest
-from conftest import ready_cluster, run, spmd_processes
+from conftest import ready_cluster, report, run, session, spmd_processes
 from IPython.core.error import UsageError
 
 from spmd.engine import torch_group
-from spmd.magics.render import RankErrors
 
 pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
 
@@ -34,13 +33,6 @@ def cluster(module_shell):
     return ready_cluster(module_shell, "start -n 2 --backend torch", SETUP)
 
 
-def session(shell):
-    return shell.magics_manager.registry["SpmdMagics"].session
-
-
-def report(result) -> str:
-    assert isinstance(result.error, RankErrors), result.error
-    return "\n".join(result.error._render_traceback_())
 
 
 def restart_and_all_reduce(shell) -> None:

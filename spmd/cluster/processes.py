@@ -85,9 +85,4 @@ def kill_now(launchers, after: float = 0.0) -> None:
     alive = [p for p in procs if not exited(p)]
     if after and alive:
         _, alive = psutil.wait_procs(alive, timeout=after)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(alive, timeout=2)
+    end(alive)

@@ -28,19 +28,12 @@ from spmd.cluster.outputs import Output
 from spmd.cluster.profiles import new_profile_dir
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
 from spmd.engine import bootstrap as engine
-from spmd.engine.address import free_port
+from spmd.engine.address import coordinator_addresses
 
 
 def _loopback_ports(backend: str) -> dict[str, str]:
     """A free port on 127.0.0.1 for each backend's coordinator (jax's and torch's differ)."""
-    ports: dict[str, str] = {}
-    for name in backend.split(","):
-        if name != "none":
-            port = free_port()
-            while f"{LOOPBACK}:{port}" in ports.values():
-                port = free_port()
-            ports[name] = f"{LOOPBACK}:{port}"
-    return ports
+    return coordinator_addresses(LOOPBACK, [b for b in backend.split(",") if b != "none"])
 
 
 def _wait_listening(address: str, rank0, seconds: float) -> None:
@@ -140,7 +133,7 @@ class Session:
     _profile_dir: str | None = None
     _cache_dir: str | None = None  # the compilation cache the ranks share
     _generation: int = 0  # engine sets started so far: their engine ids do not overlap
-    _torch_method: str = ""  # torch's init method as the ranks got it
+    _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
     _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
@@ -237,16 +230,14 @@ class Session:
         method = self.settings.init_method
         if method == "file":
             method = f"file://{self._profile_dir}/torch-init"
-        if "torch" in self.settings.backend:
-            self._remove_torch_file(method)
-        self._torch_method = method
+        self._torch_method = method if "torch" in self.settings.backend else ""
+        self._remove_torch_file()
         return method
 
-    def _remove_torch_file(self, method: str | None = None) -> None:
-        method = method or self.settings.init_method
-        if "torch" in self.settings.backend and method.startswith("file://"):
+    def _remove_torch_file(self) -> None:
+        if self._torch_method.startswith("file://"):
             with contextlib.suppress(OSError):
-                os.remove(method[len("file://"):])
+                os.remove(self._torch_method[len("file://"):])
 
     def _init_client(self) -> None:
         s = self.settings
@@ -414,7 +405,7 @@ class Session:
         processes.kill_now(old, after=0.2)
         cluster._in_thread(cluster.promote_standby)
         processes.end(started_in_ranks)
-        self._remove_torch_file(self._torch_method)
+        self._remove_torch_file()
         # ... and the standbys join a new job, as the same ranks.
         self.ranks = [Rank(rank=r.rank, engine_id=r.engine_id) for r in standbys]
         self._launchers = cluster.rank_launchers()
@@ -574,10 +565,10 @@ class Session:
         return (DIED, None) if self._any_death() else ("", None)
 
     def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:
-        deaths = self._deaths() if reason == DIED else []
-        if deaths and "torch" in self.settings.backend:
+        deaths = self._deaths()
+        if reason == DIED and deaths and "torch" in self.settings.backend:
             self._let_survivors_finish(run, {d.rank for d in deaths})
-        stall = Stall.at(reason, seconds, run.cells, deaths=deaths or self._deaths())
+        stall = Stall.at(reason, seconds, run.cells, deaths=deaths)
         busy = stall.busy
         # Where the busy ranks are, before an interrupt moves them.
         stall.stacks = self.stacks(busy)

@@ -27,6 +27,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def coordinator_addresses(host: str, backends: list[str]) -> dict[str, str]:
+    """``host:port`` for each backend's coordinator (jax's and torch's), distinct free ports."""
+    addresses: dict[str, str] = {}
+    for backend in backends:
+        address = f"{host}:{free_port(host)}"
+        while address in addresses.values():
+            address = f"{host}:{free_port(host)}"
+        addresses[backend] = address
+    return addresses
+
+
 def address_toward(peer: str) -> str:
     """This machine's address on the interface that reaches ``peer`` (no packet is sent:
     connecting a UDP socket only asks the routing table)."""

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from spmd.engine import commands, control, jit_cache, placement, torch_group
-from spmd.engine.address import address_toward, free_port
+from spmd.engine.address import address_toward, coordinator_addresses
 from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
 
@@ -118,7 +118,6 @@ class _Join:
             self.facts = self._join()
         except BaseException as exc:  # reported by joined(), in the notebook
             self.error = exc
-        self.prepared.set()
         TIMELINE["joined"] = time.time()
 
     def _join(self) -> dict[str, Any]:
@@ -133,7 +132,6 @@ class _Join:
             "gpus": self._share_gpus(host),
         }
         self._prepare()
-        self.prepared.set()
         # A standby waits as long as the cluster lives; a new rank, as long as a start may.
         timeout = None if self.standby else self.timeout
         if self.backends and not self._coordinator_given.wait(timeout):
@@ -163,10 +161,17 @@ class _Join:
         """Import the backends and apply the settings that must precede their first use.
         A standby does it on a thread of low priority (nice 10; Linux counts niceness per
         thread), so that the ranks' cells keep the CPU; the threads that compute later are
-        made by the join thread, at normal priority."""
-        if not self.standby:
-            self._import_backends()
-            return
+        made by the join thread, at normal priority. ``prepared`` is set after, also on
+        failure (``settle`` waits for it)."""
+        try:
+            if self.standby:
+                self._import_at_low_priority()
+            else:
+                self._import_backends()
+        finally:
+            self.prepared.set()
+
+    def _import_at_low_priority(self) -> None:
         errors: list[BaseException] = []
 
         def nice_import() -> None:
@@ -245,14 +250,7 @@ def this_rank() -> int:
 def propose_coordinators(toward: str) -> dict[str, str]:
     """Rank 0: for each backend it starts, an address on the interface that reaches
     ``toward`` (the notebook's machine), which the other hosts reach too; ports free now."""
-    host = address_toward(toward)
-    addresses: dict[str, str] = {}
-    for backend in _join.backends:
-        port = free_port(host)
-        while f"{host}:{port}" in addresses.values():
-            port = free_port(host)
-        addresses[backend] = f"{host}:{port}"
-    return addresses
+    return coordinator_addresses(address_toward(toward), _join.backends)
 
 
 def settle() -> dict:

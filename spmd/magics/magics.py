@@ -147,7 +147,12 @@ def _cache_folder(path: str | None) -> str | None:
 
 
 def _torch_checked(opts, where: remote.Placement) -> remote.Placement:
-    """``where``, once the torch options agree with the backend and the launcher."""
+    """``where``, once the torch and standby options agree with the backend and launcher."""
+    if opts.standby == "on" and where.launcher != "local":
+        raise UsageError(
+            "%spmd start: standby engines run only for ranks on this machine for now: drop "
+            "--standby on (a restart then starts the ranks afresh)."
+        )
     torch_flag = "--torch-backend" if opts.torch_backend else "--init-method"
     if (opts.torch_backend or opts.init_method) and "torch" not in opts.backend:
         raise UsageError(f"%spmd start: {torch_flag} is for --backend torch: add it.")
