@@ -56,9 +56,26 @@ def nothing_left_on(hosts: Hosts) -> list[int]:
 
 
 
+def standbys_ready(shell, timeout: float = 60) -> list:
+    """The standby engines' rows, once all are ready (jax imported on their hosts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = magics(shell).session.standbys()
+        if rows and all(r.state == "ready" for r in rows):
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"no ready standbys: {magics(shell).session.standbys()}")
+
+
 def restart_psum_and_stop(shell, hosts: Hosts) -> None:
-    """One %spmd restart brings back ranks where a psum works; stop leaves nothing there."""
-    assert run(shell, "%spmd restart").error is None
+    """One %spmd restart promotes the standbys on the hosts to ranks, where a psum works;
+    stop leaves nothing there."""
+    standbys = standbys_ready(shell)
+    assert [r.host for r in standbys] == ["node1", "node2"]
+    out = run(shell, "%spmd restart")
+    assert out.error is None, out.stderr
+    assert "from the standby engines" in out.stdout, out.stdout
+    assert [r.pid for r in magics(shell).session.ranks] == [r.pid for r in standbys]
     assert run(shell, SETUP).error is None
     assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
     run(shell, "%spmd stop")

@@ -144,7 +144,7 @@ def test_standby_a_named_compilation_cache_outlives_stop(fresh, tmp_path):
     [
         (
             "%spmd start -n 2 --standby on --launcher mpi",
-            "standby engines run only for ranks on this machine for now: drop --standby on",
+            "standby engines need the local or ssh launcher (mpi starts all ranks as one job)",
         ),
         ("%spmd start -n 2 --standby maybe", "invalid choice: 'maybe'"),
         ("%spmd start -n 2 --compilation-cache /dev/null/cache", "--compilation-cache "

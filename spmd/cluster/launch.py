@@ -8,6 +8,7 @@ that starts the controller and the engines at the same time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import sys
 import time
@@ -189,8 +190,32 @@ class SpmdCluster(Cluster):
         _, self.rank_set = await asyncio.gather(self.start_controller(), self.start_engines(n))
 
     async def start_standby(self, n: int, environment: dict[str, str]) -> None:
-        """Start ``n`` standby engines (``environment`` says so to them) behind the ranks."""
-        self.standby_set = await self.start_engines(n, environment=environment)
+        """Start ``n`` standby engines (``environment`` says so to them) behind the ranks.
+        The set is the standby set from the first moment, so a stop never misses it."""
+        self.standby_set = self._new_engine_set_id()
+        await self.start_engines(n, engine_set_id=self.standby_set, environment=environment)
+
+    def engine_environment(self) -> dict[str, str]:
+        """The environment this cluster's engine sets give their engines (from the config)."""
+        for cls in self.engine_launcher_class.mro():
+            section = self.config.get(cls.__name__) if cls.__name__ in self.config else None
+            if section is not None and "environment" in section:
+                return dict(section.environment)
+        return {}
+
+    def in_background(self, async_f, *args) -> concurrent.futures.Future:
+        """ipyparallel's ``_in_thread`` without waiting: ``async_f`` runs on the cluster's
+        event-loop thread while the caller goes on."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                future.set_result(await async_f(*args))
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._thread_loop.add_callback(run)
+        return future
 
     async def promote_standby(self) -> None:
         """The standbys become the ranks; the old ranks' engines are stopped."""
@@ -198,7 +223,7 @@ class SpmdCluster(Cluster):
         if old in self.engines:
             await self.stop_engines(old)
 
-    def standby_launchers(self) -> dict[int, RankedEngineLauncher]:
+    def standby_launchers(self) -> dict[int, RankedEngineLauncher | ssh.RankedSSHEngineLauncher]:
         """The standby engines' launchers, by the rank each would become."""
         engine_set = self.engines.get(self.standby_set) if self.standby_set else None
         return {} if engine_set is None else {

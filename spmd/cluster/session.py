@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spmd.cluster import control, processes, remote, where
+from spmd.cluster import control, processes, remote, ssh, where
 from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import (
     LOOPBACK,
@@ -50,6 +50,10 @@ def _wait_listening(address: str, rank0, seconds: float) -> None:
         time.sleep(0.005)
 
 
+# Where a standby set can start beside the ranks: mpiexec and srun start one job step,
+# whose ranks all come and go together.
+STANDBY_LAUNCHERS = ("local", "ssh")
+
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5
 
@@ -80,7 +84,7 @@ class Settings:
     gpus_per_process: int | None = None  # None: an equal share of each host's GPUs
     curve: bool = True  # encrypt (CurveZMQ) when ranks may run on other machines
     # A second set of engines, ready for a restart: None means on where this machine has
-    # room for both sets (local ranks only); False turns them off.
+    # room for both sets, and on over ssh; False turns them off.
     standby: bool | None = None
     # jax's persistent compilation cache: a folder named by the user (kept), or None for one
     # of the cluster's own (kept across restarts, emptied at stop).
@@ -101,6 +105,7 @@ class Rank:
     state: str = "idle"  # idle | busy | died | stopped
     last_seconds: float | None = None
     main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
+    memory: int = 0  # the process's resident memory in bytes, where known (0: not known)
 
 
 def _init_failure(rank: int, exc: Exception) -> StartError:
@@ -135,6 +140,7 @@ class Session:
     _generation: int = 0  # engine sets started so far: their engine ids do not overlap
     _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
     _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
+    _standby_start: object | None = None  # the standby set's start (a Future), while it runs
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
 
@@ -278,10 +284,11 @@ class Session:
             except Exception as exc:
                 raise _init_failure(0, exc) from None
         pending = {0: self.client[self.ranks[0].engine_id].apply_async(engine.joined, coordinators)}
-        if coordinators and s.where.launcher == "local":
+        if coordinators:
             # Rank 0 first, until its coordinator listens: a rank that connects earlier is
             # refused and retries after gRPC's back-off (about a second, seen in 1 of 2
-            # promotions), which is most of a restart from standbys.
+            # promotions), which is most of a restart from standbys. (Rank 0 proposed an
+            # address that this machine reaches.)
             _wait_listening(next(iter(coordinators.values())), pending[0], seconds=5.0)
         pending.update(
             {
@@ -320,8 +327,12 @@ class Session:
 
     def _standby_wanted(self) -> bool:
         s = self.settings
-        if s.standby is False or s.where.launcher != "local":
+        if s.standby is False or s.where.launcher not in STANDBY_LAUNCHERS:
             return False
+        if not s.where.on_this_machine:
+            # Other hosts: standbys hold no GPU memory (jax and torch only start their
+            # devices when a rank joins), and the hosts' memory is theirs to judge.
+            return True
         # on by default where both sets fit; asked for (True), where the one more set fits
         return processes.max_local_ranks() >= (2 * s.n if s.standby is None else s.n)
 
@@ -331,9 +342,8 @@ class Session:
         if self.cluster is None or not self._standby_wanted():
             return
         self._generation += 1
-        config = self.cluster.config.LocalEngineSetLauncher
         environment = dict(
-            config.environment,
+            self.cluster.engine_environment(),
             **{
                 engine.STANDBY_ENV: "1",
                 engine.ENGINE_ID_OFFSET_ENV: str(self._generation * self.settings.n),
@@ -343,7 +353,22 @@ class Session:
             },
         )
         self._settling = {}
-        self.cluster._in_thread(self.cluster.start_standby, self.settings.n, environment)
+        # (over ssh the start takes a second or more: the restart does not wait for it)
+        self._standby_start = self.cluster.in_background(
+            self.cluster.start_standby, self.settings.n, environment
+        )
+
+    def _standby_started(self, seconds: float) -> bool:
+        """Wait until the standby set's start returned; whether it started."""
+        starting, self._standby_start = self._standby_start, None
+        if starting is None:
+            return True
+        try:
+            starting.result(timeout=seconds)
+        except Exception:  # a host refused, or it did not finish in time: no standbys
+            self._standby_start = starting if not starting.done() else None
+            return False
+        return True
 
     def standbys(self) -> list[Rank]:
         """The standby engines, as rows (rank = the rank each would become); [] if none.
@@ -360,21 +385,28 @@ class Session:
                 settling = self._settling[engine_id] = self.client[engine_id].apply_async(
                     engine.settle
                 )
-            if launcher.process is None or processes.exited(launcher.process):
+            done = settling is not None and settling.ready()
+            settled = settling.get() if done and settling.successful() else {}
+            if processes.launcher_ended(launcher):
                 state = "failed"
-            elif settling is None or not settling.ready():
+            elif not done:
                 state = "starting"
             else:
-                state = "ready" if settling.successful() else "failed"
+                state = "ready" if settled else "failed"
             rows.append(
-                Rank(rank=rank, engine_id=engine_id, pid=launcher.pid or 0, state=state,
-                     host=self.ranks[0].host if self.ranks else "")
+                Rank(
+                    rank=rank, engine_id=engine_id, pid=launcher.pid or 0, state=state,
+                    host=self.ranks[rank].host if rank < len(self.ranks) else "",
+                    memory=settled.get("memory", 0),
+                )
             )
         return rows
 
     def _standbys_ready(self, seconds: float = 60.0) -> list[Rank]:
         """The standbys once all are ready (waiting while they start); [] if one failed."""
         deadline = time.monotonic() + seconds
+        if not self._standby_started(seconds):
+            return []
         while True:
             standbys = self.standbys()
             states = {r.state for r in standbys}
@@ -402,6 +434,7 @@ class Session:
         old = list(cluster.rank_launchers().values())
         for launcher in old:
             launcher.signal(signal.SIGTERM)
+        self._end_far_ranks()  # (ranks on other hosts end on their control channel)
         processes.kill_now(old, after=0.2)
         cluster._in_thread(cluster.promote_standby)
         processes.end(started_in_ranks)
@@ -409,11 +442,16 @@ class Session:
         # ... and the standbys join a new job, as the same ranks.
         self.ranks = [Rank(rank=r.rank, engine_id=r.engine_id) for r in standbys]
         self._launchers = cluster.rank_launchers()
+        self._ssh = cluster.ssh_launchers()
         self._vanished = {}
         self.out_of_step, self.death = "", None
         self._cells.clear()
+        local = self.settings.where.launcher == "local"
         try:
-            self._init_distributed(coordinators=_loopback_ports(self.settings.backend))
+            # (on other hosts the new rank 0 proposes its own addresses)
+            self._init_distributed(
+                coordinators=_loopback_ports(self.settings.backend) if local else None
+            )
         except BaseException:
             self.stop(keep_cache=True)
             raise
@@ -447,24 +485,26 @@ class Session:
         if not keep_cache and self._cache_dir and self._cache_dir != self.settings.cache_dir:
             shutil.rmtree(self._cache_dir, ignore_errors=True)
             self._cache_dir = None
-        client, cluster, local = self.client, self.cluster, self._launchers
+        if self.cluster is not None:
+            # a standby set still starting (over ssh) is stopped once its engines run
+            self._standby_started(self.settings.start_timeout)
+        if self.client is not None and self.cluster is not None:
+            self._end_far_ranks(standbys=True)
+        client, cluster = self.client, self.cluster
         self.client = self.cluster = None
         self._launchers, self._ssh, self._vanished = {}, {}, {}
         self.unfinished = None
         if client is not None:
-            far = [r.engine_id for r in self.ranks if r.rank not in local and r.state != "died"]
-            if far and cluster is not None:
-                # Ranks on other hosts end at once on their control channel; the launcher's
-                # own stop (over ssh, mpiexec or scancel) then only confirms it.
-                ended = control.signal(client, far, signal.SIGTERM, timeout=0.5)
-                for launcher in cluster.ssh_launchers().values():
-                    engine_id = self.ranks[launcher.rank].engine_id if self.ranks else None
-                    launcher.ended_by_control = engine_id in ended
             client.close(linger=0)
         if cluster is not None:
             # Standbys hold nothing and run no cell; one still importing torch holds the GIL
             # for long stretches and would take ipyparallel's 1 s kill timeout to end.
-            processes.kill_now(cluster.standby_launchers().values())
+            standbys = cluster.standby_launchers().values()
+            processes.kill_now(standbys)
+            ssh.kill_now(  # (on other hosts: those that did not end on their control channel)
+                ln for ln in standbys
+                if isinstance(ln, ssh.RankedSSHEngineLauncher) and not ln.ended_by_control
+            )
             started_in_ranks = processes.started_by_ranks(cluster)
             # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
@@ -725,14 +765,41 @@ class Session:
         else:
             self.stop(keep_cache=True)
 
+    def _end_far_ranks(self, standbys: bool = False) -> None:
+        """Ranks (and, with ``standbys``, ready standbys) with no process handle here end at
+        once on their control channel; the launcher's own stop (over ssh, mpiexec or
+        scancel) then only confirms it."""
+        engines = {
+            r.engine_id: r.rank
+            for r in self.ranks
+            if r.rank not in self._launchers and r.state not in ("died", "stopped")
+        }
+        launchers = {
+            self.ranks[rank].engine_id: ln for rank, ln in self.cluster.ssh_launchers().items()
+            if rank < len(self.ranks)
+        }
+        if standbys:
+            for row in self.standbys():
+                if row.state == "ready" and not isinstance(
+                    launcher := self.cluster.standby_launchers()[row.rank], RankedEngineLauncher
+                ):
+                    engines[row.engine_id] = row.rank
+                    launchers[row.engine_id] = launcher
+        if not engines or self.client is None:
+            return
+        ended = control.signal(self.client, list(engines), signal.SIGTERM, timeout=0.5)
+        for engine_id, launcher in launchers.items():
+            launcher.ended_by_control = engine_id in ended
+
     def _end_ranks(self) -> None:
         """End the ranks' engines (and what their cells started), keeping the rest."""
         cluster = self.cluster
         started_in_ranks = processes.started_by_ranks(cluster)
+        self._end_far_ranks()
         if cluster.rank_set in cluster.engines:
             cluster._in_thread(cluster.stop_engines, cluster.rank_set)
         processes.end(started_in_ranks)
-        self._launchers, self._vanished, self.unfinished = {}, {}, None
+        self._launchers, self._ssh, self._vanished, self.unfinished = {}, {}, {}, None
         for r in self.ranks:
             if r.state != "died":
                 r.state = "stopped"

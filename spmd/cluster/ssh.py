@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
+from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher, _ssh_outputs
 from ipyparallel.cluster.shellcmd import ShellCommandSend
 
 from spmd.engine import placement
@@ -98,6 +98,15 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
         # (its wait, in ``join``, polls the host until the process has ended)
         self.parent.in_parallel(super().signal, sig)
 
+    def kill_now(self) -> None:
+        """SIGKILL at once, with the host's own ``kill`` (ipyparallel's signal runs a Python
+        on the host: seconds, on a host busy starting engines)."""
+        if self.state != "running" or self.pid is None or self.pid <= 0:
+            return
+        kill = [*self.ssh_cmd, *self.ssh_args, self.location, "kill", "-KILL", str(self.pid)]
+        if subprocess.run(kill, capture_output=True, timeout=30).returncode != 0:
+            self.signal(signal.SIGKILL)
+
     exit_code: int | None = None
     exited_at: float | None = None  # time.monotonic(), as RankedEngineLauncher has them
 
@@ -121,6 +130,19 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
             self.exited_at = time.monotonic()
         stop_data = dict(exit_code=exit_code, pid=self.pid, identifier=self.identifier)
         self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+    def wait_one(self, timeout) -> int:
+        """ipyparallel's remote wait, with ours on the host, which sees a zombie as ended
+        (see ``spmd.engine.hostwait``)."""
+        out = self.ssh_sender.check_output_python_code(
+            f"from spmd.engine.hostwait import wait; wait({self.pid}, timeout={timeout})"
+        )
+        values = _ssh_outputs(out)
+        if "process_running" not in values:
+            raise RuntimeError(out)
+        if int(values["process_running"]):
+            raise TimeoutError("still running")
+        return int(values.get("exit_code", -1))
 
     async def join(self, timeout=None) -> None:
         if self.state != "running":  # its start failed: there is nothing to wait for
@@ -169,16 +191,30 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
     launcher_class = RankedSSHEngineLauncher
 
     def start(self, n):
-        self._connect()
+        # An awaitable (ipyparallel awaits it): logging in and each engine's ssh commands
+        # run on threads, so the cluster's event loop stays free meanwhile, for the
+        # controller's start beside it, and for a standby set starting behind the ranks.
+        return self._start(n)
+
+    async def _start(self, n):
+        await asyncio.get_running_loop().run_in_executor(None, self._connect)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="spmd-ssh")
         self._starting: list[Future] = []
-        started = super().start(n)
+        started = super().start(n)  # (on the loop's thread, where the launchers bind it)
         for future in self._starting:
-            future.result()  # the first failure, if any, as ipyparallel would raise it
+            # the first failure, if any, as ipyparallel would raise it
+            await asyncio.wrap_future(future)
         return started
 
     def in_parallel(self, fn, *args) -> Future:
-        future = self._pool.submit(fn, *args)
+        try:
+            future = self._pool.submit(fn, *args)
+        except RuntimeError:  # the set is stopping (its pool is shut down): here, then
+            future = Future()
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:
+                future.set_exception(exc)
         self._starting.append(future)
         return future
 
@@ -235,6 +271,16 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
             data["identifier"]
         )
         super()._notice_engine_stopped(data)
+
+
+def kill_now(launchers) -> None:
+    """SIGKILL these engines on their hosts, all at once (for standbys: they hold nothing)."""
+    with ThreadPoolExecutor(max_workers=32, thread_name_prefix="spmd-ssh-kill") as pool:
+        for future in [pool.submit(launcher.kill_now) for launcher in launchers]:
+            try:
+                future.result()
+            except Exception:  # the host is gone: so is what ran there
+                continue
 
 
 def _end_with_parent() -> None:

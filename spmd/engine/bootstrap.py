@@ -256,12 +256,24 @@ def propose_coordinators(toward: str) -> dict[str, str]:
 def settle() -> dict:
     """A standby, from the notebook once it registered: wait until its backends are
     imported, and end at once on SIGTERM from now on (jax's import may have set a handler of
-    its own; only the main thread, where this runs, can set one)."""
+    its own; only the main thread, where this runs, can set one). Returns its pid, when
+    its import ended, and its memory (bytes)."""
     _join.prepared.wait()
     signal.signal(signal.SIGTERM, _exit_now)
     if _join.error is not None:
         raise _join.error
-    return {"pid": os.getpid(), "imported": TIMELINE.get("imported")}
+    # A standby on another host has no process handle here: a stop ends it on its control
+    # channel, as it does the ranks there.
+    from IPython import get_ipython
+
+    control.install(get_ipython().kernel, threading.main_thread().ident)
+    import psutil
+
+    return {
+        "pid": os.getpid(),
+        "imported": TIMELINE.get("imported"),
+        "memory": psutil.Process().memory_info().rss,
+    }
 
 
 def joined(coordinators: dict[str, str] | None = None) -> dict:

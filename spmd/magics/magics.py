@@ -22,7 +22,7 @@ from traitlets.config import Config
 from spmd import options
 from spmd.cluster import remote
 from spmd.cluster.lockstep import rank_set, rank_words
-from spmd.cluster.session import OutOfStep, Session, Settings, StartError
+from spmd.cluster.session import STANDBY_LAUNCHERS, OutOfStep, Session, Settings, StartError
 from spmd.cluster.watchdog import stack_section
 from spmd.magics import arrays
 from spmd.magics.automode import AutoMode
@@ -148,10 +148,10 @@ def _cache_folder(path: str | None) -> str | None:
 
 def _torch_checked(opts, where: remote.Placement) -> remote.Placement:
     """``where``, once the torch and standby options agree with the backend and launcher."""
-    if opts.standby == "on" and where.launcher != "local":
+    if opts.standby == "on" and where.launcher not in STANDBY_LAUNCHERS:
         raise UsageError(
-            "%spmd start: standby engines run only for ranks on this machine for now: drop "
-            "--standby on (a restart then starts the ranks afresh)."
+            f"%spmd start: standby engines need the local or ssh launcher ({where.launcher} "
+            "starts all ranks as one job): drop --standby on."
         )
     torch_flag = "--torch-backend" if opts.torch_backend else "--init-method"
     if (opts.torch_backend or opts.init_method) and "torch" not in opts.backend:
@@ -272,8 +272,9 @@ class SpmdMagics(Magics):
         ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
         becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
-        A set of standby engines waits behind the ranks (on by default for ranks on this
-        machine, where memory allows): ``%spmd restart`` promotes them in well under a second.
+        A set of standby engines waits behind the ranks (on by default over ssh, and for ranks
+        on this machine where memory allows): ``%spmd restart`` promotes them in well under a
+        second.
         jax's compilation cache is shared by the ranks and kept across restarts.
         ``--backend torch`` runs ``torch.distributed.init_process_group`` instead (gloo by
         default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import psutil
-
 from spmd.cluster.session import Session
 
 
@@ -29,13 +27,10 @@ def standby_line(session: Session) -> str:
         why = "off (--standby off)" if session.settings.standby is False else "none"
         return f"standby engines: {why}"
     counts: dict[str, int] = {}
-    memory = 0
     for r in standbys:
         counts[r.state] = counts.get(r.state, 0) + 1
-        try:
-            memory += psutil.Process(r.pid).memory_info().rss
-        except psutil.Error:
-            continue
+    # (as each measured itself once ready: standbys on other hosts have no handle here)
+    memory = sum(r.memory for r in standbys)
     states = ", ".join(f"{n} {state}" for state, n in counts.items())
     pids = ",".join(str(r.pid) for r in standbys)
     return (
