@@ -85,9 +85,9 @@ class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
 
 
 @contextlib.contextmanager
-def spmd_kernel(name: str = SPMD_KERNEL):
+def spmd_kernel(name: str = SPMD_KERNEL, env: dict | None = None):
     """A kernel of the kernelspec ``name`` and its client, shut down as Jupyter does."""
-    km, kc = start_new_kernel(kernel_name=name)
+    km, kc = start_new_kernel(kernel_name=name, **({"env": env} if env else {}))
     try:
         yield km, kc
     finally:
@@ -132,17 +132,33 @@ def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
     assert not wait_until_gone(spmd_processes(kernel_pid))
 
 
+def test_a_config_file_that_changes_the_kernelspecs_settings_gets_its_own_cluster(tmp_path):
+    # The kernel starts the kernelspec's cluster before ipykernel is up; a setting from
+    # ipython_kernel_config.py (one the kernelspec's argv does not give), read later,
+    # replaces that start, and only its ranks remain.
+    profile = tmp_path / "profile_default"
+    profile.mkdir()
+    (profile / "ipython_kernel_config.py").write_text("c.SpmdKernel.devices_per_process = 3\n")
+    with spmd_kernel(env=dict(os.environ, IPYTHONDIR=str(tmp_path))) as (km, kc):
+        kernel_pid = km.provisioner.process.pid
+        reply, text = kernel_stream(kc, "import jax; print(jax.local_device_count())")
+        assert reply["content"]["status"] == "ok", text
+        assert text.splitlines()[-1] == "[ranks 0-1] 3", text
+        assert len(rank_engines(spmd_processes(kernel_pid))) == 2
+    assert not wait_until_gone(spmd_processes(kernel_pid))
+
+
 def test_spmd_start_with_the_kernelspecs_settings_reuses_its_cluster():
     with spmd_kernel() as (km, kc):
         kernel_pid = km.provisioner.process.pid
         reply, text = kernel_stream(kc, "%spmd start -n 2")
         assert reply["content"]["status"] == "ok", text
         assert text.splitlines()[-1].startswith("Started 2 processes, 1 device per process")
-        first = {p.pid for p in spmd_processes(kernel_pid)}
+        first = {p.pid for p in rank_engines(spmd_processes(kernel_pid))}
         reply, text = kernel_stream(kc, "%spmd start -n 2")  # now it has been used: refused
         assert reply["content"]["status"] == "error"
         assert "already running" in text
-        assert {p.pid for p in spmd_processes(kernel_pid)} == first
+        assert {p.pid for p in rank_engines(spmd_processes(kernel_pid))} == first
 
 
 def test_interrupt_reaches_every_rank_and_restart_recovers():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -48,6 +50,15 @@ def _wait_listening(address: str, rank0, seconds: float) -> None:
             if probe.connect_ex((host, int(port))) == 0:
                 return
         time.sleep(0.005)
+
+
+def _cluster_log() -> logging.Logger:
+    log = logging.getLogger("spmd.cluster")
+    if not log.handlers:
+        log.setLevel(logging.ERROR)
+        log.addHandler(logging.StreamHandler(sys.stdout))
+        log.propagate = False
+    return log
 
 
 # Where a standby set can start beside the ranks: mpiexec and srun start one job step,
@@ -214,7 +225,10 @@ class Session:
             profile_dir=self._profile_dir,
             config=config,
             engine_timeout=int(s.start_timeout),
-            log_level=40,  # errors only: the notebook is not ipyparallel's log
+            # Errors only: the notebook is not ipyparallel's log. (Its own choice of logger
+            # depends on what runs: a kernel app's, when the SPMD kernel starts its cluster
+            # before the kernel is up, would show its warnings in the first cell.)
+            log=_cluster_log(),
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
         # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which

@@ -43,20 +43,26 @@ class SpmdKernel(IPythonKernel):
         "(at once when rank 0 is busy or no cluster runs).",
     ).tag(config=True)
 
+    # The cluster's start that ``spmd.kernel.app`` began before ipykernel was imported.
+    early_start = None
+
     def start(self) -> None:
         super().start()
         from spmd.magics.magics import register
 
         self.shell.extension_manager.load_extension("spmd")
         self.spmd = register(self.shell)  # the magics the extension registered
-        self.spmd.start_in_background(
-            Settings(
-                n=self.processes,
-                cpu_devices=self.devices_per_process or None,
-                backend=self.backend,
-                torch_backend=self.torch_backend,
-            )
+        settings = Settings(
+            n=self.processes,
+            cpu_devices=self.devices_per_process or None,
+            backend=self.backend,
+            torch_backend=self.torch_backend,
         )
+        early, type(self).early_start = type(self).early_start, None
+        if early is not None and early.settings != settings:  # a config file said otherwise
+            early.cancel()
+            early = None
+        self.spmd.start_in_background(settings, started=early)
 
     # -- answered by rank 0 ----------------------------------------------------------------
 

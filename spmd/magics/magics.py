@@ -226,10 +226,13 @@ class SpmdMagics(Magics):
         # The kernel's cluster has not been used yet: %spmd start may replace it.
         self._fresh = False
 
-    def start_in_background(self, settings: Settings) -> None:
-        """Start the kernel's cluster on a thread; the first use of the cluster waits for it."""
+    def start_in_background(
+        self, settings: Settings, started: BackgroundStart | None = None
+    ) -> None:
+        """Start the kernel's cluster on a thread (or take one ``started`` already); the
+        first use of the cluster waits for it."""
         self.always_on = self.auto.on = True
-        self.pending = BackgroundStart(settings)
+        self.pending = started or BackgroundStart(settings)
 
     def _take_pending(self) -> str:
         """Wait for the kernel's cluster (one progress line) and make it this notebook's;
