@@ -158,7 +158,8 @@ class Bench:
 
     def remote_lifecycle(self, hosts) -> None:
         """4 ranks over SSH into two hosts (network namespaces on this machine), and 4 ranks
-        through mpiexec: start until a psum returns, and stop."""
+        through mpiexec: start until a psum returns, a restart from the standbys on the
+        hosts (ssh), and stop."""
         for name, start in (
             (
                 "ssh",
@@ -173,6 +174,12 @@ class Bench:
             self.cell(start)
             self.cell(PSUM)
             self.record(f"start_to_ready/{name}", time.perf_counter() - t0)
+            if name == "ssh":  # standby engines on the hosts, promoted by a restart
+                self._standbys_ready()
+                t0 = time.perf_counter()
+                self.cell("%spmd restart")
+                self.cell(PSUM)
+                self.record("restart/ssh", time.perf_counter() - t0)
             t0 = time.perf_counter()
             self.cell("%spmd stop")
             self.record(f"stop/{name}", time.perf_counter() - t0)
@@ -367,6 +374,7 @@ TARGETS = [
     ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
     ("first_result/kernel", "start_to_ready/floor", 1.0, "≤ 1.0 × floor"),
     ("start_to_ready/ssh", "start_to_ready/spmd", None, ""),
+    ("restart/ssh", "start_to_ready/ssh", 0.3, "≤ 0.3 × an ssh start"),
     ("stop/ssh", "stop/spmd", None, ""),
     ("start_to_ready/mpi", "start_to_ready/spmd", None, ""),
     ("start_to_ready/torch", "start_to_ready/torch_floor", 1.25, "≤ 1.25 × floor"),

@@ -367,10 +367,13 @@ class Session:
             },
         )
         self._settling = {}
-        # (over ssh the start takes a second or more: the restart does not wait for it)
         self._standby_start = self.cluster.in_background(
             self.cluster.start_standby, self.settings.n, environment
         )
+        if self.settings.where.launcher == "local":
+            # Local processes start in milliseconds: a start returns with every process it
+            # began. Over ssh that takes a second or more, which a restart does not wait for.
+            self._standby_started(self.settings.start_timeout)
 
     def _standby_started(self, seconds: float) -> bool:
         """Wait until the standby set's start returned; whether it started."""
