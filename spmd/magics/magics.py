@@ -42,6 +42,13 @@ from spmd.options import count
 NOT_RUNNING = "No SPMD cluster is running: start one with %spmd start -n 4."
 
 
+def say(text: str, file=None) -> None:
+    """One line (or lines) to the cell, in one write: ``print`` writes the text and its
+    newline apart, and ipykernel may send them as two outputs (a lone "\\n" in the saved
+    notebook) when its flush timer fires in between."""
+    (file or sys.stdout).write(f"{text}\n")
+
+
 def _words(what: str, text: str) -> list[str]:
     """Shell words, as the options are written; a quote left open is a UsageError."""
     try:
@@ -349,7 +356,7 @@ class SpmdMagics(Magics):
             cache_dir=_cache_folder(opts.compilation_cache),
         )
         if self._kernel_cluster_is(settings):
-            print(summary(self.session))
+            say(summary(self.session))
             return
         if self.session is not None and self.session.running:
             raise UsageError(
@@ -380,7 +387,7 @@ class SpmdMagics(Magics):
 
     def _start(self, settings: Settings, cache_dir: str | None = None) -> None:
         if not settings.curve and settings.where.leaves_machine:
-            print(
+            say(
                 "Warning: --no-curve: messages to and from the other hosts are signed but "
                 "not encrypted.",
                 file=sys.stderr,
@@ -393,7 +400,7 @@ class SpmdMagics(Magics):
             raise UsageError(str(exc)) from None
         self.session = session
         self.auto.on = True
-        print(summary(session))
+        say(summary(session))
 
     def _cmd_stop(self, args: list[str]) -> None:
         self._no_args("stop", args)
@@ -402,11 +409,11 @@ class SpmdMagics(Magics):
         after = "auto mode is off." if not self.always_on else "%spmd restart starts them again."
         if not session.running:  # stopped already, after a rank died
             session.stop()  # (its standbys and controller, where they were kept)
-            print(f"The cluster was already stopped after rank {session.death.rank} died; {after}")
+            say(f"The cluster was already stopped after rank {session.death.rank} died; {after}")
             return
         t0 = time.perf_counter()
         session.stop()
-        print(
+        say(
             f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; {after}"
         )
 
@@ -421,7 +428,7 @@ class SpmdMagics(Magics):
         if promoted:
             session.start_seconds = time.perf_counter() - t0
             self.auto.on = True
-            print(summary(session, restarted=True))
+            say(summary(session, restarted=True))
             return
         session.stop(keep_cache=True)
         self._start(session.settings, cache_dir=session._cache_dir)
@@ -429,20 +436,20 @@ class SpmdMagics(Magics):
     def _cmd_status(self, args: list[str]) -> None:
         self._no_args("status", args)
         session = self._require_session(allow_stopped=True)
-        print(status_table(session, self.auto.on))
+        say(status_table(session, self.auto.on))
 
     def _cmd_interrupt(self, args: list[str]) -> None:
         self._no_args("interrupt", args)
         sent, still = self._require_session().interrupt()
         if not sent:
-            print("No rank is running a cell: there is nothing to interrupt.")
+            say("No rank is running a cell: there is nothing to interrupt.")
         elif still:
-            print(
+            say(
                 f"Sent SIGINT to {rank_words(sent)}; {rank_words(still)} did not respond: "
                 "%spmd restart ends them."
             )
         else:
-            print(f"Interrupted {rank_words(sent)}; every rank is idle now.")
+            say(f"Interrupted {rank_words(sent)}; every rank is idle now.")
 
     def _cmd_where(self, args: list[str]) -> None:
         self._no_args("where", args)
@@ -450,16 +457,16 @@ class SpmdMagics(Magics):
         busy = session.busy_ranks()
         if not busy:
             n = session.settings.n
-            print(
+            say(
                 f"No rank is running a cell: all {n} ranks are idle, so there is no stack to show."
             )
             return
-        print("\n".join(stack_section(busy, session.stacks(busy))).lstrip("\n"))
+        say("\n".join(stack_section(busy, session.stacks(busy))).lstrip("\n"))
 
     def _cmd_on(self, args: list[str]) -> None:
         self._no_args("on", args)
         self.auto.on = True
-        print("Auto mode on: every cell runs on all ranks (%%local for the notebook only).")
+        say("Auto mode on: every cell runs on all ranks (%%local for the notebook only).")
 
     def _cmd_off(self, args: list[str]) -> None:
         self._no_args("off", args)
@@ -469,7 +476,7 @@ class SpmdMagics(Magics):
                 "notebook only."
             )
         self.auto.on = False
-        print("Auto mode off: cells run in the notebook (%%spmd for the ranks).")
+        say("Auto mode off: cells run in the notebook (%%spmd for the ranks).")
 
     def _cmd_sharding(self, expr: str) -> None:
         if not expr:
@@ -489,7 +496,7 @@ class SpmdMagics(Magics):
             if isinstance(value, np.ndarray)
             else (f"a list of {len(value)} values, by rank")
         )
-        print(f"{name} = {what}, from {expr} on the ranks.")
+        say(f"{name} = {what}, from {expr} on the ranks.")
         return None
 
     def _cmd_push(self, names: list[str]) -> None:
@@ -497,7 +504,7 @@ class SpmdMagics(Magics):
             raise UsageError(
                 "Say which notebook variables: %spmd push x y sends x and y to every rank."
             )
-        print(arrays.push(self._require_session(), names, self.shell.user_ns))
+        say(arrays.push(self._require_session(), names, self.shell.user_ns))
 
     def _no_args(self, command: str, args: list[str]) -> None:
         if args:
@@ -625,7 +632,7 @@ def _warn_if_notebook_joined_jax() -> None:
     """The notebook must not be a member of the job: a failing rank would abort it."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is not None and getattr(bridge, "_backends", None):
-        print(
+        say(
             "Warning: jax has initialized its backends in this notebook process. The notebook "
             "does not join the job (only the ranks do), so run jax code on the ranks.",
             file=sys.stderr,
