@@ -61,6 +61,27 @@ def report(result: CellResult) -> str:
     return "\n".join(result.error._render_traceback_())
 
 
+def restart_and_run(shell: InteractiveShell, setup: str, cell: str) -> str:
+    """One %spmd restart, ``setup`` again, then ``cell``: what it printed (nothing fails)."""
+    restarted = run(shell, "%spmd restart")
+    assert restarted.error is None, restarted.stderr
+    assert run(shell, setup).error is None
+    out = run(shell, cell)
+    assert out.error is None, report(out)
+    return out.stdout
+
+
+def standbys_ready(shell: InteractiveShell, timeout: float = 60) -> list:
+    """The standby engines' rows, once all are ready (their backends imported)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = session(shell).standbys()
+        if rows and all(r.state == "ready" for r in rows):
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"the standbys did not become ready: {session(shell).standbys()}")
+
+
 CLEAR = "\x1b[2K\r"  # what IPython's clear_output writes to a terminal
 
 

@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from conftest import report, run, spmd_processes, wait_until_gone
+from conftest import report, run, spmd_processes, standbys_ready, wait_until_gone
 from hosts import Hosts, why_not
 from IPython.core.error import UsageError
 
@@ -53,18 +53,6 @@ def nothing_left_on(hosts: Hosts) -> list[int]:
     left = [pid for pid in hosts.pids() if pid not in sshd]
     return [p.pid for p in wait_until_gone([psutil.Process(pid) for pid in left if
                                             psutil.pid_exists(pid)], timeout=10)]
-
-
-
-def standbys_ready(shell, timeout: float = 60) -> list:
-    """The standby engines' rows, once all are ready (jax imported on their hosts)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = magics(shell).session.standbys()
-        if rows and all(r.state == "ready" for r in rows):
-            return rows
-        time.sleep(0.1)
-    raise AssertionError(f"no ready standbys: {magics(shell).session.standbys()}")
 
 
 def restart_psum_and_stop(shell, hosts: Hosts) -> None:

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ready_cluster, report, run, session
+from conftest import ready_cluster, report, restart_and_run, run, session
 from IPython.core.error import UsageError
 
 from spmd.magics.render import LiveView
@@ -30,16 +30,9 @@ def cluster(module_shell):
     return ready_cluster(module_shell, "start -n 2 -d 2", SETUP)
 
 
-
-
 def restart_and_psum(shell) -> None:
     """One %spmd restart, then a collective across both ranks gives the global sum."""
-    restarted = run(shell, "%spmd restart")
-    assert restarted.error is None, restarted.stderr
-    assert run(shell, SETUP).error is None
-    out = run(shell, PSUM)
-    assert out.error is None
-    assert out.stdout == "[ranks 0-1] [4. 4.]\n"
+    assert restart_and_run(shell, SETUP, PSUM) == "[ranks 0-1] [4. 4.]\n"
 
 
 def test_a_rank_that_raises_before_a_psum_gets_a_divergence_report(cluster):

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import report, run, session, spmd_processes
+from conftest import report, run, session, spmd_processes, standbys_ready
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(180)
@@ -22,22 +22,10 @@ SETUP = (
 PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
 
 
-
-def standbys_ready(shell, timeout: float = 60) -> list[int]:
-    """The standby engines' pids, once all are ready (jax imported)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = session(shell).standbys()
-        if rows and all(r.state == "ready" for r in rows):
-            return [r.pid for r in rows]
-        time.sleep(0.1)
-    raise AssertionError(f"the standbys did not become ready: {session(shell).standbys()}")
-
-
 def restart_from_standbys(shell) -> None:
     """%spmd restart promotes the ready standbys: the ranks are their processes, the
     controller is the same, the old ranks are gone, new standbys start, and a psum works."""
-    standby_pids = standbys_ready(shell)
+    standby_pids = [r.pid for r in standbys_ready(shell)]
     old = [r.pid for r in session(shell).ranks]
     controller = session(shell).cluster.controller.process.pid
     out = run(shell, "%spmd restart")
@@ -49,7 +37,7 @@ def restart_from_standbys(shell) -> None:
     assert not alive, f"old ranks still running: {alive}"
     assert run(shell, SETUP).error is None
     assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    assert set(standbys_ready(shell)).isdisjoint(standby_pids + old)
+    assert {r.pid for r in standbys_ready(shell)}.isdisjoint(standby_pids + old)
 
 
 def test_standby_restart_promotes_the_standbys(fresh):

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import psutil
 import pytest
-from conftest import ready_cluster, report, run, session, spmd_processes
+from conftest import ready_cluster, report, restart_and_run, run, session, spmd_processes
 from IPython.core.error import UsageError
 
 from spmd.engine import torch_group
@@ -33,15 +33,8 @@ def cluster(module_shell):
     return ready_cluster(module_shell, "start -n 2 --backend torch", SETUP)
 
 
-
-
 def restart_and_all_reduce(shell) -> None:
-    restarted = run(shell, "%spmd restart")
-    assert restarted.error is None, restarted.stderr
-    assert run(shell, SETUP).error is None
-    out = run(shell, ALL_REDUCE)
-    assert out.error is None, report(out)
-    assert out.stdout == "[ranks 0-1] 3.0\n"
+    assert restart_and_run(shell, SETUP, ALL_REDUCE) == "[ranks 0-1] 3.0\n"
 
 
 def listening(pids: list[int]) -> set[str]:

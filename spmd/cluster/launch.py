@@ -181,7 +181,7 @@ class SpmdCluster(Cluster):
     """A Cluster whose controller and engines start concurrently."""
 
     # The engine set whose engines are the ranks, and the standby set behind it (local
-    # clusters only); None before the start.
+    # and ssh clusters); None before the start.
     rank_set: str | None = None
     standby_set: str | None = None
 

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,6 @@ def _loopback_ports(backend: str) -> dict[str, str]:
 def _wait_listening(address: str, rank0, seconds: float) -> None:
     """Until something listens at ``address`` (host:port), rank 0's join ended, or
     ``seconds`` passed."""
-    import socket
-
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not rank0.ready():
@@ -352,7 +351,8 @@ class Session:
 
     def _start_standby(self) -> None:
         """Start a set of standby engines behind the ranks: jax (or torch) imported at low
-        priority, waiting to be promoted by a restart. Returns at once (they start alone)."""
+        priority, waiting to be promoted by a restart. Returns once the processes are
+        started (locally), or at once (over ssh); they import alone."""
         if self.cluster is None or not self._standby_wanted():
             return
         self._generation += 1
@@ -439,10 +439,10 @@ class Session:
         """Promote the standbys to ranks and start new standbys behind them: the controller
         and the client stay. False (nothing done) where no standby set is ready: the caller
         then stops and starts afresh. Raises StartError if the promoted ranks fail to join."""
+        t0 = time.perf_counter()
         standbys = self._standbys_ready()
         if not standbys:
             return False
-        t0 = time.perf_counter()
         cluster = self.cluster
         self.unfinished = None
         started_in_ranks = processes.started_by_ranks(cluster)
@@ -531,9 +531,7 @@ class Session:
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None:
                 loop.add_callback(loop.stop)
-        for r in self.ranks:
-            if r.state != "died":
-                r.state = "stopped"
+        self._mark_stopped()
         self._remove_torch_file()
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
@@ -786,25 +784,24 @@ class Session:
         """Ranks (and, with ``standbys``, ready standbys) with no process handle here end at
         once on their control channel; the launcher's own stop (over ssh, mpiexec or
         scancel) then only confirms it."""
-        engines = {
-            r.engine_id: r.rank
+        engine_ids = [
+            r.engine_id
             for r in self.ranks
             if r.rank not in self._launchers and r.state not in ("died", "stopped")
-        }
+        ]
         launchers = {
             self.ranks[rank].engine_id: ln for rank, ln in self.cluster.ssh_launchers().items()
             if rank < len(self.ranks)
         }
         if standbys:
+            far = self.cluster.standby_launchers()
             for row in self.standbys():
-                if row.state == "ready" and not isinstance(
-                    launcher := self.cluster.standby_launchers()[row.rank], RankedEngineLauncher
-                ):
-                    engines[row.engine_id] = row.rank
-                    launchers[row.engine_id] = launcher
-        if not engines or self.client is None:
+                if row.state == "ready" and isinstance(far[row.rank], ssh.RankedSSHEngineLauncher):
+                    engine_ids.append(row.engine_id)
+                    launchers[row.engine_id] = far[row.rank]
+        if not engine_ids or self.client is None:
             return
-        ended = control.signal(self.client, list(engines), signal.SIGTERM, timeout=0.5)
+        ended = control.signal(self.client, engine_ids, signal.SIGTERM, timeout=0.5)
         for engine_id, launcher in launchers.items():
             launcher.ended_by_control = engine_id in ended
 
@@ -817,6 +814,9 @@ class Session:
             cluster._in_thread(cluster.stop_engines, cluster.rank_set)
         processes.end(started_in_ranks)
         self._launchers, self._ssh, self._vanished, self.unfinished = {}, {}, {}, None
+        self._mark_stopped()
+
+    def _mark_stopped(self) -> None:
         for r in self.ranks:
             if r.state != "died":
                 r.state = "stopped"

@@ -153,7 +153,7 @@ def _cache_folder(path: str | None) -> str | None:
     return folder
 
 
-def _torch_checked(opts, where: remote.Placement) -> remote.Placement:
+def _options_checked(opts, where: remote.Placement) -> remote.Placement:
     """``where``, once the torch and standby options agree with the backend and launcher."""
     if opts.standby == "on" and where.launcher not in STANDBY_LAUNCHERS:
         raise UsageError(
@@ -348,7 +348,7 @@ class SpmdMagics(Magics):
             init_method=opts.init_method or Settings.init_method,
             cell_timeout=opts.timeout,
             grace=opts.grace or None,
-            where=_torch_checked(opts, _placement(opts)),
+            where=_options_checked(opts, _placement(opts)),
             gpus_per_process=opts.gpus_per_process,
             curve=not opts.no_curve,
             start_timeout=opts.start_timeout,
@@ -420,13 +420,11 @@ class SpmdMagics(Magics):
     def _cmd_restart(self, args: list[str]) -> None:
         self._no_args("restart", args)
         session = self._require_session(allow_stopped=True)
-        t0 = time.perf_counter()
         try:
             promoted = session.cluster is not None and session.restart()
         except StartError as exc:
             raise UsageError(str(exc)) from None
         if promoted:
-            session.start_seconds = time.perf_counter() - t0
             self.auto.on = True
             say(summary(session, restarted=True))
             return

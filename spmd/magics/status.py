@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from spmd.cluster.session import Session
 
 
@@ -26,9 +28,7 @@ def standby_line(session: Session) -> str:
     if not standbys:
         why = "off (--standby off)" if session.settings.standby is False else "none"
         return f"standby engines: {why}"
-    counts: dict[str, int] = {}
-    for r in standbys:
-        counts[r.state] = counts.get(r.state, 0) + 1
+    counts = collections.Counter(r.state for r in standbys)
     # (as each measured itself once ready: standbys on other hosts have no handle here)
     memory = sum(r.memory for r in standbys)
     states = ", ".join(f"{n} {state}" for state, n in counts.items())
