@@ -13,7 +13,7 @@ TORCH_VERSION := 2.13.0
 # What the cluster tests need from Debian: sshd for hosts made in network namespaces,
 # MPICH's mpiexec, a one-node Slurm. Installed where this runs as root with apt-get (CI);
 # elsewhere those tests skip and say why.
-SYSTEM_PACKAGES := iproute2 openssh-server openssh-client mpich slurm-wlm munge
+SYSTEM_PACKAGES := iproute2 openssh-server openssh-client mpich slurm-wlm munge chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

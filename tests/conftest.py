@@ -45,6 +45,8 @@ def run(shell: InteractiveShell, code: str) -> CellResult:
     # clear_output: the terminal gets an escape sequence, a notebook drops what came before
     # (the captured displays are dropped already); keep what a notebook would show
     stdout, stderr = (text.rsplit(CLEAR, 1)[-1] for text in (cap.stdout, cap.stderr))
+    # a line rewritten in place (the start's progress): what a terminal shows of it
+    stdout = "\n".join(line.rsplit("\r", 1)[-1] for line in stdout.split("\n"))
     return CellResult(stdout, stderr, shown, error)
 
 

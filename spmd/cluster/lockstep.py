@@ -28,6 +28,8 @@ class CellRun:
     engine_ids: dict[int, int]  # rank -> ipyparallel engine id
     code: str
     on_output: Callable[[int, Output], None] | None = None
+    max_lines: int | None = None  # stream lines kept per rank (RankCell.max_lines)
+    log: object | None = None  # a RankLogs: every stream line of every rank
     cells: dict[int, RankCell] = field(default_factory=dict)
     started: float = 0.0
     first_done: float | None = None  # when the first rank finished (time.monotonic())
@@ -39,7 +41,7 @@ class CellRun:
         client = self.client
         self.started = time.monotonic()
         for rank, eid in self.engine_ids.items():
-            self.cells[rank] = RankCell(rank)
+            self.cells[rank] = RankCell(rank, max_lines=self.max_lines)
             self._pending[rank] = {_REPLY, _IDLE}
             ident = client._engines[eid].encode("utf8")
             client.send_execute_request(
@@ -100,6 +102,8 @@ class CellRun:
         out = output_from_message(kind, content or {})
         if out is None:
             return
+        if self.log is not None and out.kind in ("stdout", "stderr"):
+            self.log.write(rank, out.text)
         cell.add(out)
         if self.on_output is not None:
             self.on_output(rank, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,12 +61,21 @@ def _freeze(value: Any) -> Any:
 
 @dataclass
 class RankCell:
-    """One rank's part of one cell."""
+    """One rank's part of one cell.
+
+    With ``max_lines``, at most that many lines of its streams are kept (the first half and
+    the last half, with a line that says how many were left out in between): a rank that
+    prints a million lines must not fill the notebook. Its log keeps them all.
+    """
 
     rank: int
     outputs: list[Output] = field(default_factory=list)
     done: bool = False
     seconds: float | None = None
+    max_lines: int | None = None
+    left_out: int = 0  # stream lines not kept
+    _head: int = 0  # stream lines kept from the start
+    _tail: collections.deque | None = None  # (stream, line) kept since the head was full
 
     @property
     def error(self) -> Output | None:
@@ -73,17 +83,60 @@ class RankCell:
 
     def add(self, out: Output) -> None:
         """Append, merging a stream chunk into the previous chunk of the same stream."""
+        if out.kind in ("stdout", "stderr") and self.max_lines is not None:
+            out = self._keep_head(out)
+            if out is None:
+                return
+        self._append(out)
+
+    def _append(self, out: Output) -> None:
         if out.kind in ("stdout", "stderr") and self.outputs and self.outputs[-1].kind == out.kind:
             self.outputs[-1].text += out.text
         else:
             self.outputs.append(out)
 
+    def _keep_head(self, out: Output) -> Output | None:
+        """The part of a stream chunk that fits in the head; the rest goes to the tail."""
+        if self._tail is None:
+            room = max(1, self.max_lines // 2) - self._head
+            lines = out.text.splitlines(keepends=True)
+            if len(lines) <= room:
+                self._head += out.text.count("\n")
+                return out
+            self._head += room
+            self._tail = collections.deque(maxlen=max(1, self.max_lines - self.max_lines // 2))
+            self._append(Output(out.kind, "".join(lines[:room])))
+            rest = lines[room:]
+        else:
+            rest = out.text.splitlines(keepends=True)
+        tail = self._tail
+        if rest and tail and tail[-1][0] == out.kind and not tail[-1][1].endswith("\n"):
+            tail[-1] = (out.kind, tail[-1][1] + rest.pop(0))  # the rest of a line begun before
+        if len(rest) >= tail.maxlen:  # (a million lines come in big chunks: skip, don't loop)
+            self.left_out += len(tail) + len(rest) - tail.maxlen
+            tail.clear()
+            rest = rest[-tail.maxlen :]
+        else:
+            self.left_out += max(0, len(tail) + len(rest) - tail.maxlen)
+        tail.extend((out.kind, line) for line in rest)
+        return None
+
     def finish(self) -> None:
+        if self._tail is not None and self.left_out:
+            self._append(Output("stderr", left_out_line(self.left_out)))
+        for kind, line in self._tail or ():
+            self._append(Output(kind, line))
+        self._tail = None
         for out in self.outputs:
             if out.kind in ("stdout", "stderr"):
                 out.text = drop_chatter(out.text)
         self.outputs = [o for o in self.outputs if o.kind not in ("stdout", "stderr") or o.text]
         self.done = True
+
+
+def left_out_line(lines: int) -> str:
+    """The same on every rank that left out as many lines, so that it groups."""
+    return f"... {lines:,} lines left out here (%spmd log RANK shows a rank's whole output) ...\n"
 
 
 _CELL_COUNT = re.compile(r"(Cell\S* \S*In\[)\d+")

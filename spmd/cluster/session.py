@@ -27,6 +27,7 @@ from spmd.cluster.launch import (
     cluster_config,
 )
 from spmd.cluster.lockstep import CellRun, rank_words
+from spmd.cluster.logs import RankLogs
 from spmd.cluster.outputs import Output
 from spmd.cluster.profiles import new_profile_dir
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Death, Stall, last_lines
@@ -99,6 +100,9 @@ class Settings:
     # jax's persistent compilation cache: a folder named by the user (kept), or None for one
     # of the cluster's own (kept across restarts, emptied at stop).
     cache_dir: str | None = None
+    # Stream lines of one rank kept in the notebook per cell (the first and last half); the
+    # rank's log keeps every line. None keeps them all.
+    max_output: int | None = 1000
 
 
 @dataclass
@@ -153,6 +157,11 @@ class Session:
     _standby_start: object | None = None  # the standby set's start (a Future), while it runs
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    logs: RankLogs = field(default_factory=RankLogs)  # every line each rank printed
+    # Told how a start goes: ("registered" | "joined", how many so far, of how many, the
+    # coordinator's address or '').
+    progress: Callable[[str, int, int, str], None] | None = None
+    coordinator: str = ""  # rank 0's address for the others (jax's, else torch's)
 
     # -- life ---------------------------------------------------------------------------
 
@@ -200,12 +209,14 @@ class Session:
             self._address = remote.controller_address(placed, placed.ssh_args)
         except remote.HostsError as exc:
             raise StartError(f"{exc}.") from None
+        # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own addresses.
+        coordinators = _loopback_ports(s.backend) if placed.launcher == "local" else {}
+        self._tell_coordinator(coordinators)
         config = cluster_config(
             s.n,
             s.backend,
             s.cpu_devices,
-            # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own addresses.
-            coordinators=_loopback_ports(s.backend) if placed.launcher == "local" else {},
+            coordinators=coordinators,
             init_timeout=int(s.start_timeout),
             where=placed,
             address=self._address,
@@ -264,7 +275,11 @@ class Session:
         deadline = time.monotonic() + s.start_timeout
         # Poll rather than wait_for_engines(timeout): an engine that crashes at start should
         # fail the start at once, not after the whole timeout.
+        registered = -1
         while len(client.ids) < s.n:
+            if len(client.ids) != registered:
+                registered = len(client.ids)
+                self._tell("registered", registered, s.n)
             self._check_cancelled()
             exited = self._exited_engines()
             if exited:
@@ -280,6 +295,7 @@ class Session:
                     "--start-timeout."
                 )
             time.sleep(0.01)
+        self._tell("registered", s.n, s.n)
         # Rank = position in the sorted engine ids at start (ids change after a restart).
         self.ranks = [Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))]
         self._launchers = self.cluster.rank_launchers()
@@ -296,6 +312,9 @@ class Session:
                 )
             except Exception as exc:
                 raise _init_failure(0, exc) from None
+        if coordinators:
+            self._tell_coordinator(coordinators)
+        self._tell("joined", 0, s.n)
         pending = {0: self.client[self.ranks[0].engine_id].apply_async(engine.joined, coordinators)}
         if coordinators:
             # Rank 0 first, until its coordinator listens: a rank that connects earlier is
@@ -330,11 +349,20 @@ class Session:
                 row.local_devices = facts["local_devices"]
                 row.global_devices = facts["global_devices"]
                 row.main_thread = facts["main_thread"]
+                self._tell("joined", s.n - len(pending), s.n)
             if pending and time.monotonic() > deadline:
                 raise StartError(
                     f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
                 )
             time.sleep(0.005)
+
+    def _tell_coordinator(self, coordinators: dict[str, str]) -> None:
+        if coordinators:
+            self.coordinator = coordinators.get("jax") or next(iter(coordinators.values()))
+
+    def _tell(self, stage: str, done: int, of: int) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, of, self.coordinator)
 
     # -- standby engines ----------------------------------------------------------------
 
@@ -532,6 +560,7 @@ class Session:
             if loop is not None:
                 loop.add_callback(loop.stop)
         self._mark_stopped()
+        self.logs.close()
         self._remove_torch_file()
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
@@ -557,19 +586,29 @@ class Session:
         grace: float | None = None,
         on_output: Callable[[int, Output], None] | None = None,
         tick: Callable[[CellRun], None] | None = None,
+        max_output: int | None = 0,
     ) -> CellRun:
         """Send ``code`` to the ranks and wait until every one has finished (lockstep).
 
         The wait ends early when a rank dies, when some ranks are still busy ``grace``
         seconds after another finished (they diverged), on a timeout, or when the notebook
         is interrupted. ``run.stall`` then says which, and where the busy ranks were.
+        ``max_output``: stream lines kept per rank (0: the settings'; None: all of them).
         """
         self.check_alive()
         if self.out_of_step:
             raise OutOfStep(self.out_of_step)
         targets = {r.rank: r.engine_id for r in self.ranks if ranks is None or r.rank in ranks}
-        run = CellRun(self.client, targets, code, on_output=on_output)
+        run = CellRun(
+            self.client,
+            targets,
+            code,
+            on_output=on_output,
+            max_lines=self.settings.max_output if max_output == 0 else max_output,
+            log=self.logs,
+        )
         self._cells.append(code)
+        self.logs.begin_cell(list(targets), code)
         for rank in targets:
             self.ranks[rank].state = "busy"
         run.send()
@@ -586,6 +625,7 @@ class Session:
                 with processes.interrupts_held():
                     run.stall = self._stop_waiting(run, reason, seconds)
         finally:
+            self.logs.flush()
             for rank, cell in run.cells.items():
                 if cell.done and self.ranks[rank].state == "busy":
                     self.ranks[rank].state = "idle"
@@ -678,6 +718,16 @@ class Session:
     def _watched(self) -> dict:
         """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
         return {**self._ssh, **self._launchers}
+
+    def dead_ranks(self) -> set[int]:
+        """Ranks whose process has ended, or that the controller lost."""
+        ended = {r for r, ln in self._watched.items() if ln.exited_at is not None}
+        died = {r.rank for r in self.ranks if r.state == "died"}
+        return ended | died | set(self._vanished_ranks())
+
+    def local_ranks(self) -> set[int]:
+        """Ranks with a process on this machine that the notebook started."""
+        return set(self._launchers)
 
     def _vanished_ranks(self) -> dict[int, float]:
         """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller

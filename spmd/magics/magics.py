@@ -24,17 +24,19 @@ from spmd.cluster import remote
 from spmd.cluster.lockstep import rank_set, rank_words
 from spmd.cluster.session import STANDBY_LAUNCHERS, OutOfStep, Session, Settings, StartError
 from spmd.cluster.watchdog import stack_section
-from spmd.magics import arrays
+from spmd.magics import arrays, widgets
 from spmd.magics.automode import AutoMode
 from spmd.magics.background import BackgroundStart
+from spmd.magics.panel import Panel, panel_bundle
+from spmd.magics.progress import StartProgress
 from spmd.magics.render import (
     LiveView,
     RankErrors,
     RankResults,
     group_errors,
-    group_outputs,
     group_results,
     show_group,
+    show_outputs,
 )
 from spmd.magics.status import status_table, summary
 from spmd.options import count
@@ -118,7 +120,17 @@ def _start_parser() -> _Parser:
     p.add_argument("--no-curve", action="store_true")
     p.add_argument("--standby", choices=("on", "off"), default=None)
     p.add_argument("--compilation-cache", default=None)
+    p.add_argument("--max-output", type=_max_output, default=Settings.max_output)
+    p.add_argument("--panel", action="store_true")
+    p.add_argument("--tabs", action="store_true")
     return p
+
+
+def _max_output(text: str) -> int | None:
+    """Lines per rank and cell, or 'all'."""
+    if text.lower() == "all":
+        return None
+    return count("--max-output", "--max-output 1000 (or all)")(text)
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -215,7 +227,25 @@ def _cell_parser() -> _Parser:
     p.add_argument("--ranks", type=_ranks, default=None)
     p.add_argument("--timeout", type=_seconds, default=None)
     p.add_argument("--grace", type=_grace, default=None)
+    p.add_argument("--max-output", type=_max_output, default=0)
+    p.add_argument("--tabs", action="store_true")
+    p.add_argument("--panel", action="store_true")
     return p
+
+
+@functools.cache
+def _log_parser() -> _Parser:
+    p = _Parser(prog="%spmd log", add_help=False)
+    p.add_argument("rank", type=_rank)
+    p.add_argument("--tail", type=count("--tail", "--tail 50"), default=None)
+    return p
+
+
+def _rank(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"say which rank by its number, like 1, not {text!r}") from None
 
 
 @magics_class
@@ -232,6 +262,8 @@ class SpmdMagics(Magics):
         self.pending: BackgroundStart | None = None
         # The kernel's cluster has not been used yet: %spmd start may replace it.
         self._fresh = False
+        self.panel = False  # the live panel for every cell (%spmd start --panel)
+        self.tabs = False  # outputs that differ per rank as tabs (%spmd start --tabs)
 
     def start_in_background(
         self, settings: Settings, started: BackgroundStart | None = None
@@ -309,8 +341,8 @@ class SpmdMagics(Magics):
         handler = getattr(self, f"_cmd_{command}", None)
         if handler is None:
             raise UsageError(
-                f"%spmd has no command {command!r}: use start, stop, restart, status, "
-                "interrupt, where, sharding, gather, push, on or off."
+                f"%spmd has no command {command!r}: use start, stop, restart, status, panel, "
+                "log, interrupt, where, sharding, gather, push, on or off."
             )
         # Python expressions keep their quotes and spaces; other commands take shell words.
         return handler(
@@ -354,7 +386,9 @@ class SpmdMagics(Magics):
             start_timeout=opts.start_timeout,
             standby=None if opts.standby is None else opts.standby == "on",
             cache_dir=_cache_folder(opts.compilation_cache),
+            max_output=opts.max_output,
         )
+        self.panel, self.tabs = opts.panel, opts.tabs
         if self._kernel_cluster_is(settings):
             say(summary(self.session))
             return
@@ -394,10 +428,18 @@ class SpmdMagics(Magics):
             )
         session = Session(settings)
         session._cache_dir = cache_dir  # a restart's: compiled cells stay compiled
+        progress = StartProgress(settings.n, settings.backend)
+        session.progress = progress.update
         try:
             session.start()
         except StartError as exc:
+            progress.done(ok=False)
             raise UsageError(str(exc)) from None
+        except BaseException:
+            progress.done(ok=False)
+            raise
+        session.progress = None
+        progress.done(ok=True)
         self.session = session
         self.auto.on = True
         say(summary(session))
@@ -460,6 +502,35 @@ class SpmdMagics(Magics):
             )
             return
         say("\n".join(stack_section(busy, session.stacks(busy))).lstrip("\n"))
+
+    def _cmd_log(self, args: list[str]) -> None:
+        opts = _log_parser().parse_args(args)
+        session = self._require_session(allow_stopped=True)
+        n = session.settings.n
+        if opts.rank >= n:
+            raise UsageError(f"%spmd log {opts.rank}: this cluster has ranks 0-{n - 1}.")
+        text, lines = session.logs.read(opts.rank, opts.tail)
+        if not lines:
+            say(f"Rank {opts.rank} has printed nothing since the cluster started.")
+            return
+        which = f"the last {min(opts.tail, lines):,} of " if opts.tail else ""
+        say(f"[rank {opts.rank}] {which}{lines:,} lines ({session.logs.path(opts.rank)}):")
+        sys.stdout.write(text)
+
+    def _cmd_panel(self, args: list[str]) -> None:
+        if args and args != ["on"] and args != ["off"]:
+            raise UsageError("%spmd panel takes on, off or nothing (the ranks' rows now).")
+        session = self._require_session(allow_stopped=True)
+        if args:
+            self.panel = args == ["on"]
+            say(
+                "The live panel is on: every cell shows its ranks' rows while it runs."
+                if self.panel
+                else "The live panel is off (%%spmd --panel shows it for one cell)."
+            )
+            return
+        run = session.unfinished  # (a cell the notebook gave up on, some ranks still in it)
+        display(panel_bundle(Panel(session).rows(run), live=True if run else None), raw=True)
 
     def _cmd_on(self, args: list[str]) -> None:
         self._no_args("on", args)
@@ -532,7 +603,8 @@ class SpmdMagics(Magics):
         opts = _cell_parser().parse_args(_words(f"%%spmd {line}", line))
         started = self._take_pending()  # the kernel's start line, shown again after a live view
         session = self._require_session(refused="Cell not run")
-        live = LiveView(where=session.stacks)
+        panel = Panel(session) if (self.panel or opts.panel) else None
+        live = LiveView(where=session.stacks, panel=panel)
         if started:
             live.reprint("stdout", started + "\n")
         n = session.settings.n
@@ -556,14 +628,19 @@ class SpmdMagics(Magics):
                 grace=opts.grace,
                 on_output=live.add,
                 tick=live.tick,
+                max_output=opts.max_output,
             )
         except OutOfStep as exc:
             raise UsageError(_refusal(session, f"Cell not run: {exc}")) from None
         finally:
             live.close()
-        for group in group_outputs(run.cells):
-            show_group(*group)
         stall = run.stall
+        if live.widgets_shown:
+            busy = set(stall.busy) if stall is not None else set()
+            widgets.refresh_texts(session, run.cells, [r for r in run.cells if r not in busy])
+        if panel is not None:
+            panel.freeze(run)
+        show_outputs(run.cells, tabs=self.tabs or opts.tabs)
         errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
         results = group_results(run.cells)
         if not (errors or stall is not None):

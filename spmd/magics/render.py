@@ -22,12 +22,19 @@ from spmd.cluster.watchdog import progress_lines
 Group = tuple[list[int], Output]
 
 
-def group_outputs(cells: dict[int, RankCell]) -> list[Group]:
-    """Every output but errors and results, as (ranks that produced it identically, output)."""
-    per_rank = {
+def _shown_outputs(cells: dict[int, RankCell]) -> dict[int, list[Output]]:
+    return {
         r: [o for o in c.outputs if o.kind not in ("error", "result")]
         for r, c in sorted(cells.items())
     }
+
+
+def group_outputs(cells: dict[int, RankCell]) -> list[Group]:
+    """Every output but errors and results, as (ranks that produced it identically, output)."""
+    return _grouped(_shown_outputs(cells))
+
+
+def _grouped(per_rank: dict[int, list[Output]]) -> list[Group]:
     depth = max((len(outs) for outs in per_rank.values()), default=0)
     groups: list[Group] = []
     for k in range(depth):
@@ -148,6 +155,61 @@ def _labelled_bundle(ranks: list[int], out: Output) -> dict:
     return data
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def widget_id(out: Output) -> str | None:
+    """The model id of the widget an output shows (None: not a widget)."""
+    view = out.data.get(WIDGET_VIEW) if out.kind in ("display", "result") else None
+    return view.get("model_id") if isinstance(view, dict) else None
+
+
+def show_outputs(cells: dict[int, RankCell], tabs: bool = False) -> None:
+    """The cell's outputs, grouped; with ``tabs``, ranks whose outputs differ get a tab each
+    (one per group of ranks with the same outputs), under the text form of the stacked view."""
+    groups = group_outputs(cells)
+    if tabs:
+        per_rank = _shown_outputs(cells)
+        by_outputs: dict[object, list[int]] = {}
+        for rank, outs in per_rank.items():
+            by_outputs.setdefault(tuple(o.key() for o in outs), []).append(rank)
+        if len(by_outputs) > 1:
+            display(_tabs_bundle(list(by_outputs.values()), per_rank, groups), raw=True)
+            return
+    for group in groups:
+        show_group(*group)
+
+
+def _tabs_bundle(rank_groups: list[list[int]], per_rank: dict, groups: list[Group]) -> dict:
+    import ipywidgets
+
+    pages = []
+    for ranks in rank_groups:
+        page = ipywidgets.Output()
+        page.outputs = tuple(_nbformat_output(o) for o in per_rank[ranks[0]])
+        pages.append(page)
+    tab = ipywidgets.Tab(children=pages)
+    tab.titles = tuple(rank_label(ranks)[1:-1] for ranks in rank_groups)
+    data = tab._repr_mimebundle_()
+    # (saved without a widget front end, the notebook keeps the stacked view's text)
+    data["text/plain"] = "".join(_group_text(*group) for group in groups).rstrip("\n")
+    return data
+
+
+def _nbformat_output(out: Output) -> dict:
+    if out.kind in ("stdout", "stderr"):
+        return {"output_type": "stream", "name": out.kind, "text": out.text}
+    return {"output_type": "display_data", "data": out.data, "metadata": out.metadata}
+
+
+def _group_text(ranks: list[int], out: Output) -> str:
+    if out.kind in ("stdout", "stderr"):
+        return labelled(rank_label(ranks), out.text)
+    if out.kind == "clear":
+        return ""
+    return labelled(rank_label(ranks), _labelled_bundle(ranks, out).get("text/plain", ""))
+
+
 def show_group(ranks: list[int], out: Output) -> None:
     if out.kind == "clear":  # the ranks cleared their output: so does the notebook
         clear_output(wait=out.data["wait"])
@@ -226,8 +288,10 @@ class LiveView:
     look_after = 10.0  # seconds a cell runs before the busy ranks' lines are shown
     look_every = 10.0  # seconds between two looks (each is a stack dump of the busy ranks)
 
-    def __init__(self, where: Callable[[list[int]], dict] | None = None) -> None:
+    def __init__(self, where: Callable[[list[int]], dict] | None = None, panel=None) -> None:
         self.started = time.monotonic()
+        self.panel = panel  # a Panel, updated on every tick
+        self.widgets_shown = False
         self.lines: list[str] = []
         self.status: list[str] = []
         self.handle = None
@@ -247,6 +311,12 @@ class LiveView:
         self.reprint(stream, text)
 
     def add(self, rank: int, out: Output) -> None:
+        if widget_id(out) is not None:
+            # at once, so that a progress bar moves while the cell runs (its model is the
+            # rank's; the comm messages that change it are relayed as they come)
+            show_group([rank], out)
+            self.widgets_shown = True
+            return
         if out.kind not in ("stdout", "stderr") or not out.text:
             return
         self.lines.extend(f"[rank {rank}] {ln}" for ln in out.text.splitlines())
@@ -255,6 +325,8 @@ class LiveView:
 
     def tick(self, run=None) -> None:
         now = time.monotonic()
+        if self.panel is not None and run is not None:
+            self.panel.tick(run)
         if (
             self.where is not None
             and run is not None
@@ -275,9 +347,11 @@ class LiveView:
         self._shown_at, self._dirty = now, False
 
     def close(self) -> None:
-        if self.handle is None:
+        if self.handle is None and not self.widgets_shown:
             return
         self.handle = None
         clear_output()
+        if self.panel is not None:
+            self.panel.forget()
         for stream, text in self._before:
             write(stream, text)
