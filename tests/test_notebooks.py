@@ -384,3 +384,34 @@ def test_the_torch_distributed_document_runs_on_4_ranks_and_prints_what_it_expla
     weights = output("print(model.weight.data")
     assert weights.startswith("[ranks 0-3] tensor([[") and weights.count("[rank") == 1
     assert output("%%local") == "[False, False, False, False]\n"  # stop removed the init file
+
+
+@pytest.mark.timeout(120)
+def test_rank_widgets_are_saved_as_they_read_when_the_cell_ended(tmp_path):
+    path = new_notebook(
+        tmp_path,
+        "%load_ext spmd\n%spmd start -n 2 --backend none",
+        "from tqdm.auto import tqdm\nimport time\n"
+        "for i in tqdm(range(30), desc='work'):\n    time.sleep(0.02)",
+        "import ipywidgets\nslider = ipywidgets.IntSlider(value=3, description='x')\n"
+        "slider.value = 7\nslider",
+        "%spmd stop",
+    )
+    nb = execute(path)
+    # the start's progress, saved as its timeline
+    assert re.match(
+        r"2 engines registered in \d+\.\d s; 2 ranks joined in \d+\.\d s\nStarted 2 processes",
+        cell_text(nb.cells[0]),
+    )
+    # one bar per rank, saved at 100% (its display was made at 0%)
+    bars = cell_text(nb.cells[1])
+    assert re.fullmatch(
+        r"(\[rank [01]\]\nwork: 100%\|██████████\| 30/30 \[[^\]]+\]\n){2}", bars
+    ), bars
+    assert "[rank 0]" in bars and "[rank 1]" in bars
+    sliders = cell_text(nb.cells[2])
+    assert sliders.count("IntSlider(value=7, description='x')") == 2, sliders
+    # the widgets' models were relayed: nbclient saved their final state too
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    values = [m["state"].get("value") for m in state.values() if m["model_name"] == "IntSliderModel"]
+    assert values == [7, 7]

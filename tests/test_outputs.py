@@ -1,0 +1,106 @@
+"""What a cell shows beyond plain lines: floods kept short (every line in the rank's log), the
+live panel and its summary, per-rank outputs as tabs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import ready_cluster, run
+from IPython.core.error import UsageError
+
+pytestmark = pytest.mark.timeout(120)
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture
+def cluster(module_shell):
+    return ready_cluster(module_shell, "start -n 2 --backend none", "import os, time\nrank = int(os.environ['SPMD_RANK'])")
+
+
+def test_a_flood_keeps_its_first_and_last_lines_and_the_log_keeps_every_line(cluster):
+    out = run(cluster, "%%spmd --max-output 10\nfor i in range(100_000):\n    print('line', i)")
+    assert out.error is None
+    kept = out.stdout.splitlines()
+    # the same on both ranks: shown once, 5 first and 5 last lines
+    assert kept == ["[ranks 0-1]", *(f"line {i}" for i in range(5)),
+                    "[ranks 0-1]", *(f"line {i}" for i in range(99_995, 100_000))]
+    assert "99,990 lines left out here" in out.stderr
+    tail = run(cluster, "%spmd log 1 --tail 3")
+    assert tail.stdout.splitlines()[1:] == ["line 99997", "line 99998", "line 99999"]
+    # every line, after a header that names the cell
+    assert re.match(r"\[rank 1\] the last 3 of 100,00[1-9] lines \(/", tail.stdout)
+
+
+def test_the_default_limit_keeps_a_thousand_lines_per_rank(cluster):
+    out = run(cluster, "for i in range(1500):\n    print(rank, i)")
+    assert out.error is None
+    lines = [ln for ln in out.stdout.splitlines() if not ln.startswith("[rank")]
+    assert len(lines) == 2 * 1000
+    assert "500 lines left out here" in out.stderr
+    whole = run(cluster, "%spmd log 0")
+    assert "0 1499" in whole.stdout and "0 700" in whole.stdout
+
+
+def test_log_and_max_output_say_what_they_take(cluster):
+    for line, says in [
+        ("%spmd log", "rank"),
+        ("%spmd log 7", "this cluster has ranks 0-1"),
+        ("%spmd log one", "say which rank by its number"),
+        ("%spmd log 0 --tail 0", "--tail must be a whole number"),
+        ("%%spmd --max-output lots\nx = 1", "--max-output must be a whole number"),
+        ("%spmd panel sideways", "%spmd panel takes on, off or nothing"),
+    ]:
+        out = run(cluster, line)
+        assert isinstance(out.error, UsageError), line
+        assert says in str(out.error), (line, str(out.error))
+
+
+def test_the_panel_freezes_to_a_summary_that_names_the_slowest_rank(cluster):
+    out = run(cluster, "%%spmd --panel --grace 10\ntime.sleep(1.5 if rank == 1 else 0.1)")
+    assert out.error is None
+    # (the shell's capture keeps each update of the display: the last is what stays)
+    panel = [o for o in out.outputs if "spmd-panel" in o.get("text/html", "")][-1]
+    text = panel["text/plain"]
+    assert re.match(r"The cell took 1\.\d\d s; the slowest was rank 1 \(1\.\d\d s behind", text)
+    rows = text.splitlines()[2:]
+    assert [r.split()[:2] for r in rows] == [["0", "done"], ["1", "done"]]
+    assert all(re.search(r":\d+\s+\d+ MB$", r) for r in rows), rows  # pid and memory, read live
+    # between cells
+    now = run(cluster, "%spmd panel")
+    assert now.outputs[0]["text/plain"].startswith("Ranks now: 2 idle.")
+
+
+def test_the_panel_shows_the_straggler_while_the_cell_runs(cluster):
+    from spmd.magics.panel import Panel
+
+    seen = []
+    original = Panel.tick
+
+    def watch(self, run_):
+        original(self, run_)
+        if self.handle is not None:
+            seen.append([r["state"] for r in self.rows(run_)])
+
+    Panel.tick = watch
+    try:
+        assert run(cluster, "%spmd panel on").error is None
+        out = run(cluster, "%%spmd --grace 10\ntime.sleep(2 if rank == 1 else 0.1)")
+        assert out.error is None
+    finally:
+        Panel.tick = original
+        run(cluster, "%spmd panel off")
+    assert ["done", "straggler"] in seen
+    assert run(cluster, "x = 1").outputs == []  # off again: no panel
+
+
+def test_tabs_show_one_tab_per_group_of_ranks_and_keep_the_text(cluster):
+    out = run(cluster, "%%spmd --tabs\nprint('same')\nprint('rank', rank)")
+    assert out.error is None
+    (tabs,) = out.outputs
+    assert WIDGET_VIEW in tabs
+    assert tabs["text/plain"] == "[ranks 0-1] same\n[rank 0] rank 0\n[rank 1] rank 1"
+    # the same on every rank: no tabs
+    out = run(cluster, "%%spmd --tabs\nprint('same')")
+    assert out.outputs == [] and out.stdout == "[ranks 0-1] same\n"
