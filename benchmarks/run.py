@@ -28,6 +28,7 @@ from ipyparallel import Cluster
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
+from benchmarks.flood import flood
 from benchmarks.floor import EchoServers, bare_processes, bare_torch_processes
 from benchmarks.kernel import KernelBench
 from spmd.engine.address import free_port
@@ -256,6 +257,12 @@ class Bench:
                 t0 = time.perf_counter()
                 self.cell("x = 1")
                 self.record(f"cell_n{n}/spmd", time.perf_counter() - t0)
+                if n == 4:  # the live panel's cost: the same cell with it on
+                    self.magics.panel = True
+                    t0 = time.perf_counter()
+                    self.cell("x = 1")
+                    self.record(f"cell_n{n}/spmd_panel", time.perf_counter() - t0)
+                    self.magics.panel = False
                 self.magics.auto.on = False
                 t0 = time.perf_counter()
                 self.cell("%px x = 1")
@@ -265,6 +272,28 @@ class Bench:
             echo.close()
             self.magics.auto.on = True
             self.cell("%spmd stop")
+
+    def panel_while_running(self, rounds: int) -> None:
+        """A one-second cell with the live panel updating 4 times a second, and without."""
+        self.cell("%spmd start -n 4 --backend none")
+        try:
+            for _ in range(rounds):
+                for name, on in (("sleep_1s_cell/spmd", False), ("sleep_1s_cell/spmd_panel", True)):
+                    self.magics.panel = on
+                    t0 = time.perf_counter()
+                    self.cell("import time\ntime.sleep(1.0)")
+                    self.record(name, time.perf_counter() - t0)
+        finally:
+            self.magics.panel = False
+            self.cell("%spmd stop")
+
+    def flood(self, lines: int) -> None:
+        """A million lines from every rank, and from a plain kernel, executed as notebooks."""
+        for name, ranks in (("spmd", 2), ("plain_kernel", None)):
+            got = flood(lines, ranks)
+            self.record(f"flood_1M_lines/{name}", got["seconds"])
+            self.record(f"flood_memory_mb/{name}", got["memory_mb"])
+            self.record(f"flood_saved_mb/{name}", got["saved_mb"])
 
     def output(self, lines: int, rounds: int) -> None:
         self.cell("%spmd start -n 4 --backend none")
@@ -365,6 +394,9 @@ TARGETS = [
     ("restart/spmd", "restart/ipyparallel", None, ""),
     ("jit_cell_after_restart/spmd", "jit_cell_first/spmd", 0.3, "≤ 0.3 × first run"),
     ("cell_n4/spmd", "cell_n4/spmd_no_standby", 1.05, "within noise of no standbys"),
+    ("cell_n4/spmd_panel", "cell_n4/spmd", None, ""),
+    ("sleep_1s_cell/spmd_panel", "sleep_1s_cell/spmd", 1.02, "≤ 1.02 × without the panel"),
+    ("flood_1M_lines/spmd", "flood_1M_lines/plain_kernel", None, ""),
     ("cell_n2/spmd", "cell_n2/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n4/spmd", "cell_n4/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n8/spmd", "cell_n8/px", 1.0, "≤ 1.0 × %px"),
@@ -416,6 +448,13 @@ def table(stats: dict[str, dict]) -> str:
         if name in stats:
             verdict = "met" if stats[name]["median"] <= limit else "missed"
             rows.append((name, fmt(name), "", "", "", f"{says} {verdict}"))
+    for what in ("flood_memory_mb", "flood_saved_mb"):
+        ours, plain = stats.get(f"{what}/spmd"), stats.get(f"{what}/plain_kernel")
+        if ours and plain:
+            rows.append(
+                (f"{what}/spmd", f"{ours['median']:.1f} MB", f"{what}/plain_kernel",
+                 f"{plain['median']:.1f} MB", f"{ours['median'] / max(plain['median'], 0.1):.2f}", "")
+            )
     for name in stats:
         if name.startswith("rss_growth"):
             mb = stats[name]["median"]
@@ -458,6 +497,10 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
         for _ in range(3):  # with and without standbys, alternated
             bench.per_cell(n, cells // 3)
             bench.per_cell(n, cells // 3, standby=False)
+    print("the panel on a one-second cell", file=sys.stderr, flush=True)
+    bench.panel_while_running(rounds=2 if quick else 5)
+    print("a million lines", file=sys.stderr, flush=True)
+    bench.flood(lines=100_000 if quick else 1_000_000)
     print("output, 4 ranks", file=sys.stderr, flush=True)
     bench.output(lines=10_000, rounds=1 if quick else 3)
     print("memory", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ module that no process this test run started (kernel, controller, engine) is sti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -94,6 +95,65 @@ JUPYTER_DIR = tempfile.mkdtemp(prefix="spmd-test-jupyter-")
 os.environ["JUPYTER_DATA_DIR"] = JUPYTER_DIR
 os.environ["JUPYTER_PATH"] = JUPYTER_DIR
 SPMD_KERNEL = "spmd"
+
+
+@contextlib.contextmanager
+def spmd_kernel(name: str = SPMD_KERNEL, env: dict | None = None):
+    """A kernel of the kernelspec ``name`` and its client, shut down as Jupyter does."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name=name, **({"env": env} if env else {}))
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+
+
+def kernel_stream(
+    kc, code: str, timeout: float = 120, stdin=None
+) -> tuple[dict, str]:
+    """Run ``code``; its reply and everything it printed or showed as text, as a front end
+    shows it at the end (an update replaces its display; clear_output clears). ``stdin``:
+    called with each input_request's content (its prompt), as a front end with stdin."""
+    shown: list[str] = []
+    displays: dict[str, int] = {}  # display id: where it is in ``shown``
+    clear_next = False
+
+    def keep(msg):
+        nonlocal clear_next
+        content, kind = msg["content"], msg["msg_type"]
+        if kind == "clear_output":
+            if content.get("wait"):
+                clear_next = True
+            else:
+                shown.clear()
+                displays.clear()
+            return
+        if kind not in ("stream", "display_data", "update_display_data", "execute_result"):
+            return
+        if clear_next and kind != "update_display_data":
+            shown.clear()
+            displays.clear()
+            clear_next = False
+        display_id = content.get("transient", {}).get("display_id")
+        if kind == "stream":
+            shown.append(content["text"])
+        elif kind == "update_display_data" and display_id in displays:
+            shown[displays[display_id]] = content["data"].get("text/plain", "") + "\n"
+        else:
+            if display_id:
+                displays[display_id] = len(shown)
+            shown.append(content["data"].get("text/plain", "") + "\n")
+
+    reply = kc.execute_interactive(
+        code,
+        timeout=timeout,
+        output_hook=keep,
+        allow_stdin=stdin is not None,
+        stdin_hook=(lambda msg: stdin(msg["content"])) if stdin is not None else None,
+    )
+    return reply, "".join(shown)
 
 
 @pytest.fixture(scope="session", autouse=True)

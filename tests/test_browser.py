@@ -31,6 +31,9 @@ MAGIC_CELLS = [
     "%%spmd --panel --grace 30\nimport time\ntime.sleep(5 if jax.process_index() == 1 else 0.2)",
     "if jax.process_index() == 1:\n    raise ValueError('rank 1 is unhappy')",
     "print('after the error')",  # Run All stops before this one
+    # run alone: a widget on each rank, moved in the page, read back on the ranks
+    "import ipywidgets\nslider = ipywidgets.IntSlider(value=5, max=10, description='lr')\nslider",
+    "print('value', slider.value)",
     "import time\ntime.sleep(300)",  # run alone, then interrupted from the Kernel menu
     "%spmd stop",
 ]
@@ -106,17 +109,31 @@ def test_browser_magic_in_a_python_kernel(tmp_path) -> None:
         assert _prompt(page, 9) == "[ ]:", "Run All went on after the failing cell"
         save_shot(page, str(tmp_path), "magic", show=_cell(page, 9))
 
-        # Kernel > Interrupt on a cell blocked on every rank
+        # widgets both ways: rank 0's slider moved here changes the value on rank 0 only
         _run_one(page, 10)
-        page.wait_for_timeout(2000)
-        assert _prompt(page, 10) == "[*]:"
-        _menu(page, "Kernel", "Interrupt Kernel")
-        _cell(page, 10).get_by_text("interrupted").first.wait_for(timeout=30_000)
-        assert "KeyboardInterrupt" not in _output(page, 10).split("\n")[0]
-        save_shot(page, str(tmp_path), "interrupt", show=_cell(page, 10))
-
+        handles = _cell(page, 10).locator(".noUi-handle")
+        handles.nth(1).wait_for()
+        assert _output(page, 10).count("[rank") == 2
+        handles.first.focus()
+        page.keyboard.press("ArrowRight")
+        page.keyboard.press("ArrowRight")
+        page.wait_for_timeout(500)
         _run_one(page, 11)
-        _cell(page, 11).get_by_text("Stopped 2 processes").wait_for()
+        _cell(page, 11).get_by_text("[rank 1] value 5").wait_for()
+        assert "[rank 0] value 7" in _output(page, 11)
+        save_shot(page, str(tmp_path), "slider", show=_cell(page, 11))
+
+        # Kernel > Interrupt on a cell blocked on every rank
+        _run_one(page, 12)
+        page.wait_for_timeout(2000)
+        assert _prompt(page, 12) == "[*]:"
+        _menu(page, "Kernel", "Interrupt Kernel")
+        _cell(page, 12).get_by_text("interrupted").first.wait_for(timeout=30_000)
+        assert "KeyboardInterrupt" not in _output(page, 12).split("\n")[0]
+        save_shot(page, str(tmp_path), "interrupt", show=_cell(page, 12))
+
+        _run_one(page, 13)
+        _cell(page, 13).get_by_text("Stopped 2 processes").wait_for()
 
 
 KERNEL_NAME = "Python 3 (SPMD, 2 processes)"

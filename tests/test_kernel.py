@@ -7,9 +7,9 @@ and a killed kernel each get a kernel of their own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import time
 
 import jupyter_kernel_test
 import pytest
-from conftest import SPMD_KERNEL, spmd_processes, wait_until_gone
+from conftest import SPMD_KERNEL, kernel_stream, spmd_kernel, spmd_processes, wait_until_gone
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager, start_new_kernel
 
@@ -84,32 +84,6 @@ class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
         assert reply["content"]["matches"] == ["notebook_only"]
 
 
-@contextlib.contextmanager
-def spmd_kernel(name: str = SPMD_KERNEL, env: dict | None = None):
-    """A kernel of the kernelspec ``name`` and its client, shut down as Jupyter does."""
-    km, kc = start_new_kernel(kernel_name=name, **({"env": env} if env else {}))
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
-
-
-def kernel_stream(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
-    """Run ``code``; its reply and everything it printed or showed as text."""
-    shown: list[str] = []
-
-    def keep(msg):
-        content = msg["content"]
-        if msg["msg_type"] == "stream":
-            shown.append(content["text"])
-        elif msg["msg_type"] in ("display_data", "update_display_data", "execute_result"):
-            shown.append(content["data"].get("text/plain", "") + "\n")
-
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=keep)
-    return reply, "".join(shown)
-
-
 def rank_engines(procs) -> list:
     """The engines among ``procs`` that are ranks (not standbys, see %spmd status)."""
     return [
@@ -124,7 +98,9 @@ def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
         kernel_pid = km.provisioner.process.pid
         reply, text = kernel_stream(kc, "%spmd start -n 3 --backend none")
         assert reply["content"]["status"] == "ok"
-        assert text.startswith("Started 3 processes (none)")
+        timeline, summary = text.splitlines()
+        assert re.match(r"3 engines registered in \d+\.\d s; 3 ranks joined in", timeline)
+        assert summary.startswith("Started 3 processes (none)")
         engines = rank_engines(spmd_processes(kernel_pid))
         assert len(engines) == 3  # the kernelspec's 2 ranks were cancelled or stopped
         reply, text = kernel_stream(kc, "import os; print(os.environ['SPMD_NUM_PROCESSES'])")
@@ -180,7 +156,7 @@ def test_interrupt_reaches_every_rank_and_restart_recovers():
         reply, text = kernel_stream(kc, "print('refused?')")
         assert reply["content"]["status"] == "error" and "%spmd restart" in text
         reply, text = kernel_stream(kc, "%spmd restart")
-        assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
+        assert reply["content"]["status"] == "ok" and text.splitlines()[-1].startswith("Started 2 processes")
         reply, text = kernel_stream(kc, "import jax; print(jax.process_count())")
         assert text == "[ranks 0-1] 2\n"
 
@@ -310,7 +286,7 @@ def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path
         assert reply["content"]["matches"] == ["notebook_name"]
         assert time.monotonic() - t0 < 5
         reply, text = kernel_stream(kc, "%spmd start -n 2 --backend none")
-        assert reply["content"]["status"] == "ok" and text.startswith("Started 2 processes")
+        assert reply["content"]["status"] == "ok" and text.splitlines()[-1].startswith("Started 2 processes")
         reply, text = kernel_stream(kc, "print('hello')")
         assert text == "[ranks 0-1] hello\n"
 

@@ -415,3 +415,20 @@ def test_rank_widgets_are_saved_as_they_read_when_the_cell_ended(tmp_path):
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     values = [m["state"].get("value") for m in state.values() if m["model_name"] == "IntSliderModel"]
     assert values == [7, 7]
+
+
+@pytest.mark.timeout(120)
+def test_input_on_the_ranks_fails_at_once_where_nbclient_has_no_stdin(tmp_path):
+    path = new_notebook(
+        tmp_path,
+        "%load_ext spmd\n%spmd start -n 2 --backend none",
+        "name = input('your name? ')",
+        "%spmd stop",
+    )
+    t0 = time.monotonic()
+    with pytest.raises(CellExecutionError) as failed:
+        execute(path)
+    assert time.monotonic() - t0 < 60
+    text = str(failed.value)
+    assert "Error on 2 of 2 ranks" in text
+    assert "StdinNotImplementedError" in text and "does not support input requests" in text

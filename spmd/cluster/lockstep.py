@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from spmd.cluster import control
 from spmd.cluster.outputs import Output, RankCell, output_from_message
+from spmd.engine import prompts
 
 _REPLY, _IDLE = "reply", "idle"
 
@@ -30,6 +32,15 @@ class CellRun:
     on_output: Callable[[int, Output], None] | None = None
     max_lines: int | None = None  # stream lines kept per rank (RankCell.max_lines)
     log: object | None = None  # a RankLogs: every stream line of every rank
+    # A rank's input(), getpass or pdb prompt: asks the person, returns the answer
+    # ({"text": ...} or {"error": why}); None: ranks get StdinNotImplementedError.
+    on_prompt: Callable[[int, dict, CellRun], dict] | None = None
+    breakpoints: str = "lowest"  # which ranks stop at breakpoint(): the lowest, or all
+    paused: float = 0.0  # seconds spent waiting for the person at a prompt
+    prompting: set = field(default_factory=set)  # ranks waiting at a prompt
+    _stopper: int | None = None  # the rank that stops at breakpoints in this cell
+    prompt_interrupted: bool = False  # the person interrupted a prompt of this cell
+    _requests: list = field(default_factory=list)  # (rank, request), not answered yet
     cells: dict[int, RankCell] = field(default_factory=dict)
     started: float = 0.0
     first_done: float | None = None  # when the first rank finished (time.monotonic())
@@ -72,7 +83,15 @@ class CellRun:
         return not self.busy_ranks
 
     def poll(self, wait: float) -> None:
-        """Handle every event that arrives within ``wait`` seconds (at least one, if any)."""
+        """Handle every event that arrives within ``wait`` seconds (at least one, if any),
+        and answer the ranks' prompts that came with them, lowest rank first."""
+        self._take(wait)
+        while self._requests:
+            self._take(0.05)  # (prompts of several ranks come together: all of them first)
+            self._requests.sort(key=lambda pair: pair[0])
+            self._answer(*self._requests.pop(0))
+
+    def _take(self, wait: float) -> None:
         deadline = time.monotonic() + wait
         while True:
             try:
@@ -102,11 +121,58 @@ class CellRun:
         out = output_from_message(kind, content or {})
         if out is None:
             return
+        if out.kind == "display" and prompts.REQUEST in out.data:
+            self._requests.append((rank, out.data[prompts.REQUEST]))
+            self.prompting.add(rank)
+            return
         if self.log is not None and out.kind in ("stdout", "stderr"):
             self.log.write(rank, out.text)
         cell.add(out)
         if self.on_output is not None:
             self.on_output(rank, out)
+
+    def _answer(self, rank: int, request: dict) -> None:
+        """Answer one prompt: a breakpoint by the rule, input by the person."""
+        started = time.monotonic()
+        try:
+            if self.prompt_interrupted:  # (the person interrupted: no more questions this cell)
+                answer = {"error": "interrupt"}
+            elif request["kind"] == "breakpoint":
+                if self._stopper is None:
+                    self._stopper = rank  # (the lowest rank that asked: they come sorted)
+                answer = {"stop": self.breakpoints == "all" or rank == self._stopper}
+            elif self.on_prompt is None:
+                answer = {"error": "input was called on a rank, but nothing answers it."}
+            else:
+                try:
+                    answer = self.on_prompt(rank, request, self)
+                except KeyboardInterrupt:
+                    # the rank's prompt ends too, and every other rank's: no rank is left
+                    # waiting for an answer
+                    self.prompt_interrupted = True
+                    self._send(rank, request, {"error": "interrupt"})
+                    for other, waiting in self._requests:
+                        self._send(other, waiting, {"error": "interrupt"})
+                    self._requests.clear()
+                    raise
+            self._send(rank, request, answer)
+        finally:
+            self.prompting.discard(rank)
+            # The watchdog's clocks stop while the person answers: waiting at a prompt is
+            # not diverging.
+            waited = time.monotonic() - started
+            self.paused += waited
+            if self.first_done is not None:
+                self.first_done += waited
+
+    def _send(self, rank: int, request: dict, answer: dict) -> None:
+        control.request(
+            self.client,
+            [self.engine_ids[rank]],
+            prompts.ANSWER,
+            {**answer, "id": request["id"]},
+            timeout=5.0,
+        )
 
     def wait(
         self,

@@ -587,6 +587,8 @@ class Session:
         on_output: Callable[[int, Output], None] | None = None,
         tick: Callable[[CellRun], None] | None = None,
         max_output: int | None = 0,
+        on_prompt: Callable[[int, dict, CellRun], dict] | None = None,
+        breakpoints: str = "lowest",
     ) -> CellRun:
         """Send ``code`` to the ranks and wait until every one has finished (lockstep).
 
@@ -606,6 +608,8 @@ class Session:
             on_output=on_output,
             max_lines=self.settings.max_output if max_output == 0 else max_output,
             log=self.logs,
+            on_prompt=on_prompt,
+            breakpoints=breakpoints,
         )
         self._cells.append(code)
         self.logs.begin_cell(list(targets), code)
@@ -619,6 +623,12 @@ class Session:
                 reason, seconds = self._wait(run, timeout, grace or None, tick)
             except KeyboardInterrupt:
                 reason, seconds = INTERRUPTED, None
+                if run.prompt_interrupted:
+                    # Interrupted at a rank's prompt: the ranks at prompts raise
+                    # KeyboardInterrupt themselves. If that ends the cell everywhere, the
+                    # ranks are still in step: the cell just failed.
+                    run.wait(until=time.monotonic() + 2.0, poll=0.02)
+                    reason = "" if run.finished else reason
             if reason:
                 # People press Interrupt twice: a second one must not cut the report short
                 # and leave the ranks busy without the out-of-step guard.
@@ -640,9 +650,10 @@ class Session:
         tick: Callable[[CellRun], None] | None,
     ) -> tuple[str, float | None]:
         """Poll the cell until it finishes ('', None) or a reason to stop waiting."""
-        until = None if timeout is None else run.started + timeout
         while not run.finished:
             now = time.monotonic()
+            # (the time a person spent at a prompt does not count)
+            until = None if timeout is None else run.started + run.paused + timeout
             if self._any_death():
                 return DIED, None
             if until is not None and now >= until:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from spmd.engine import commands, control, jit_cache, placement, torch_group
+from spmd.engine import commands, control, jit_cache, placement, prompts, torch_group
 from spmd.engine.address import address_toward, coordinator_addresses
 from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
@@ -297,6 +297,7 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
     control.install(shell.kernel, main_thread)
+    prompts.install(shell.kernel)  # input(), getpass and pdb, answered in the notebook
     return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
 
 

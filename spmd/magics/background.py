@@ -23,6 +23,8 @@ class BackgroundStart:
     def __init__(self, settings: Settings) -> None:
         self.session = Session(settings)
         self.error: StartError | None = None
+        self.progress = ""  # how the start goes, in a few words (set on the start's thread)
+        self.session.progress = self._tell
         self._thread = threading.Thread(target=self._run, name="spmd-start", daemon=True)
         self._thread.start()
 
@@ -35,6 +37,10 @@ class BackgroundStart:
             self.error = StartError(
                 f"The kernel's cluster did not start: {type(exc).__name__}: {exc}"
             )
+
+    def _tell(self, stage: str, done: int, of: int, coordinator: str) -> None:
+        what = "engines registered" if stage == "registered" else "ranks joined"
+        self.progress = f"{done}/{of} {what}" + (f", coordinator {coordinator}" if coordinator else "")
 
     @property
     def settings(self) -> Settings:
@@ -50,8 +56,12 @@ class BackgroundStart:
         handle = None
         if progress and not self.done:
             handle = display({"text/plain": progress}, raw=True, display_id=True)
+        shown = ""
         while self._thread.is_alive():
             self._thread.join(0.1)  # a timeout, so that an interrupt gets through
+            if handle is not None and self.progress != shown:
+                shown = self.progress
+                handle.update({"text/plain": f"{progress} {shown}"}, raw=True)
         if handle is None:
             return ""
         # (on an error the cell's own error says why)

@@ -29,6 +29,7 @@ from spmd.magics.automode import AutoMode
 from spmd.magics.background import BackgroundStart
 from spmd.magics.panel import Panel, panel_bundle
 from spmd.magics.progress import StartProgress
+from spmd.magics.prompts import Prompter
 from spmd.magics.render import (
     LiveView,
     RankErrors,
@@ -123,7 +124,12 @@ def _start_parser() -> _Parser:
     p.add_argument("--max-output", type=_max_output, default=Settings.max_output)
     p.add_argument("--panel", action="store_true")
     p.add_argument("--tabs", action="store_true")
+    p.add_argument("--breakpoint", choices=BREAKPOINTS, default="lowest")
     return p
+
+
+# breakpoint() on the ranks: only the lowest rank that reaches one stops, or every rank
+BREAKPOINTS = ("lowest", "all")
 
 
 def _max_output(text: str) -> int | None:
@@ -230,6 +236,7 @@ def _cell_parser() -> _Parser:
     p.add_argument("--max-output", type=_max_output, default=0)
     p.add_argument("--tabs", action="store_true")
     p.add_argument("--panel", action="store_true")
+    p.add_argument("--breakpoint", choices=BREAKPOINTS, default=None)
     return p
 
 
@@ -264,6 +271,8 @@ class SpmdMagics(Magics):
         self._fresh = False
         self.panel = False  # the live panel for every cell (%spmd start --panel)
         self.tabs = False  # outputs that differ per rank as tabs (%spmd start --tabs)
+        self.breakpoints = "lowest"  # which ranks stop at breakpoint() (--breakpoint)
+        self.failed_ranks: list[int] = []  # ranks that raised in the last cell (%spmd debug)
 
     def start_in_background(
         self, settings: Settings, started: BackgroundStart | None = None
@@ -342,7 +351,7 @@ class SpmdMagics(Magics):
         if handler is None:
             raise UsageError(
                 f"%spmd has no command {command!r}: use start, stop, restart, status, panel, "
-                "log, interrupt, where, sharding, gather, push, on or off."
+                "log, debug, interrupt, where, sharding, gather, push, on or off."
             )
         # Python expressions keep their quotes and spaces; other commands take shell words.
         return handler(
@@ -388,7 +397,7 @@ class SpmdMagics(Magics):
             cache_dir=_cache_folder(opts.compilation_cache),
             max_output=opts.max_output,
         )
-        self.panel, self.tabs = opts.panel, opts.tabs
+        self.panel, self.tabs, self.breakpoints = opts.panel, opts.tabs, opts.breakpoint
         if self._kernel_cluster_is(settings):
             say(summary(self.session))
             return
@@ -517,6 +526,26 @@ class SpmdMagics(Magics):
         say(f"[rank {opts.rank}] {which}{lines:,} lines ({session.logs.path(opts.rank)}):")
         sys.stdout.write(text)
 
+    def _cmd_debug(self, args: list[str]):
+        """Post-mortem pdb on a rank's last exception (the lowest rank that failed in the last
+        cell, by default), like IPython's %debug: nothing runs again."""
+        session = self._require_session()
+        if len(args) > 1 or (args and not args[0].isdigit()):
+            raise UsageError("%spmd debug takes one rank number, like %spmd debug 1, or none.")
+        n = session.settings.n
+        if args:
+            rank = int(args[0])
+            if rank >= n:
+                raise UsageError(f"%spmd debug {rank}: this cluster has ranks 0-{n - 1}.")
+        elif self.failed_ranks:
+            rank = self.failed_ranks[0]
+        else:
+            raise UsageError(
+                "No rank raised in the last cell: say which rank to debug, like %spmd debug 1."
+            )
+        opts = _cell_parser().parse_args(["--ranks", str(rank), "--grace", "off"])
+        return self._run(opts, _POST_MORTEM, debugging=True)
+
     def _cmd_panel(self, args: list[str]) -> None:
         if args and args != ["on"] and args != ["off"]:
             raise UsageError("%spmd panel takes on, off or nothing (the ranks' rows now).")
@@ -600,7 +629,9 @@ class SpmdMagics(Magics):
     # -- cells ----------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
-        opts = _cell_parser().parse_args(_words(f"%%spmd {line}", line))
+        return self._run(_cell_parser().parse_args(_words(f"%%spmd {line}", line)), cell)
+
+    def _run(self, opts, cell: str, debugging: bool = False) -> RankResults | None:
         started = self._take_pending()  # the kernel's start line, shown again after a live view
         session = self._require_session(refused="Cell not run")
         panel = Panel(session) if (self.panel or opts.panel) else None
@@ -612,7 +643,7 @@ class SpmdMagics(Magics):
         if ranks is not None:
             if ranks[-1] >= n:
                 raise UsageError(f"--ranks {rank_set(ranks)}: this cluster has ranks 0-{n - 1}.")
-            if len(ranks) < n:
+            if len(ranks) < n and not debugging:
                 live.note(
                     "stderr",
                     f"Running on ranks {rank_set(ranks)} only: a collective in this cell would "
@@ -629,6 +660,8 @@ class SpmdMagics(Magics):
                 on_output=live.add,
                 tick=live.tick,
                 max_output=opts.max_output,
+                on_prompt=Prompter(live),
+                breakpoints=opts.breakpoint or self.breakpoints,
             )
         except OutOfStep as exc:
             raise UsageError(_refusal(session, f"Cell not run: {exc}")) from None
@@ -642,6 +675,8 @@ class SpmdMagics(Magics):
             panel.freeze(run)
         show_outputs(run.cells, tabs=self.tabs or opts.tabs)
         errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
+        if not debugging:
+            self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
         results = group_results(run.cells)
         if not (errors or stall is not None):
             return RankResults.of(results)
@@ -672,6 +707,16 @@ def _refusal(session: Session, text: str) -> str:
 
 
 _EXPRESSION_COMMANDS = ("sharding", "gather")
+
+# On the rank: pdb on its last exception (IPython keeps it in sys.last_traceback), or why not.
+_POST_MORTEM = """\
+import sys as _spmd_sys
+if getattr(_spmd_sys, "last_traceback", None) is None:
+    print("This rank has raised no exception yet: nothing to debug.")
+else:
+    get_ipython().run_line_magic("debug", "")
+del _spmd_sys
+"""
 
 
 def _gather_options(text: str) -> tuple[str, str | None, int]:

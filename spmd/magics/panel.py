@@ -17,7 +17,7 @@ from IPython.display import display
 from spmd.cluster.lockstep import CellRun, rank_words
 from spmd.cluster.session import Session
 
-_COLOURS = {"busy": "#fff4ce", "error": "#fde2e1", "dead": "#fde2e1", "straggler": "#ffd8a8"}
+_COLOURS = {"input": "#d0ebff", "busy": "#fff4ce", "error": "#fde2e1", "dead": "#fde2e1", "straggler": "#ffd8a8"}
 
 
 class Panel:
@@ -37,6 +37,10 @@ class Panel:
         if now - run.started < self.delay or now - self._shown_at < self.every:
             return
         self._shown_at = now
+        self._show(panel_bundle(self.rows(run), live=True))
+
+    def show_now(self, run: CellRun) -> None:
+        self._shown_at = time.monotonic()
         self._show(panel_bundle(self.rows(run), live=True))
 
     def freeze(self, run: CellRun) -> None:
@@ -65,6 +69,8 @@ class Panel:
             cell = cells.get(r.rank)
             if r.rank in dead or r.state == "died":
                 state = "dead"
+            elif run is not None and r.rank in run.prompting:
+                state = "input"  # waits for the person at a prompt
             elif cell is None:
                 state = "idle" if r.state != "stopped" else "stopped"  # (not in this cell)
             elif not cell.done:
@@ -118,6 +124,9 @@ def headline(rows: list[dict], live: bool | None) -> str:
     if live is None:  # between cells (%spmd panel)
         states = collections.Counter(r["state"] for r in rows)
         return "Ranks now: " + ", ".join(f"{n} {state}" for state, n in states.items()) + "."
+    asking = [r["rank"] for r in rows if r["state"] == "input"]
+    if live and asking:
+        return f"Waiting for you: {rank_words(asking)} asked for input."
     if live and late:
         return f"Running: {rank_words(late)} still busy after the others finished."
     if live:

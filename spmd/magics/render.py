@@ -292,6 +292,8 @@ class LiveView:
         self.started = time.monotonic()
         self.panel = panel  # a Panel, updated on every tick
         self.widgets_shown = False
+        self.prompted = False  # a rank asked the person something: its lines were shown
+        self._unshown: dict[int, str] = {}  # stream text of each rank since its last prompt
         self.lines: list[str] = []
         self.status: list[str] = []
         self.handle = None
@@ -319,9 +321,18 @@ class LiveView:
             return
         if out.kind not in ("stdout", "stderr") or not out.text:
             return
+        self._unshown[rank] = (self._unshown.get(rank, "") + out.text)[-20_000:]
         self.lines.extend(f"[rank {rank}] {ln}" for ln in out.text.splitlines())
         del self.lines[: -self.keep]
         self._dirty = True
+
+    def show_rank(self, rank: int) -> None:
+        """Print what ``rank`` printed since its last prompt, now (before its next prompt)."""
+        text = self._unshown.pop(rank, "")
+        self._unshown.clear()  # (the other ranks' lines wait for the grouped view)
+        if text:
+            write("stdout", text)
+        self.prompted = True
 
     def tick(self, run=None) -> None:
         now = time.monotonic()
@@ -347,7 +358,7 @@ class LiveView:
         self._shown_at, self._dirty = now, False
 
     def close(self) -> None:
-        if self.handle is None and not self.widgets_shown:
+        if self.handle is None and not (self.widgets_shown or self.prompted):
             return
         self.handle = None
         clear_output()

@@ -1,0 +1,145 @@
+"""input(), breakpoint() and post-mortem pdb on the ranks, answered by a front end with stdin.
+
+Each test drives a real kernel through jupyter_client, as JupyterLab does, answering its
+input_requests: the magic in a plain Python kernel, and the SPMD kernel.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import SPMD_KERNEL, kernel_stream, spmd_kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+SETUP = "import os\nrank = int(os.environ['SPMD_RANK'])"
+
+
+@pytest.fixture(params=["magic", "kernel"])
+def kernel(request):
+    """A kernel with 2 ranks: python3 with %spmd start, or the SPMD kernel."""
+    name = "python3" if request.param == "magic" else SPMD_KERNEL
+    with spmd_kernel(name) as (km, kc):
+        if request.param == "magic":
+            reply, text = kernel_stream(kc, "%load_ext spmd\n%spmd start -n 2 --backend none")
+            assert reply["content"]["status"] == "ok", text
+        reply, text = kernel_stream(kc, SETUP)
+        assert reply["content"]["status"] == "ok", text
+        yield km, kc
+
+
+class Person:
+    """A person at the front end: answers prompts in order, and remembers them."""
+
+    def __init__(self, *answers: str, think: float = 0.0) -> None:
+        self.answers = list(answers)
+        self.prompts: list[str] = []
+        self.think = think
+
+    def __call__(self, kc):
+        def answer(content: dict) -> None:
+            self.prompts.append(content["prompt"])
+            time.sleep(self.think)
+            kc.input(self.answers.pop(0))
+
+        return answer
+
+
+def test_input_on_one_rank_and_on_two_in_rank_order(kernel):
+    km, kc = kernel
+    # rank 0 is done at once; rank 1 waits for the person longer than the watchdog's grace
+    person = Person("ada", think=3.0)
+    reply, text = kernel_stream(
+        kc, "name = input('your name? ') if rank == 1 else 'none'\nprint('hello', name)",
+        stdin=person(kc),
+    )
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 1] your name? "]
+    assert "[rank 0] hello none" in text
+    assert "[rank 1]\nyour name? ada\nhello ada" in text
+    # both ask: answered one at a time, lowest rank first
+    person = Person("zero", "one")
+    reply, text = kernel_stream(
+        kc, "import getpass\nsecret = getpass.getpass(f'key {rank}? ')\nprint(len(secret))",
+        stdin=person(kc),
+    )
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 0] key 0? ", "[rank 1] key 1? "]
+    assert "[rank 0]\nkey 0? \n4" in text and "[rank 1]\nkey 1? \n3" in text  # never echoed
+
+
+def test_a_breakpoint_stops_the_lowest_rank_by_default_and_p_and_c_work(kernel):
+    km, kc = kernel
+    person = Person("p y", "n", "p z", "c")
+    reply, text = kernel_stream(
+        kc,
+        "%%spmd --grace 5\ny = rank * 10 + 5\nif rank == 1:\n    breakpoint()\n    z = y + 1\n"
+        "print('after', y)",
+        stdin=person(kc),
+    )
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 1] (Pdb) "] * 4
+    assert "(Pdb) p y\n15\n" in text and "(Pdb) p z\n16\n" in text
+    assert "[rank 0] after 5" in text and re.search(r"after 15", text)
+    # every rank reaches it: only rank 0 stops; rank 1 goes on
+    person = Person("c")
+    reply, text = kernel_stream(kc, "%%spmd --grace 5\nbreakpoint()\nw = rank", stdin=person(kc))
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 0] (Pdb) "]
+    # --breakpoint all: each rank, one prompt at a time
+    person = Person("p rank", "c", "p rank", "c")
+    reply, text = kernel_stream(
+        kc, "%%spmd --breakpoint all --grace 5\nbreakpoint()\nw = rank", stdin=person(kc)
+    )
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 0] (Pdb) "] * 2 + ["[rank 1] (Pdb) "] * 2
+
+
+def test_post_mortem_opens_pdb_on_the_failed_ranks_exception(kernel):
+    km, kc = kernel
+    reply, text = kernel_stream(
+        kc, "def f(v):\n    secret = v * 2\n    raise ValueError('bad', secret)\n"
+        "if rank == 1:\n    f(21)"
+    )
+    assert reply["content"]["status"] == "error"
+    person = Person("p secret", "q")
+    reply, text = kernel_stream(kc, "%spmd debug", stdin=person(kc))
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 1] ipdb> "] * 2
+    assert "ipdb> p secret\n42\n" in text
+    # a rank that never raised says so
+    reply, text = kernel_stream(kc, "%spmd debug 0", stdin=Person()(kc))
+    assert "This rank has raised no exception yet" in text
+
+
+def test_interrupt_at_a_prompt_ends_the_prompt_and_the_cell(kernel):
+    km, kc = kernel
+    asked = []
+
+    def interrupt(content: dict) -> None:
+        asked.append(content["prompt"])
+        km.interrupt_kernel()
+
+    t0 = time.monotonic()
+    reply, text = kernel_stream(kc, "answer = input('wait for me? ')", stdin=interrupt)
+    assert asked == ["[rank 0] wait for me? "]  # (rank 1's prompt ended with it)
+    assert reply["content"]["status"] == "error"
+    assert time.monotonic() - t0 < 30
+    report = "\n".join(reply["content"]["traceback"])
+    assert "[ranks 0-1] KeyboardInterrupt: interrupted at the prompt" in report
+    # no rank is left waiting, and they are in step: the next cell runs
+    reply, text = kernel_stream(kc, "print('back')", timeout=30)
+    assert text == "[ranks 0-1] back\n"
+
+
+def test_without_stdin_input_fails_at_once_on_every_rank(kernel):
+    km, kc = kernel
+    t0 = time.monotonic()
+    reply, text = kernel_stream(kc, "name = input('name? ')")  # (no stdin: like nbclient)
+    assert reply["content"]["status"] == "error"
+    assert time.monotonic() - t0 < 10
+    report = "\n".join(reply["content"]["traceback"])
+    assert "Error on 2 of 2 ranks" in report
+    assert "StdinNotImplementedError" in report and "does not support input requests" in report
