@@ -312,7 +312,11 @@ class SpmdMagics(Magics):
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
                         [--standby on|off] [--compilation-cache DIR]
+                        [--max-output N|all] [--panel] [--tabs] [--breakpoint lowest|all]
             %spmd stop | restart | status | interrupt | where | on | off
+            %spmd panel [on|off]         the ranks' rows; on: a live panel in every cell
+            %spmd log RANK [--tail N]    every line a rank printed
+            %spmd debug [RANK]           pdb on a rank's last exception (post-mortem)
             %spmd sharding EXPR          one picture: which process and device holds what
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
             %spmd push NAME [NAME ...]   notebook variables to every rank
@@ -332,8 +336,15 @@ class SpmdMagics(Magics):
 
         Cell magic (runs one cell on the cluster, also when auto mode is off)::
 
-            %%spmd [--ranks 0,2] [--timeout S] [--grace S]
+            %%spmd [--ranks 0,2] [--timeout S] [--grace S] [--max-output N|all] [--panel]
+                   [--tabs] [--breakpoint lowest|all]
             print(jax.process_index())
+
+        A rank keeps at most ``--max-output`` lines (default 1000) of a cell in the notebook:
+        its first and last lines; ``%spmd log RANK`` has them all. ``input()``, ``getpass``
+        and pdb on a rank prompt here, labelled by rank, one rank at a time in rank order;
+        at ``breakpoint()`` only the lowest rank that reaches it stops (``--breakpoint all``:
+        every rank), and the others go on to wait in their next collective.
 
         When some ranks are still busy ``--grace`` seconds (default 2, ``off`` to disable)
         after another rank finished, or after ``--timeout`` seconds, or when you interrupt
@@ -439,6 +450,7 @@ class SpmdMagics(Magics):
         session._cache_dir = cache_dir  # a restart's: compiled cells stay compiled
         progress = StartProgress(settings.n, settings.backend)
         session.progress = progress.update
+        progress.started = time.monotonic()  # (the same clock as the summary's seconds)
         try:
             session.start()
         except StartError as exc:
