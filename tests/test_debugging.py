@@ -83,9 +83,11 @@ def test_a_breakpoint_stops_the_lowest_rank_by_default_and_p_and_c_work(kernel):
     assert person.prompts == ["[rank 1] (Pdb) "] * 4
     assert "(Pdb) p y\n15\n" in text and "(Pdb) p z\n16\n" in text
     assert "[rank 0] after 5" in text and re.search(r"after 15", text)
-    # every rank reaches it: only rank 0 stops; rank 1 goes on
+    # every rank reaches it (pdb.set_trace, the same rule): only rank 0 stops; rank 1 goes on
     person = Person("c")
-    reply, text = kernel_stream(kc, "%%spmd --grace 5\nbreakpoint()\nw = rank", stdin=person(kc))
+    reply, text = kernel_stream(
+        kc, "%%spmd --grace 5\nimport pdb\npdb.set_trace()\nw = rank", stdin=person(kc)
+    )
     assert reply["content"]["status"] == "ok", text
     assert person.prompts == ["[rank 0] (Pdb) "]
     # --breakpoint all: each rank, one prompt at a time
@@ -109,6 +111,11 @@ def test_post_mortem_opens_pdb_on_the_failed_ranks_exception(kernel):
     assert reply["content"]["status"] == "ok", text
     assert person.prompts == ["[rank 1] ipdb> "] * 2
     assert "ipdb> p secret\n42\n" in text
+    # pdb.pm() in a cell on that rank: the same exception
+    person = Person("p secret * 2", "q")
+    reply, text = kernel_stream(kc, "%%spmd --ranks 1\nimport pdb\npdb.pm()", stdin=person(kc))
+    assert reply["content"]["status"] == "ok", text
+    assert person.prompts == ["[rank 1] (Pdb) "] * 2 and "(Pdb) p secret * 2\n84\n" in text
     # a rank that never raised says so
     reply, text = kernel_stream(kc, "%spmd debug 0", stdin=Person()(kc))
     assert "This rank has raised no exception yet" in text
