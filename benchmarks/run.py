@@ -453,8 +453,8 @@ def table(stats: dict[str, dict]) -> str:
         ours, plain = stats.get(f"{what}/spmd"), stats.get(f"{what}/plain_kernel")
         if ours and plain:
             rows.append(
-                (f"{what}/spmd", f"{ours['median']:.1f} MB", f"{what}/plain_kernel",
-                 f"{plain['median']:.1f} MB", f"{ours['median'] / max(plain['median'], 0.1):.2f}", "")
+                (f"{what}/spmd", f"{ours['median']:.3g} MB", f"{what}/plain_kernel",
+                 f"{plain['median']:.3g} MB", f"{ours['median'] / plain['median']:.3f}", "")
             )
     for name in stats:
         if name.startswith("rss_growth"):
