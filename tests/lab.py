@@ -53,8 +53,9 @@ class Lab:
     """``with Lab(folder) as lab:`` a JupyterLab serving ``folder``, ended on exit with its
     kernels (by its own handle)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, env: dict | None = None) -> None:
         self.root = root
+        self.env = env
         self.port = _free_port()
         self.token = secrets.token_hex(16)
         self.home = os.path.join(root, ".lab")
@@ -80,6 +81,7 @@ class Lab:
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=self.env,
         )
         deadline = time.monotonic() + 60
         while True:
