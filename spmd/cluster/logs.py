@@ -16,23 +16,30 @@ class RankLogs:
         self.folder: str | None = None
         self._files: dict[int, object] = {}
         self._cell = 0
+        self._header = ""
+        self._written: set[int] = set()  # ranks that printed in this cell
 
     def path(self, rank: int) -> str | None:
         return None if self.folder is None else os.path.join(self.folder, f"rank-{rank}.log")
 
-    def begin_cell(self, ranks: list[int], first_line: str) -> None:
-        """A header in each rank's log: which cell the following lines belong to."""
+    def begin_cell(self, code: str) -> None:
+        """The header that the lines a rank prints in this cell come after (written with the
+        first of them: a cell that prints nothing costs nothing here)."""
         self._cell += 1
-        line = first_line.strip().splitlines()[0][:60] if first_line.strip() else ""
-        for rank in ranks:
-            self._file(rank).write(f"--- cell {self._cell}: {line}\n")
+        line = code.strip().splitlines()[0][:60] if code.strip() else ""
+        self._header = f"--- cell {self._cell}: {line}\n"
+        self._written = set()
 
     def write(self, rank: int, text: str) -> None:
-        self._file(rank).write(text)
+        f = self._file(rank)
+        if rank not in self._written:
+            self._written.add(rank)
+            f.write(self._header)
+        f.write(text)
 
     def flush(self) -> None:
-        for f in self._files.values():
-            f.flush()
+        for rank in self._written:
+            self._files[rank].flush()
 
     def _file(self, rank: int):
         f = self._files.get(rank)
@@ -45,7 +52,8 @@ class RankLogs:
 
     def read(self, rank: int, tail: int | None = None) -> tuple[str, int]:
         """(the text of rank's log, or its last ``tail`` lines; the log's line count)."""
-        self.flush()
+        if rank in self._files:
+            self._files[rank].flush()
         path = self.path(rank)
         if path is None or not os.path.exists(path):
             return "", 0

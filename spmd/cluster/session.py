@@ -312,8 +312,7 @@ class Session:
                 )
             except Exception as exc:
                 raise _init_failure(0, exc) from None
-        if coordinators:
-            self._tell_coordinator(coordinators)
+        self._tell_coordinator(coordinators or {})
         self._tell("joined", 0, s.n)
         pending = {0: self.client[self.ranks[0].engine_id].apply_async(engine.joined, coordinators)}
         if coordinators:
@@ -612,7 +611,7 @@ class Session:
             breakpoints=breakpoints,
         )
         self._cells.append(code)
-        self.logs.begin_cell(list(targets), code)
+        self.logs.begin_cell(code)
         for rank in targets:
             self.ranks[rank].state = "busy"
         run.send()
@@ -733,8 +732,7 @@ class Session:
     def dead_ranks(self) -> set[int]:
         """Ranks whose process has ended, or that the controller lost."""
         ended = {r for r, ln in self._watched.items() if ln.exited_at is not None}
-        died = {r.rank for r in self.ranks if r.state == "died"}
-        return ended | died | set(self._vanished_ranks())
+        return ended | set(self._vanished_ranks())
 
     def local_ranks(self) -> set[int]:
         """Ranks with a process on this machine that the notebook started."""

@@ -73,18 +73,23 @@ def getpass(prompt: str = "Password: ", stream=None, **_ignored) -> str:
     return _text(ask("input", prompt, password=True), prompt, True)
 
 
-def breakpoint_hook(*args, **kwargs) -> None:
-    """``breakpoint()``: stop here when the notebook says this rank is the one to stop."""
-    if ask("breakpoint").get("stop"):
-        pdb.Pdb().set_trace(sys._getframe(1))
-
-
-def _set_trace(*, header=None) -> None:
+def _stop_here(frame, header: str | None = None) -> None:
+    """pdb at ``frame`` when the notebook says this rank is the one to stop."""
     if ask("breakpoint").get("stop"):
         debugger = pdb.Pdb()
         if header is not None:
             debugger.message(header)
-        debugger.set_trace(sys._getframe(1))
+        debugger.set_trace(frame)
+
+
+def breakpoint_hook(*args, **kwargs) -> None:
+    """``breakpoint()``."""
+    _stop_here(sys._getframe(1))
+
+
+def _set_trace(*, header=None) -> None:
+    """``pdb.set_trace()``."""
+    _stop_here(sys._getframe(1), header)
 
 
 def install(kernel) -> None:

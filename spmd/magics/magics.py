@@ -252,7 +252,9 @@ def _rank(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"say which rank by its number, like 1, not {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"say which rank by its number, like 1, not {text!r}"
+        ) from None
 
 
 @magics_class
@@ -408,8 +410,8 @@ class SpmdMagics(Magics):
             cache_dir=_cache_folder(opts.compilation_cache),
             max_output=opts.max_output,
         )
-        self.panel, self.tabs, self.breakpoints = opts.panel, opts.tabs, opts.breakpoint
         if self._kernel_cluster_is(settings):
+            self._show_as(opts)
             say(summary(self.session))
             return
         if self.session is not None and self.session.running:
@@ -421,6 +423,11 @@ class SpmdMagics(Magics):
             self.session.stop()  # (after a death, its controller and standbys)
         _warn_if_notebook_joined_jax()
         self._start(settings)
+        self._show_as(opts)
+
+    def _show_as(self, opts) -> None:
+        """How cells show from now on, as the start that was taken asked."""
+        self.panel, self.tabs, self.breakpoints = opts.panel, opts.tabs, opts.breakpoint
 
     def _kernel_cluster_is(self, settings: Settings) -> bool:
         """Whether the kernel's own, still unused cluster is the one asked for. If it is not,

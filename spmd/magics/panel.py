@@ -17,7 +17,13 @@ from IPython.display import display
 from spmd.cluster.lockstep import CellRun, rank_words
 from spmd.cluster.session import Session
 
-_COLOURS = {"input": "#d0ebff", "busy": "#fff4ce", "error": "#fde2e1", "dead": "#fde2e1", "straggler": "#ffd8a8"}
+_COLOURS = {
+    "input": "#d0ebff",
+    "busy": "#fff4ce",
+    "error": "#fde2e1",
+    "dead": "#fde2e1",
+    "straggler": "#ffd8a8",
+}
 
 
 class Panel:
@@ -36,8 +42,7 @@ class Panel:
         now = time.monotonic()
         if now - run.started < self.delay or now - self._shown_at < self.every:
             return
-        self._shown_at = now
-        self._show(panel_bundle(self.rows(run), live=True))
+        self.show_now(run)
 
     def show_now(self, run: CellRun) -> None:
         self._shown_at = time.monotonic()
