@@ -1,0 +1,177 @@
+"""Deaths: which ranks ended or vanished, what is known of how, and ending the others."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from spmd.cluster import control, processes, remote, ssh, where
+from spmd.cluster.launch import RankedEngineLauncher
+from spmd.cluster.ranks import OutOfStep
+from spmd.cluster.watchdog import Death, last_lines
+
+
+class Deaths:
+    """Session's deaths (a mixin: the state is Session's, see session.py)."""
+
+    def _any_death(self) -> bool:
+        return any(ln.exited_at is not None for ln in self._watched.values()) or bool(
+            self._vanished_ranks()
+        )
+
+    @property
+    def _watched(self) -> dict:
+        """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
+        return {**self._ssh, **self._launchers}
+
+    def dead_ranks(self) -> set[int]:
+        """Ranks whose process has ended, or that the controller lost."""
+        ended = {r for r, ln in self._watched.items() if ln.exited_at is not None}
+        return ended | set(self._vanished_ranks())
+
+    def local_ranks(self) -> set[int]:
+        """Ranks with a process on this machine that the notebook started."""
+        return set(self._launchers)
+
+    def _vanished_ranks(self) -> dict[int, float]:
+        """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
+        lost: their engine missed its heartbeats and was unregistered."""
+        watched = self._watched
+        unwatched = [r for r in self.ranks if r.rank not in watched]
+        if self.client is None or not unwatched:  # (every poll of every cell comes here)
+            return self._vanished
+        registered = set(self.client.ids)
+        for r in unwatched:
+            if r.engine_id not in registered:
+                self._vanished.setdefault(r.rank, time.monotonic())
+        # mpiexec ends every rank when one fails: all of them are gone with it
+        whole = self.cluster.launcher_process() if self.cluster is not None else None
+        if whole is not None and processes.exited(whole.process):
+            for r in unwatched:
+                self._vanished.setdefault(r.rank, time.monotonic())
+        return self._vanished
+
+    def _deaths(self) -> list[Death]:
+        """Ranks whose processes ended while the cluster runs, first to die first."""
+        gone = [ln for ln in self._watched.values() if ln.exited_at is not None]
+        deaths = [
+            Death(
+                ln.rank,
+                self.ranks[ln.rank].pid,
+                ln.exit_code,
+                ln.exited_at,
+                last_lines(self.cluster.output_of(ln.rank)),
+                self._crash_stack(ln) if ln.rank in self._launchers else None,
+                host=self.ranks[ln.rank].host,
+                cause=f"its process on {self.ranks[ln.rank].host} ended",
+            )
+            for ln in gone
+        ]
+        culprit = None
+        for rank, at in self._vanished_ranks().items():
+            row = self.ranks[rank]
+            output = self.cluster.output_of(rank) if self.cluster is not None else ""
+            death = Death(
+                rank, row.pid, None, at, last_lines(output), host=row.host,
+                cause="it stopped answering the controller's heartbeat",
+            )
+            culprit = culprit or remote.mpi_culprit(output)
+            if culprit and culprit[0] == row.pid:
+                # mpiexec kills every rank when one dies, and names the first end it saw:
+                # almost always the rank that died, but not always. Say whose word it is.
+                code = culprit[1]
+                if code is None:
+                    how = "an error"
+                elif code >= 0:
+                    how = f"exit code {code}"
+                else:
+                    how = signal.Signals(-code).name if -code in signal.valid_signals() else (
+                        f"signal {-code}"
+                    )
+                death.cause, death.at = f"mpiexec says it ended by {how}", at - 1.0
+            deaths.append(death)
+        deaths.sort(key=lambda d: d.at)
+        return deaths
+
+    def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:
+        """Where a rank was when it crashed, from faulthandler's dump in its stack file."""
+        try:
+            with open(launcher.stack_file, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return None
+        at = text.rfind("Fatal Python error")
+        if at < 0:
+            return None
+        frames = where.parse_dump(text[at:], self.ranks[launcher.rank].main_thread)
+        return self._stack(launcher.rank, frames) if frames else None
+
+    def _stack(self, rank: int, frames: list[where.Frame]) -> where.Stack:
+        """A rank's frames from the cell on, with the lines of the cells this session sent."""
+        return where.Stack(rank, where.with_sources(where.from_cell_on(frames), self._cells))
+
+    def notice_deaths(self) -> None:
+        """If a rank died since the last look, stop the others and say so from now on."""
+        if self._any_death():
+            self._end_after_death(self._deaths())
+
+    def check_alive(self) -> None:
+        """Raise OutOfStep if a rank died (now, or earlier) and the cluster is stopped."""
+        self.notice_deaths()
+        if self.death is not None:
+            raise OutOfStep(self.out_of_step)
+
+    def _end_after_death(self, deaths: list[Death]) -> None:
+        first = self.death = deaths[0]
+        self.out_of_step = (
+            f"rank {first.rank} died ({first.how}) and the cluster was stopped: "
+            "%spmd restart starts a fresh one."
+        )
+        for d in deaths:
+            self.ranks[d.rank].state = "died"
+        if self.standbys():
+            self._end_ranks()  # the controller and the standbys stay, for a fast restart
+        else:
+            self.stop(keep_cache=True)
+
+    def _end_far_ranks(self, standbys: bool = False) -> None:
+        """Ranks (and, with ``standbys``, ready standbys) with no process handle here end at
+        once on their control channel; the launcher's own stop (over ssh, mpiexec or
+        scancel) then only confirms it."""
+        engine_ids = [
+            r.engine_id
+            for r in self.ranks
+            if r.rank not in self._launchers and r.state not in ("died", "stopped")
+        ]
+        launchers = {
+            self.ranks[rank].engine_id: ln for rank, ln in self.cluster.ssh_launchers().items()
+            if rank < len(self.ranks)
+        }
+        if standbys:
+            far = self.cluster.standby_launchers()
+            for row in self.standbys():
+                if row.state == "ready" and isinstance(far[row.rank], ssh.RankedSSHEngineLauncher):
+                    engine_ids.append(row.engine_id)
+                    launchers[row.engine_id] = far[row.rank]
+        if not engine_ids or self.client is None:
+            return
+        ended = control.signal(self.client, engine_ids, signal.SIGTERM, timeout=0.5)
+        for engine_id, launcher in launchers.items():
+            launcher.ended_by_control = engine_id in ended
+
+    def _end_ranks(self) -> None:
+        """End the ranks' engines (and what their cells started), keeping the rest."""
+        cluster = self.cluster
+        started_in_ranks = processes.started_by_ranks(cluster)
+        self._end_far_ranks()
+        if cluster.rank_set in cluster.engines:
+            cluster._in_thread(cluster.stop_engines, cluster.rank_set)
+        processes.end(started_in_ranks)
+        self._launchers, self._ssh, self._vanished, self.unfinished = {}, {}, {}, None
+        self._mark_stopped()
+
+    def _mark_stopped(self) -> None:
+        for r in self.ranks:
+            if r.state != "died":
+                r.state = "stopped"
+

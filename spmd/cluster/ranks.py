@@ -1,0 +1,63 @@
+"""What a cluster is asked for and what it holds: its settings, the rows of its rank table,
+and the two errors its life and its cells raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmd.cluster import remote
+
+
+class OutOfStep(RuntimeError):
+    """A cell was refused: an earlier one left the ranks out of step, or a rank died."""
+
+
+class StartError(RuntimeError):
+    """The cluster could not be started; nothing is left running. The text says why."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``%spmd start`` was asked for; a restart reuses it."""
+
+    n: int
+    cpu_devices: int | None = None
+    backend: str = "jax"  # jax, torch, "jax,torch" or none
+    torch_backend: str = "gloo"  # gloo, nccl or mpi
+    init_method: str = "tcp"  # torch's: tcp, env, file (in the cluster's folder) or file:///path
+    cell_timeout: float | None = None
+    # Seconds the other ranks may still run after one finished before the watchdog reports
+    # them (None: never). Ranks of one SPMD program finish a cell together, give or take.
+    grace: float | None = 2.0
+    start_timeout: float = 120.0
+    where: remote.Placement = remote.Placement()
+    gpus_per_process: int | None = None  # None: an equal share of each host's GPUs
+    curve: bool = True  # encrypt (CurveZMQ) when ranks may run on other machines
+    # A second set of engines, ready for a restart: None means on where this machine has
+    # room for both sets, and on over ssh; False turns them off.
+    standby: bool | None = None
+    # jax's persistent compilation cache: a folder named by the user (kept), or None for one
+    # of the cluster's own (kept across restarts, emptied at stop).
+    cache_dir: str | None = None
+    # Stream lines of one rank kept in the notebook per cell (the first and last half); the
+    # rank's log keeps every line. None keeps them all.
+    max_output: int | None = 1000
+
+
+@dataclass
+class Rank:
+    """One row of the rank table."""
+
+    rank: int
+    engine_id: int
+    pid: int = 0
+    host: str = ""
+    gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES it was given (None: left alone)
+    local_devices: int = 0
+    global_devices: int = 0
+    state: str = "idle"  # idle | busy | died | stopped
+    last_seconds: float | None = None
+    main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
+    memory: int = 0  # the process's resident memory in bytes, where known (0: not known)
+
+

@@ -1,0 +1,281 @@
+"""Starting a cluster: the controller and the engines, the client, and every rank joining
+the distributed job (jax's or torch's); cancelling a start that runs on another thread."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from spmd.cluster import processes, remote
+from spmd.cluster.controller import CURVE_ENV
+from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
+from spmd.cluster.lockstep import rank_words
+from spmd.cluster.profiles import new_profile_dir
+from spmd.cluster.ranks import Rank, StartError
+from spmd.cluster.watchdog import last_lines
+from spmd.engine import bootstrap as engine
+from spmd.engine.address import coordinator_addresses
+
+
+def _loopback_ports(backend: str) -> dict[str, str]:
+    """A free port on 127.0.0.1 for each backend's coordinator (jax's and torch's differ)."""
+    return coordinator_addresses(LOOPBACK, [b for b in backend.split(",") if b != "none"])
+
+
+def _wait_listening(address: str, rank0, seconds: float) -> None:
+    """Until something listens at ``address`` (host:port), rank 0's join ended, or
+    ``seconds`` passed."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not rank0.ready():
+        with socket.socket() as probe:
+            if probe.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.005)
+
+
+def _cluster_log() -> logging.Logger:
+    log = logging.getLogger("spmd.cluster")
+    if not log.handlers:
+        log.setLevel(logging.ERROR)
+        log.addHandler(logging.StreamHandler(sys.stdout))
+        log.propagate = False
+    return log
+
+
+def _init_failure(rank: int, exc: Exception) -> StartError:
+    ename = getattr(exc, "ename", type(exc).__name__)
+    evalue = getattr(exc, "evalue", str(exc))
+    if ename == "BackendMissing":
+        return StartError(
+            f"{evalue}: install it there, or start with --backend none."
+        )
+    if ename in ("GpuError", "TorchSetupError"):  # (its text names the host and says what to do)
+        return StartError(evalue)
+    return StartError(f"Rank {rank} failed to initialize: {ename}: {evalue}")
+
+
+
+
+class Startup:
+    """Session's start (a mixin: the state is Session's, see session.py)."""
+
+    def start(self) -> None:
+        """Start the engines and join them into one distributed job. Raises StartError."""
+        t0 = time.perf_counter()
+        if self.settings.where.on_this_machine:
+            try:
+                processes.check_room(self.settings.n)
+            except processes.StartRefused as exc:
+                raise StartError(str(exc)) from None
+        if self._cache_dir is None and "jax" in self.settings.backend:
+            self._cache_dir = self.settings.cache_dir or tempfile.mkdtemp(prefix="spmd-jax-cache-")
+        for attempt in (1, 2):
+            self._profile_dir = new_profile_dir()
+            atexit.register(self.stop)
+            try:
+                self._init_cluster()
+                self._init_client()
+                self._init_distributed()
+                self._start_standby()
+                break
+            except StartError as exc:
+                self.stop()
+                # another program took the coordinator's port in the meantime: once more
+                cancelled = self._cancelled.is_set()
+                if attempt == 2 or cancelled or "Failed to start RPC server" not in str(exc):
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        self.start_seconds = time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        """Make a ``start`` running on another thread give up soon, stopping what it began."""
+        self._cancelled.set()
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled.is_set():
+            raise StartError("The start was cancelled.")
+
+    def _init_cluster(self) -> None:
+        s, placed = self.settings, self.settings.where
+        try:
+            self._address = remote.controller_address(placed, placed.ssh_args)
+        except remote.HostsError as exc:
+            raise StartError(f"{exc}.") from None
+        # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own addresses.
+        coordinators = _loopback_ports(s.backend) if placed.launcher == "local" else {}
+        self._tell_coordinator(coordinators)
+        config = cluster_config(
+            s.n,
+            s.backend,
+            s.cpu_devices,
+            coordinators=coordinators,
+            init_timeout=int(s.start_timeout),
+            where=placed,
+            address=self._address,
+            gpus_per_process=s.gpus_per_process,
+            torch_backend=s.torch_backend,
+            torch_init=self._torch_init(),
+            # (on other hosts, only a folder the user named: this machine's is not theirs)
+            cache_dir=self._cache_dir if placed.on_this_machine else s.cache_dir,
+        )
+        if s.curve and self._address != LOOPBACK:
+            config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
+        if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
+            config.SpmdSlurmEngineSetLauncher.batch_file_name = f"{self._profile_dir}/engines.sbatch"
+        self.cluster = SpmdCluster(
+            n=s.n,
+            profile_dir=self._profile_dir,
+            config=config,
+            engine_timeout=int(s.start_timeout),
+            # Errors only: the notebook is not ipyparallel's log. (Its own choice of logger
+            # depends on what runs: a kernel app's, when the SPMD kernel starts its cluster
+            # before the kernel is up, would show its warnings in the first cell.)
+            log=_cluster_log(),
+            shutdown_atexit=False,  # Session.start registers its own, faster, stop
+        )
+        # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which
+        # its ``_sync`` methods use inside a running loop): the launchers keep the loop they
+        # started on, and a kernel starts its cluster from a background thread with no loop.
+        try:
+            self.cluster._in_thread(self.cluster.launch, s.n)
+        except OSError as exc:  # the system refused a process (BlockingIOError, EAGAIN...)
+            raise StartError(
+                f"The system refused to start the processes ({type(exc).__name__}: {exc}): "
+                "start fewer ranks."
+            ) from None
+        except subprocess.CalledProcessError as exc:  # ssh, sbatch or mpiexec said no
+            raise StartError(remote.launch_failure(placed, exc)) from None
+
+    def _torch_init(self) -> str:
+        """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's
+        folder. A file left by an earlier start would break this one: it is removed first."""
+        method = self.settings.init_method
+        if method == "file":
+            method = f"file://{self._profile_dir}/torch-init"
+        self._torch_method = method if "torch" in self.settings.backend else ""
+        self._remove_torch_file()
+        return method
+
+    def _remove_torch_file(self) -> None:
+        if self._torch_method.startswith("file://"):
+            with contextlib.suppress(OSError):
+                os.remove(self._torch_method[len("file://"):])
+
+    def _init_client(self) -> None:
+        s = self.settings
+        client = self.client = self.cluster._in_thread(self.cluster.connect_client)
+        deadline = time.monotonic() + s.start_timeout
+        # Poll rather than wait_for_engines(timeout): an engine that crashes at start should
+        # fail the start at once, not after the whole timeout.
+        registered = -1
+        while len(client.ids) < s.n:
+            if len(client.ids) != registered:
+                registered = len(client.ids)
+                self._tell("registered", registered, s.n)
+            self._check_cancelled()
+            exited = self._exited_engines()
+            if exited:
+                raise StartError(f"An engine process exited during start-up{exited}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(s.n)) - set(client.ids))  # (engine id = rank)
+                hosts = remote.hosts_of(s.where, missing)
+                where_ = f" (on {', '.join(hosts)})" if hosts else ""
+                raise StartError(
+                    f"Only {len(client.ids)} of {s.n} engines registered within "
+                    f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
+                    "engines' Python environment there, or give them more time with "
+                    "--start-timeout."
+                )
+            time.sleep(0.01)
+        self._tell("registered", s.n, s.n)
+        # Rank = position in the sorted engine ids at start (ids change after a restart).
+        self.ranks = [Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))]
+        self._launchers = self.cluster.rank_launchers()
+        self._ssh = self.cluster.ssh_launchers()
+
+    def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
+        """Wait until every rank has joined; ``coordinators`` go to ranks that were not given
+        them at launch (promoted standbys; remote ranks get rank 0's proposal)."""
+        s = self.settings
+        if coordinators is None and s.where.launcher != "local" and s.backend != "none":
+            try:
+                coordinators = self.call(
+                    0, engine.propose_coordinators, self._address, timeout=s.start_timeout
+                )
+            except Exception as exc:
+                raise _init_failure(0, exc) from None
+        self._tell_coordinator(coordinators or {})
+        self._tell("joined", 0, s.n)
+        pending = {0: self.client[self.ranks[0].engine_id].apply_async(engine.joined, coordinators)}
+        if coordinators:
+            # Rank 0 first, until its coordinator listens: a rank that connects earlier is
+            # refused and retries after gRPC's back-off (about a second, seen in 1 of 2
+            # promotions), which is most of a restart from standbys. (Rank 0 proposed an
+            # address that this machine reaches.)
+            _wait_listening(next(iter(coordinators.values())), pending[0], seconds=5.0)
+        pending.update(
+            {
+                r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
+                for r in self.ranks[1:]
+            }
+        )
+        deadline = time.monotonic() + s.start_timeout
+        while pending:
+            self._check_cancelled()
+            for rank, ar in list(pending.items()):
+                if not ar.ready():
+                    continue
+                del pending[rank]
+                try:
+                    facts = ar.get()
+                except Exception as exc:  # a RemoteError carries the engine's exception
+                    raise _init_failure(rank, exc) from None
+                row = self.ranks[rank]
+                if facts["rank"] != rank:  # it asked the controller for id = rank, and got another
+                    raise StartError(
+                        f"Rank {rank}'s engine registered as rank {facts['rank']}, so the ranks "
+                        "would be mixed up: start again."
+                    )
+                row.pid, row.host, row.gpus = facts["pid"], facts["host"], facts.get("gpus")
+                row.local_devices = facts["local_devices"]
+                row.global_devices = facts["global_devices"]
+                row.main_thread = facts["main_thread"]
+                self._tell("joined", s.n - len(pending), s.n)
+            if pending and time.monotonic() > deadline:
+                raise StartError(
+                    f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
+                )
+            time.sleep(0.005)
+
+    def _tell_coordinator(self, coordinators: dict[str, str]) -> None:
+        if coordinators:
+            self.coordinator = coordinators.get("jax") or next(iter(coordinators.values()))
+
+    def _tell(self, stage: str, done: int, of: int) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, of, self.coordinator)
+
+    def _exited_engines(self) -> str:
+        """'' while every engine runs; else which exited, and the end of one's log."""
+        exited = {r: p for r, p in self.cluster.rank_launchers().items() if processes.exited(p.process)}
+        if exited:
+            rank, launcher = min(exited.items())
+            who = f"rank {rank}"
+        else:  # mpiexec, for all its ranks at once
+            launcher = self.cluster.launcher_process()
+            if launcher is None or not processes.exited(launcher.process):
+                return ""
+            who = " ".join(launcher.find_args()[:1])
+        tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
+        return f" ({who}); the last lines it wrote:\n{tail}"
+

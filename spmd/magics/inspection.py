@@ -1,0 +1,110 @@
+"""Looking at the ranks from the notebook: ``%spmd status``, ``panel``, ``where``, ``log``,
+``debug`` and ``interrupt``."""
+
+from __future__ import annotations
+
+import sys
+
+from IPython.core.error import UsageError
+from IPython.display import display
+
+from spmd.cluster.lockstep import rank_words
+from spmd.cluster.watchdog import stack_section
+from spmd.magics.arguments import _cell_parser, _log_parser
+from spmd.magics.panel import Panel, panel_bundle
+from spmd.magics.say import say
+from spmd.magics.status import status_table
+
+
+class Inspection:
+    """SpmdMagics' inspection commands (a mixin: the state is SpmdMagics', see magics.py)."""
+
+    def _cmd_status(self, args: list[str]) -> None:
+        self._no_args("status", args)
+        session = self._require_session(allow_stopped=True)
+        say(status_table(session, self.auto.on))
+
+    def _cmd_interrupt(self, args: list[str]) -> None:
+        self._no_args("interrupt", args)
+        sent, still = self._require_session().interrupt()
+        if not sent:
+            say("No rank is running a cell: there is nothing to interrupt.")
+        elif still:
+            say(
+                f"Sent SIGINT to {rank_words(sent)}; {rank_words(still)} did not respond: "
+                "%spmd restart ends them."
+            )
+        else:
+            say(f"Interrupted {rank_words(sent)}; every rank is idle now.")
+
+    def _cmd_where(self, args: list[str]) -> None:
+        self._no_args("where", args)
+        session = self._require_session()
+        busy = session.busy_ranks()
+        if not busy:
+            n = session.settings.n
+            say(
+                f"No rank is running a cell: all {n} ranks are idle, so there is no stack to show."
+            )
+            return
+        say("\n".join(stack_section(busy, session.stacks(busy))).lstrip("\n"))
+
+    def _cmd_log(self, args: list[str]) -> None:
+        opts = _log_parser().parse_args(args)
+        session = self._require_session(allow_stopped=True)
+        n = session.settings.n
+        if opts.rank >= n:
+            raise UsageError(f"%spmd log {opts.rank}: this cluster has ranks 0-{n - 1}.")
+        text, lines = session.logs.read(opts.rank, opts.tail)
+        if not lines:
+            say(f"Rank {opts.rank} has printed nothing since the cluster started.")
+            return
+        which = f"the last {min(opts.tail, lines):,} of " if opts.tail else ""
+        say(f"[rank {opts.rank}] {which}{lines:,} lines ({session.logs.path(opts.rank)}):")
+        sys.stdout.write(text)
+
+    def _cmd_debug(self, args: list[str]):
+        """Post-mortem pdb on a rank's last exception (the lowest rank that failed in the last
+        cell, by default), like IPython's %debug: nothing runs again."""
+        session = self._require_session()
+        if len(args) > 1 or (args and not args[0].isdigit()):
+            raise UsageError("%spmd debug takes one rank number, like %spmd debug 1, or none.")
+        n = session.settings.n
+        if args:
+            rank = int(args[0])
+            if rank >= n:
+                raise UsageError(f"%spmd debug {rank}: this cluster has ranks 0-{n - 1}.")
+        elif self.failed_ranks:
+            rank = self.failed_ranks[0]
+        else:
+            raise UsageError(
+                "No rank raised in the last cell: say which rank to debug, like %spmd debug 1."
+            )
+        opts = _cell_parser().parse_args(["--ranks", str(rank), "--grace", "off"])
+        return self._run(opts, _POST_MORTEM, debugging=True)
+
+    def _cmd_panel(self, args: list[str]) -> None:
+        if args and args != ["on"] and args != ["off"]:
+            raise UsageError("%spmd panel takes on, off or nothing (the ranks' rows now).")
+        session = self._require_session(allow_stopped=True)
+        if args:
+            self.panel = args == ["on"]
+            say(
+                "The live panel is on: every cell shows its ranks' rows while it runs."
+                if self.panel
+                else "The live panel is off (%%spmd --panel shows it for one cell)."
+            )
+            return
+        run = session.unfinished  # (a cell the notebook gave up on, some ranks still in it)
+        display(panel_bundle(Panel(session).rows(run), live=True if run else None), raw=True)
+
+
+# On the rank: pdb on its last exception (IPython keeps it in sys.last_traceback), or why not.
+_POST_MORTEM = """\
+import sys as _spmd_sys
+if getattr(_spmd_sys, "last_traceback", None) is None:
+    print("This rank has raised no exception yet: nothing to debug.")
+else:
+    get_ipython().run_line_magic("debug", "")
+del _spmd_sys
+"""

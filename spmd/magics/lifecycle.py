@@ -1,0 +1,166 @@
+"""The cluster's life from the notebook: ``%spmd start``, ``stop`` and ``restart``, and the
+SPMD kernel's own start, begun in the background and taken by the first cell that needs it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.core.error import UsageError
+
+from spmd.cluster.session import Session, Settings, StartError
+from spmd.magics.arguments import _cache_folder, _options_checked, _placement, _start_parser
+from spmd.magics.background import BackgroundStart
+from spmd.magics.progress import StartProgress
+from spmd.magics.say import say
+from spmd.magics.status import summary
+
+
+class Lifecycle:
+    """SpmdMagics' life commands (a mixin: the state is SpmdMagics', see magics.py)."""
+
+    def start_in_background(
+        self, settings: Settings, started: BackgroundStart | None = None
+    ) -> None:
+        """Start the kernel's cluster on a thread (or take one ``started`` already); the
+        first use of the cluster waits for it."""
+        self.always_on = self.auto.on = True
+        self.pending = started or BackgroundStart(settings)
+
+    def _take_pending(self) -> str:
+        """Wait for the kernel's cluster (one progress line) and make it this notebook's;
+        the line shown, if one was."""
+        pending = self.pending
+        if pending is None:
+            return ""
+        s = pending.settings
+        # (an interrupt while waiting leaves the start pending, for the next cell to take)
+        shown = pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
+        self.pending = None
+        self.session = pending.session
+        if pending.error is not None:
+            raise UsageError(f"{pending.error} (%spmd restart tries again)")
+        self._fresh = True
+        return shown
+
+
+    def _cmd_start(self, args: list[str]) -> None:
+        opts = _start_parser().parse_args(args)
+        settings = Settings(
+            n=opts.processes,
+            cpu_devices=opts.devices_per_process,
+            backend=opts.backend,
+            torch_backend=opts.torch_backend or Settings.torch_backend,
+            init_method=opts.init_method or Settings.init_method,
+            cell_timeout=opts.timeout,
+            grace=opts.grace or None,
+            where=_options_checked(opts, _placement(opts)),
+            gpus_per_process=opts.gpus_per_process,
+            curve=not opts.no_curve,
+            start_timeout=opts.start_timeout,
+            standby=None if opts.standby is None else opts.standby == "on",
+            cache_dir=_cache_folder(opts.compilation_cache),
+            max_output=opts.max_output,
+        )
+        if self._kernel_cluster_is(settings):
+            self._show_as(opts)
+            say(summary(self.session))
+            return
+        if self.session is not None and self.session.running:
+            raise UsageError(
+                f"A cluster of {self.session.settings.n} processes is already running: "
+                "use %spmd stop or %spmd restart first."
+            )
+        if self.session is not None:
+            self.session.stop()  # (after a death, its controller and standbys)
+        _warn_if_notebook_joined_jax()
+        self._start(settings)
+        self._show_as(opts)
+
+    def _show_as(self, opts) -> None:
+        """How cells show from now on, as the start that was taken asked."""
+        self.panel, self.tabs, self.breakpoints = opts.panel, opts.tabs, opts.breakpoint
+
+    def _kernel_cluster_is(self, settings: Settings) -> bool:
+        """Whether the kernel's own, still unused cluster is the one asked for. If it is not,
+        it is cancelled or stopped, so that the one asked for starts instead (never two)."""
+        if self.pending is not None:
+            if self.pending.settings == settings:
+                self._take_pending()
+            else:
+                self.pending.cancel()
+                self.pending = None
+        if self._fresh and self.session is not None:
+            self._fresh = False
+            if self.session.running and self.session.settings == settings:
+                return True
+            self.session.stop()
+            self.session = None
+        return False
+
+    def _start(self, settings: Settings, cache_dir: str | None = None) -> None:
+        if not settings.curve and settings.where.leaves_machine:
+            say(
+                "Warning: --no-curve: messages to and from the other hosts are signed but "
+                "not encrypted.",
+                file=sys.stderr,
+            )
+        session = Session(settings)
+        session._cache_dir = cache_dir  # a restart's: compiled cells stay compiled
+        progress = StartProgress(settings.n, settings.backend)
+        session.progress = progress.update
+        progress.started = time.monotonic()  # (the same clock as the summary's seconds)
+        try:
+            session.start()
+        except StartError as exc:
+            progress.done(ok=False)
+            raise UsageError(str(exc)) from None
+        except BaseException:
+            progress.done(ok=False)
+            raise
+        session.progress = None
+        progress.done(ok=True)
+        self.session = session
+        self.auto.on = True
+        say(summary(session))
+
+    def _cmd_stop(self, args: list[str]) -> None:
+        self._no_args("stop", args)
+        session = self._require_session(allow_stopped=bool(self.session and self.session.death))
+        self.auto.on = self.always_on
+        after = "auto mode is off." if not self.always_on else "%spmd restart starts them again."
+        if not session.running:  # stopped already, after a rank died
+            session.stop()  # (its standbys and controller, where they were kept)
+            say(f"The cluster was already stopped after rank {session.death.rank} died; {after}")
+            return
+        t0 = time.perf_counter()
+        session.stop()
+        say(
+            f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; {after}"
+        )
+
+    def _cmd_restart(self, args: list[str]) -> None:
+        self._no_args("restart", args)
+        session = self._require_session(allow_stopped=True)
+        try:
+            promoted = session.cluster is not None and session.restart()
+        except StartError as exc:
+            raise UsageError(str(exc)) from None
+        if promoted:
+            self.auto.on = True
+            say(summary(session, restarted=True))
+            return
+        session.stop(keep_cache=True)
+        self._start(session.settings, cache_dir=session._cache_dir)
+
+def _warn_if_notebook_joined_jax() -> None:
+    """The notebook must not be a member of the job: a failing rank would abort it."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is not None and getattr(bridge, "_backends", None):
+        say(
+            "Warning: jax has initialized its backends in this notebook process. The notebook "
+            "does not join the job (only the ranks do), so run jax code on the ranks.",
+            file=sys.stderr,
+        )
+
+
