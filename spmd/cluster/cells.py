@@ -7,7 +7,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from spmd.cluster import control, processes, where
+from spmd.cluster import control, interrupts, where
 from spmd.cluster.lockstep import CellRun
 from spmd.cluster.outputs import Output
 from spmd.cluster.ranks import OutOfStep
@@ -15,6 +15,9 @@ from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5
+
+# Why a cell's wait ended when the kernel is shutting down (see Session.shutdown).
+STOPPED = "stopped"
 
 
 class Cells:
@@ -39,50 +42,58 @@ class Cells:
         is interrupted. ``run.stall`` then says which, and where the busy ranks were.
         ``max_output``: stream lines kept per rank (0: the settings'; None: all of them).
         """
-        self.check_alive()
-        if self.out_of_step:
-            raise OutOfStep(self.out_of_step)
-        targets = {r.rank: r.engine_id for r in self.ranks if ranks is None or r.rank in ranks}
-        run = CellRun(
-            self.client,
-            targets,
-            code,
-            on_output=on_output,
-            max_lines=self.settings.max_output if max_output == 0 else max_output,
-            log=self.logs,
-            on_prompt=on_prompt,
-            breakpoints=breakpoints,
-        )
-        self._cells.append(code)
-        self.logs.begin_cell(code)
-        for rank in targets:
-            self.ranks[rank].state = "busy"
-        run.send()
-        timeout = timeout or self.settings.cell_timeout
-        grace = self.settings.grace if grace is None else grace
-        try:
+        with self._life:
+            self.check_alive()
+            if self.out_of_step:
+                raise OutOfStep(self.out_of_step)
+            targets = {r.rank: r.engine_id for r in self.ranks if ranks is None or r.rank in ranks}
+            run = CellRun(
+                self.client,
+                targets,
+                code,
+                on_output=on_output,
+                max_lines=self.settings.max_output if max_output == 0 else max_output,
+                log=self.logs,
+                on_prompt=on_prompt,
+                breakpoints=breakpoints,
+            )
+            self._cells.append(code)
+            self.logs.begin_cell(code)
+            for rank in targets:
+                self.ranks[rank].state = "busy"
+            # From the send on, a SIGINT either ends the wait (the report follows) or waits
+            # for the report: people press Interrupt twice, and a second one must not cut the
+            # report short and leave the ranks busy without the out-of-step guard.
+            timeout = timeout or self.settings.cell_timeout
+            grace = self.settings.grace if grace is None else grace
             try:
-                reason, seconds = self._wait(run, timeout, grace or None, tick)
-            except KeyboardInterrupt:
-                reason, seconds = INTERRUPTED, None
-                if run.prompt_interrupted:
-                    # Interrupted at a rank's prompt: the ranks at prompts raise
-                    # KeyboardInterrupt themselves. If that ends the cell everywhere, the
-                    # ranks are still in step: the cell just failed.
-                    run.wait(until=time.monotonic() + 2.0, poll=0.02)
-                    reason = "" if run.finished else reason
-            if reason:
-                # People press Interrupt twice: a second one must not cut the report short
-                # and leave the ranks busy without the out-of-step guard.
-                with processes.interrupts_held():
-                    run.stall = self._stop_waiting(run, reason, seconds)
-        finally:
-            self.logs.flush()
-            for rank, cell in run.cells.items():
-                if cell.done and self.ranks[rank].state == "busy":
-                    self.ranks[rank].state = "idle"
-                    self.ranks[rank].last_seconds = cell.seconds
-        return run
+                with interrupts.held("the report"):
+                    run.send()
+                    try:
+                        with interrupts.interruptible():
+                            reason, seconds = self._wait(run, timeout, grace or None, tick)
+                    except KeyboardInterrupt:
+                        reason, seconds = INTERRUPTED, None
+                        if run.prompt_interrupted:
+                            # Interrupted at a rank's prompt: the ranks at prompts raise
+                            # KeyboardInterrupt themselves. If that ends the cell everywhere, the
+                            # ranks are still in step: the cell just failed.
+                            run.wait(until=time.monotonic() + 2.0, poll=0.02)
+                            reason = "" if run.finished else reason
+                    if reason == STOPPED:
+                        raise OutOfStep(
+                            "the kernel is shutting down: the cell's wait ended and the cluster "
+                            "is being stopped."
+                        )
+                    if reason:
+                        run.stall = self._stop_waiting(run, reason, seconds)
+            finally:
+                self.logs.flush()
+                for rank, cell in run.cells.items():
+                    if cell.done and self.ranks[rank].state == "busy":
+                        self.ranks[rank].state = "idle"
+                        self.ranks[rank].last_seconds = cell.seconds
+            return run
 
     def _wait(
         self,
@@ -96,6 +107,8 @@ class Cells:
             now = time.monotonic()
             # (the time a person spent at a prompt does not count)
             until = None if timeout is None else run.started + run.paused + timeout
+            if self._cancelled.is_set():  # (a shutdown from ipykernel's control thread)
+                return STOPPED, None
             if self._any_death():
                 return DIED, None
             if until is not None and now >= until:
@@ -129,7 +142,7 @@ class Cells:
         # Ranks stopped in the middle of a cell may be in the middle of a collective, or past
         # one the others never reached: the next collective would hang or mix up data. Only
         # a restart brings them back together.
-        self.out_of_step = (
+        self.gen.out_of_step = (
             f"the last cell {what}, so the ranks are out of step: %spmd restart before going on."
         )
         return stall
@@ -157,7 +170,7 @@ class Cells:
         self.signal(signal.SIGINT, busy)
         run.wait(until=time.monotonic() + grace, poll=0.02)
         left = [r for r in run.busy_ranks if r in busy]
-        self.unfinished = run if left else None
+        self.gen.unfinished = run if left else None
         return left
 
     def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
@@ -168,15 +181,15 @@ class Cells:
         # answer on their control channel.
         local = {
             r: (
-                self._launchers[r].process,
-                self._launchers[r].stack_file,
+                self.gen.launchers[r].process,
+                self.gen.launchers[r].stack_file,
                 self.ranks[r].main_thread,
             )
             for r in ranks
-            if r in self._launchers
+            if r in self.gen.launchers
         }
         found = where.dump(local) if local else {}
-        far = [r for r in ranks if r not in self._launchers]
+        far = [r for r in ranks if r not in self.gen.launchers]
         if far:
             by_engine = control.stacks(self.client, [self.ranks[r].engine_id for r in far])
             for r in far:
@@ -186,10 +199,11 @@ class Cells:
 
     def interrupt(self) -> tuple[list[int], list[int]]:
         """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
-        busy = self.busy_ranks()
-        if not busy:
-            return [], []
-        return busy, self._interrupt(self.unfinished, busy)
+        with self._life:
+            busy = self.busy_ranks()
+            if not busy:
+                return [], []
+            return busy, self._interrupt(self.unfinished, busy)
 
     def call(self, rank: int, fn, *args, timeout: float):
         """``fn(*args)`` on one rank (through ipyparallel's signed ``apply``): its answer.
@@ -199,23 +213,25 @@ class Cells:
 
     def busy_ranks(self) -> list[int]:
         """Ranks still running a cell the notebook stopped waiting for."""
-        run = self.unfinished
-        if run is None:
-            return []
-        run.poll(0)
-        for rank, cell in run.cells.items():
-            if cell.done and self.ranks[rank].state == "busy":
-                self.ranks[rank].state = "idle"
-        if run.finished:
-            self.unfinished = None
-        return run.busy_ranks
+        with self._life:
+            gen = self.gen
+            run = gen.unfinished
+            if run is None:
+                return []
+            run.poll(0)
+            for rank, cell in run.cells.items():
+                if cell.done and gen.ranks[rank].state == "busy":
+                    gen.ranks[rank].state = "idle"
+            if run.finished:
+                gen.unfinished = None
+            return run.busy_ranks
     def signal(self, signum: int = signal.SIGINT, ranks: list[int] | None = None) -> None:
         """Send a signal to the processes of some ranks (default: all)."""
         if self.cluster is None:
             return
         chosen = [r.rank for r in self.ranks] if ranks is None else ranks
-        self.cluster.signal_ranks([r for r in chosen if r in self._launchers], signum)
-        far = [self.ranks[r].engine_id for r in chosen if r not in self._launchers]
+        self.cluster.signal_ranks([r for r in chosen if r in self.gen.launchers], signum)
+        far = [self.ranks[r].engine_id for r in chosen if r not in self.gen.launchers]
         if far and self.client is not None:
             control.signal(self.client, far, signum)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
-from spmd.cluster import control, processes, remote, ssh, where
+from spmd.cluster import control, interrupts, processes, remote, ssh, where
 from spmd.cluster.launch import RankedEngineLauncher
 from spmd.cluster.ranks import OutOfStep
 from spmd.cluster.watchdog import Death, last_lines
@@ -22,7 +22,7 @@ class Deaths:
     @property
     def _watched(self) -> dict:
         """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
-        return {**self._ssh, **self._launchers}
+        return {**self.gen.ssh, **self.gen.launchers}
 
     def dead_ranks(self) -> set[int]:
         """Ranks whose process has ended, or that the controller lost."""
@@ -31,7 +31,7 @@ class Deaths:
 
     def local_ranks(self) -> set[int]:
         """Ranks with a process on this machine that the notebook started."""
-        return set(self._launchers)
+        return set(self.gen.launchers)
 
     def _vanished_ranks(self) -> dict[int, float]:
         """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
@@ -39,17 +39,17 @@ class Deaths:
         watched = self._watched
         unwatched = [r for r in self.ranks if r.rank not in watched]
         if self.client is None or not unwatched:  # (every poll of every cell comes here)
-            return self._vanished
+            return self.gen.vanished
         registered = set(self.client.ids)
         for r in unwatched:
             if r.engine_id not in registered:
-                self._vanished.setdefault(r.rank, time.monotonic())
+                self.gen.vanished.setdefault(r.rank, time.monotonic())
         # mpiexec ends every rank when one fails: all of them are gone with it
         whole = self.cluster.launcher_process() if self.cluster is not None else None
         if whole is not None and processes.exited(whole.process):
             for r in unwatched:
-                self._vanished.setdefault(r.rank, time.monotonic())
-        return self._vanished
+                self.gen.vanished.setdefault(r.rank, time.monotonic())
+        return self.gen.vanished
 
     def _deaths(self) -> list[Death]:
         """Ranks whose processes ended while the cluster runs, first to die first."""
@@ -61,7 +61,7 @@ class Deaths:
                 ln.exit_code,
                 ln.exited_at,
                 last_lines(self.cluster.output_of(ln.rank)),
-                self._crash_stack(ln) if ln.rank in self._launchers else None,
+                self._crash_stack(ln) if ln.rank in self.gen.launchers else None,
                 host=self.ranks[ln.rank].host,
                 cause=f"its process on {self.ranks[ln.rank].host} ended",
             )
@@ -112,8 +112,9 @@ class Deaths:
 
     def notice_deaths(self) -> None:
         """If a rank died since the last look, stop the others and say so from now on."""
-        if self._any_death():
-            self._end_after_death(self._deaths())
+        with self._life:
+            if self.cluster is not None and self.gen.death is None and self._any_death():
+                self._end_after_death(self._deaths())
 
     def check_alive(self) -> None:
         """Raise OutOfStep if a rank died (now, or earlier) and the cluster is stopped."""
@@ -122,17 +123,20 @@ class Deaths:
             raise OutOfStep(self.out_of_step)
 
     def _end_after_death(self, deaths: list[Death]) -> None:
-        first = self.death = deaths[0]
-        self.out_of_step = (
-            f"rank {first.rank} died ({first.how}) and the cluster was stopped: "
-            "%spmd restart starts a fresh one."
-        )
-        for d in deaths:
-            self.ranks[d.rank].state = "died"
-        if self.standbys():
-            self._end_ranks()  # the controller and the standbys stay, for a fast restart
-        else:
-            self.stop(keep_cache=True)
+        """The ranks end (their report is made); the generation keeps the death."""
+        first = deaths[0]
+        with self._life, interrupts.held("the stop after a death"):
+            self.gen.death = first
+            self.gen.out_of_step = (
+                f"rank {first.rank} died ({first.how}) and the cluster was stopped: "
+                "%spmd restart starts a fresh one."
+            )
+            for d in deaths:
+                self.ranks[d.rank].state = "died"
+            if self.standbys():
+                self._end_ranks()  # the controller and the standbys stay, for a fast restart
+            else:
+                self.stop(keep_cache=True)
 
     def _end_far_ranks(self, standbys: bool = False) -> None:
         """Ranks (and, with ``standbys``, ready standbys) with no process handle here end at
@@ -141,7 +145,7 @@ class Deaths:
         engine_ids = [
             r.engine_id
             for r in self.ranks
-            if r.rank not in self._launchers and r.state not in ("died", "stopped")
+            if r.rank not in self.gen.launchers and r.state not in ("died", "stopped")
         ]
         launchers = {
             self.ranks[rank].engine_id: ln for rank, ln in self.cluster.ssh_launchers().items()
@@ -167,11 +171,5 @@ class Deaths:
         if cluster.rank_set in cluster.engines:
             cluster._in_thread(cluster.stop_engines, cluster.rank_set)
         processes.end(started_in_ranks)
-        self._launchers, self._ssh, self._vanished, self.unfinished = {}, {}, {}, None
-        self._mark_stopped()
-
-    def _mark_stopped(self) -> None:
-        for r in self.ranks:
-            if r.state != "died":
-                r.state = "stopped"
+        self.gen = self.gen.ended()
 

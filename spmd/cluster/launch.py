@@ -226,9 +226,10 @@ class SpmdCluster(Cluster):
     def standby_launchers(self) -> dict[int, RankedEngineLauncher | ssh.RankedSSHEngineLauncher]:
         """The standby engines' launchers, by the rank each would become."""
         engine_set = self.engines.get(self.standby_set) if self.standby_set else None
-        return {} if engine_set is None else {
-            launcher.rank: launcher for launcher in engine_set.launchers.values()
-        }
+        # (a copy, taken in one step: the event-loop thread adds launchers while an ssh
+        # standby set starts, and iterating the live dict then would fail)
+        launchers = {} if engine_set is None else engine_set.launchers.copy()
+        return {launcher.rank: launcher for launcher in launchers.values()}
 
     def rank_launchers(self) -> dict[int, RankedEngineLauncher]:
         """The launcher (local process handle) of every local rank, by rank."""
@@ -273,10 +274,11 @@ class SpmdCluster(Cluster):
     def _engine_launchers(self) -> list:
         """The launchers of the ranks' engines (the standbys' are not ranks yet)."""
         found = []
-        for set_id, engine_set in self.engines.items():
+        for set_id, engine_set in self.engines.copy().items():  # (copies: see above)
             if set_id == self.standby_set:
                 continue
-            every = {**getattr(engine_set, "ended", {}), **getattr(engine_set, "launchers", {})}
+            ended = getattr(engine_set, "ended", {}).copy()
+            every = {**ended, **getattr(engine_set, "launchers", {}).copy()}
             found += [launcher for launcher in every.values() if launcher is not None]
         return found
 

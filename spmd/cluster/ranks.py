@@ -3,9 +3,14 @@ and the two errors its life and its cells raise."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from spmd.cluster import remote
+
+if TYPE_CHECKING:
+    from spmd.cluster.lockstep import CellRun
+    from spmd.cluster.watchdog import Death
 
 
 class OutOfStep(RuntimeError):
@@ -61,3 +66,26 @@ class Rank:
     memory: int = 0  # the process's resident memory in bytes, where known (0: not known)
 
 
+
+
+@dataclass
+class Generation:
+    """The ranks of one start or restart and what became of them. Session replaces it whole,
+    in one assignment, at start, restart and stop, so no reader ever sees old ranks beside
+    new handles; inside one generation only cells change it (a rank's state, the unfinished
+    cell, out_of_step), and a death."""
+
+    ranks: list[Rank] = field(default_factory=list)
+    launchers: dict = field(default_factory=dict)  # local ranks: rank -> process launcher
+    ssh: dict = field(default_factory=dict)  # ranks started over ssh: rank -> launcher
+    vanished: dict[int, float] = field(default_factory=dict)  # other ranks, gone since when
+    unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
+    death: Death | None = None  # the first rank to die; the cluster was stopped after it
+    out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
+
+    def ended(self) -> Generation:
+        """The same rows once the processes are gone: no handles, every live rank stopped."""
+        rows = [
+            replace(r, state=r.state if r.state == "died" else "stopped") for r in self.ranks
+        ]
+        return Generation(ranks=rows, death=self.death, out_of_step=self.out_of_step)

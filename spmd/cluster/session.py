@@ -2,6 +2,22 @@
 
 The work is split by seam: starting (startup.py), the standby set (standby.py), deaths
 (deaths.py) and cells (cells.py); Session holds the state they share and stops the cluster.
+
+Who may touch what:
+- ``gen`` (the ranks of this start or restart, their process handles, the unfinished cell,
+  the death) is replaced whole by start, restart and stop, in one assignment; ``cluster``,
+  ``client`` and the folders change only with it. All of these change only while ``_life`` is
+  held: start, restart, stop, death handling and a cell's run (its report may end ranks) hold
+  it from beginning to end. Readers on other threads see one generation or the next, never
+  a mix.
+- The main thread runs cells, restarts and stops. ipykernel's control thread asks for a stop
+  (``shutdown``): it cancels what the main thread is doing (a cell's wait, a start, a
+  restart's wait all give up within ~0.1 s), then takes ``_life`` and stops. The kernel's
+  background start runs ``start`` on a Session of its own, which no cell sees until it ended.
+  ipyparallel's event-loop thread owns the launchers and engine sets; this side reads them
+  only through copies (see SpmdCluster).
+- A SIGINT on the main thread during a stop, a restart's promotion, a start's last steps or
+  a cell's report is held until it has finished (interrupts.py).
 """
 
 from __future__ import annotations
@@ -13,13 +29,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spmd.cluster import processes, ssh
+from spmd.cluster import interrupts, processes, ssh
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, Cells
 from spmd.cluster.deaths import Deaths
-from spmd.cluster.launch import LOOPBACK, RankedEngineLauncher, SpmdCluster
+from spmd.cluster.launch import LOOPBACK, SpmdCluster
 from spmd.cluster.lockstep import CellRun
 from spmd.cluster.logs import RankLogs
-from spmd.cluster.ranks import OutOfStep, Rank, Settings, StartError
+from spmd.cluster.ranks import Generation, OutOfStep, Rank, Settings, StartError
 from spmd.cluster.standby import STANDBY_LAUNCHERS, Standbys
 from spmd.cluster.startup import Startup
 from spmd.cluster.watchdog import Death
@@ -35,24 +51,20 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(eq=False)
 class Session(Startup, Standbys, Deaths, Cells):
     settings: Settings
-    ranks: list[Rank] = field(default_factory=list)
+    gen: Generation = field(default_factory=Generation)  # the ranks now (see above)
     start_seconds: float = 0.0
     cluster: SpmdCluster | None = None
     client: object | None = None
-    out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
-    unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
-    death: Death | None = None  # the first rank to die; the cluster was stopped after it
-    _launchers: dict[int, RankedEngineLauncher] = field(default_factory=dict)  # local ranks
-    _ssh: dict = field(default_factory=dict)  # ranks started over ssh: their launchers
-    _vanished: dict[int, float] = field(default_factory=dict)  # other ranks, gone since when
     _address: str = LOOPBACK  # where the controller listens
+    # Set by cancel and shutdown: what the main thread waits for gives up.
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    _life: threading.RLock = field(default_factory=threading.RLock)
     _profile_dir: str | None = None
     _cache_dir: str | None = None  # the compilation cache the ranks share
-    _generation: int = 0  # engine sets started so far: their engine ids do not overlap
+    _engine_sets: int = 0  # engine sets started so far: their engine ids do not overlap
     _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
     _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
     _standby_start: object | None = None  # the standby set's start (a Future), while it runs
@@ -65,27 +77,62 @@ class Session(Startup, Standbys, Deaths, Cells):
     coordinator: str = ""  # rank 0's address for the others (jax's, else torch's)
 
 
+    # The current generation's fields, for readers (the magics, the panel, tests).
+
+    @property
+    def ranks(self) -> list[Rank]:
+        return self.gen.ranks
+
+    @property
+    def death(self) -> Death | None:
+        return self.gen.death
+
+    @property
+    def out_of_step(self) -> str:
+        return self.gen.out_of_step
+
+    @property
+    def unfinished(self) -> CellRun | None:
+        return self.gen.unfinished
+
     @property
     def running(self) -> bool:
         """Whether the ranks run (after a death they do not, though standbys may)."""
-        return self.cluster is not None and self.death is None
+        return self.cluster is not None and self.gen.death is None
 
     def stop(self, keep_cache: bool = False) -> None:
         """End every engine and the controller. Safe to call twice, and at exit.
         ``keep_cache``: keep the compilation cache for the next start (a restart)."""
+        with self._life, interrupts.held("the stop"):
+            self._stop(keep_cache)
+
+    def shutdown(self, wait: float = 4.0) -> None:
+        """Stop from another thread (ipykernel's control thread, at a shutdown request):
+        whatever the main thread does with this cluster gives up, and the stop runs once it
+        has. A main thread that does not let go within ``wait`` seconds (a rank's prompt
+        waits for an answer that will not come) is stopped beside: the kernel's process ends
+        right after, and its manager would kill it without a stop."""
+        self._cancelled.set()
+        got = self._life.acquire(timeout=wait)
+        try:
+            self._stop(keep_cache=False)
+        finally:
+            if got:
+                self._life.release()
+
+    def _stop(self, keep_cache: bool) -> None:
         atexit.unregister(self.stop)
+        cluster, client = self.cluster, self.client
         if not keep_cache and self._cache_dir and self._cache_dir != self.settings.cache_dir:
             shutil.rmtree(self._cache_dir, ignore_errors=True)
             self._cache_dir = None
-        if self.cluster is not None:
+        if cluster is not None:
             # a standby set still starting (over ssh) is stopped once its engines run
             self._standby_started(self.settings.start_timeout)
-        if self.client is not None and self.cluster is not None:
+        if client is not None and cluster is not None:
             self._end_far_ranks(standbys=True)
-        client, cluster = self.client, self.cluster
         self.client = self.cluster = None
-        self._launchers, self._ssh, self._vanished = {}, {}, {}
-        self.unfinished = None
+        self.gen = self.gen.ended()
         if client is not None:
             client.close(linger=0)
         if cluster is not None:
@@ -106,10 +153,8 @@ class Session(Startup, Standbys, Deaths, Cells):
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None:
                 loop.add_callback(loop.stop)
-        self._mark_stopped()
         self.logs.close()
         self._remove_torch_file()
         if self._profile_dir:
             shutil.rmtree(self._profile_dir, ignore_errors=True)
             self._profile_dir = None
-

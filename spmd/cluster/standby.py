@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 import time
 
-from spmd.cluster import processes
-from spmd.cluster.ranks import Rank
+from spmd.cluster import interrupts, processes
+from spmd.cluster.ranks import Generation, Rank
 from spmd.cluster.startup import _loopback_ports
 from spmd.engine import bootstrap as engine
 
@@ -35,12 +35,12 @@ class Standbys:
         started (locally), or at once (over ssh); they import alone."""
         if self.cluster is None or not self._standby_wanted():
             return
-        self._generation += 1
+        self._engine_sets += 1
         environment = dict(
             self.cluster.engine_environment(),
             **{
                 engine.STANDBY_ENV: "1",
-                engine.ENGINE_ID_OFFSET_ENV: str(self._generation * self.settings.n),
+                engine.ENGINE_ID_OFFSET_ENV: str(self._engine_sets * self.settings.n),
                 # their coordinators come with the promotion
                 engine.COORDINATOR_ENV: "",
                 engine.TORCH_MASTER_ENV: "",
@@ -73,7 +73,7 @@ class Standbys:
         if self.cluster is None:
             return []
         rows = []
-        offset = self._generation * self.settings.n
+        offset = self._engine_sets * self.settings.n
         registered = set(self.client.ids) if self.client is not None else set()
         for rank, launcher in sorted(self.cluster.standby_launchers().items()):
             engine_id = offset + rank
@@ -100,11 +100,12 @@ class Standbys:
         return rows
 
     def _standbys_ready(self, seconds: float = 60.0) -> list[Rank]:
-        """The standbys once all are ready (waiting while they start); [] if one failed."""
+        """The standbys once all are ready (waiting while they start); [] if one failed, or
+        the wait was cancelled (a shutdown)."""
         deadline = time.monotonic() + seconds
         if not self._standby_started(seconds):
             return []
-        while True:
+        while not self._cancelled.is_set():
             standbys = self.standbys()
             states = {r.state for r in standbys}
             if len(standbys) != self.settings.n or "failed" in states:
@@ -114,17 +115,29 @@ class Standbys:
             if time.monotonic() > deadline:
                 return []
             time.sleep(0.02)
+        return []
 
     def restart(self) -> bool:
         """Promote the standbys to ranks and start new standbys behind them: the controller
         and the client stay. False (nothing done) where no standby set is ready: the caller
-        then stops and starts afresh. Raises StartError if the promoted ranks fail to join."""
+        then stops and starts afresh. Raises StartError if the promoted ranks fail to join.
+
+        The wait for the standbys can be interrupted (nothing has changed yet); from the
+        first old rank ended to the new ranks joined, a SIGINT waits."""
         t0 = time.perf_counter()
-        standbys = self._standbys_ready()
+        with interrupts.interruptible():
+            standbys = self._standbys_ready()
         if not standbys:
             return False
+        with self._life, interrupts.held("the restart"):
+            if self.cluster is None or self._cancelled.is_set():  # stopped meanwhile
+                return False
+            self._promote(standbys)
+        self.start_seconds = time.perf_counter() - t0
+        return True
+
+    def _promote(self, standbys: list[Rank]) -> None:
         cluster = self.cluster
-        self.unfinished = None
         started_in_ranks = processes.started_by_ranks(cluster)
         # The old ranks end: SIGTERM, and SIGKILL soon for those stuck in a collective
         # (ipyparallel's own kill comes after a whole second) ...
@@ -136,12 +149,12 @@ class Standbys:
         cluster._in_thread(cluster.promote_standby)
         processes.end(started_in_ranks)
         self._remove_torch_file()
-        # ... and the standbys join a new job, as the same ranks.
-        self.ranks = [Rank(rank=r.rank, engine_id=r.engine_id) for r in standbys]
-        self._launchers = cluster.rank_launchers()
-        self._ssh = cluster.ssh_launchers()
-        self._vanished = {}
-        self.out_of_step, self.death = "", None
+        # ... and the standbys join a new job, as the same ranks: a new generation, whole.
+        self.gen = Generation(
+            ranks=[Rank(rank=r.rank, engine_id=r.engine_id) for r in standbys],
+            launchers=cluster.rank_launchers(),
+            ssh=cluster.ssh_launchers(),
+        )
         self._cells.clear()
         local = self.settings.where.launcher == "local"
         try:
@@ -153,6 +166,3 @@ class Standbys:
             self.stop(keep_cache=True)
             raise
         self._start_standby()
-        self.start_seconds = time.perf_counter() - t0
-        return True
-

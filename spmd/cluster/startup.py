@@ -18,7 +18,7 @@ from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.lockstep import rank_words
 from spmd.cluster.profiles import new_profile_dir
-from spmd.cluster.ranks import Rank, StartError
+from spmd.cluster.ranks import Generation, Rank, StartError
 from spmd.cluster.watchdog import last_lines
 from spmd.engine import bootstrap as engine
 from spmd.engine.address import coordinator_addresses
@@ -77,24 +77,30 @@ class Startup:
                 raise StartError(str(exc)) from None
         if self._cache_dir is None and "jax" in self.settings.backend:
             self._cache_dir = self.settings.cache_dir or tempfile.mkdtemp(prefix="spmd-jax-cache-")
-        for attempt in (1, 2):
-            self._profile_dir = new_profile_dir()
-            atexit.register(self.stop)
-            try:
-                self._init_cluster()
-                self._init_client()
-                self._init_distributed()
-                self._start_standby()
-                break
-            except StartError as exc:
-                self.stop()
-                # another program took the coordinator's port in the meantime: once more
-                cancelled = self._cancelled.is_set()
-                if attempt == 2 or cancelled or "Failed to start RPC server" not in str(exc):
+        with self._life:
+            for attempt in (1, 2):
+                self._profile_dir = new_profile_dir()
+                atexit.register(self.stop)
+                try:
+                    self._init_cluster()
+                    self._init_client()
+                    self._init_distributed()
+                    self._start_standby()
+                    break
+                except StartError as exc:
+                    # another program took the coordinator's port in the meantime: once more,
+                    # with the same compilation cache
+                    again = (
+                        attempt == 1
+                        and not self._cancelled.is_set()
+                        and "Failed to start RPC server" in str(exc)
+                    )
+                    self.stop(keep_cache=again)
+                    if not again:
+                        raise
+                except BaseException:
+                    self.stop()
                     raise
-            except BaseException:
-                self.stop()
-                raise
         self.start_seconds = time.perf_counter() - t0
 
     def cancel(self) -> None:
@@ -199,9 +205,11 @@ class Startup:
             time.sleep(0.01)
         self._tell("registered", s.n, s.n)
         # Rank = position in the sorted engine ids at start (ids change after a restart).
-        self.ranks = [Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))]
-        self._launchers = self.cluster.rank_launchers()
-        self._ssh = self.cluster.ssh_launchers()
+        self.gen = Generation(
+            ranks=[Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))],
+            launchers=self.cluster.rank_launchers(),
+            ssh=self.cluster.ssh_launchers(),
+        )
 
     def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
         """Wait until every rank has joined; ``coordinators`` go to ranks that were not given

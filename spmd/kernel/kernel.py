@@ -107,10 +107,9 @@ class SpmdKernel(IPythonKernel):
     # -- the end ---------------------------------------------------------------------------
 
     def do_shutdown(self, restart):
+        # (on ipykernel's control thread, while a cell may run on the main thread: the
+        # cell's wait ends, and the stop runs once the main thread has let go of the cluster)
         magics = getattr(self, "spmd", None)
         if magics is not None:
-            if magics.pending is not None:
-                magics.pending.cancel()
-            if magics.session is not None:
-                magics.session.stop()
+            magics.shutdown()
         return super().do_shutdown(restart)

@@ -8,6 +8,7 @@ import time
 
 from IPython.core.error import UsageError
 
+from spmd.cluster import interrupts
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics.arguments import _cache_folder, _options_checked, _placement, _start_parser
 from spmd.magics.background import BackgroundStart
@@ -36,8 +37,9 @@ class Lifecycle:
         s = pending.settings
         # (an interrupt while waiting leaves the start pending, for the next cell to take)
         shown = pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
-        self.pending = None
+        # (session first: a shutdown on the control thread looks at pending, then session)
         self.session = pending.session
+        self.pending = None
         if pending.error is not None:
             raise UsageError(f"{pending.error} (%spmd restart tries again)")
         self._fresh = True
@@ -110,48 +112,75 @@ class Lifecycle:
         progress = StartProgress(settings.n, settings.backend)
         session.progress = progress.update
         progress.started = time.monotonic()  # (the same clock as the summary's seconds)
-        try:
-            session.start()
-        except StartError as exc:
-            progress.done(ok=False)
-            raise UsageError(str(exc)) from None
-        except BaseException:
-            progress.done(ok=False)
-            raise
-        session.progress = None
-        progress.done(ok=True)
-        self.session = session
-        self.auto.on = True
-        say(summary(session))
+        # An interrupt may cancel the engines' start and join (the start then ends what it
+        # began); once they have joined, the cluster is recorded here whatever comes.
+        with interrupts.held("the start's last steps"):
+            self.starting = session  # (so that a shutdown from the control thread finds it)
+            try:
+                with interrupts.interruptible():
+                    session.start()
+            except StartError as exc:
+                progress.done(ok=False)
+                raise UsageError(str(exc)) from None
+            except BaseException:
+                progress.done(ok=False)
+                raise
+            finally:
+                self.starting = None
+            session.progress = None
+            self.session = session
+            progress.done(ok=True)
+            self.auto.on = True
+            say(summary(session))
 
     def _cmd_stop(self, args: list[str]) -> None:
         self._no_args("stop", args)
         session = self._require_session(allow_stopped=bool(self.session and self.session.death))
-        self.auto.on = self.always_on
-        after = "auto mode is off." if not self.always_on else "%spmd restart starts them again."
-        if not session.running:  # stopped already, after a rank died
-            session.stop()  # (its standbys and controller, where they were kept)
-            say(f"The cluster was already stopped after rank {session.death.rank} died; {after}")
-            return
-        t0 = time.perf_counter()
-        session.stop()
-        say(
-            f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; {after}"
-        )
+        with interrupts.held("the stop"):
+            self.auto.on = self.always_on
+            after = (
+                "auto mode is off." if not self.always_on else "%spmd restart starts them again."
+            )
+            if not session.running:  # stopped already, after a rank died
+                session.stop()  # (its standbys and controller, where they were kept)
+                say(
+                    f"The cluster was already stopped after rank {session.death.rank} died; "
+                    f"{after}"
+                )
+                return
+            t0 = time.perf_counter()
+            session.stop()
+            say(
+                f"Stopped {session.settings.n} processes in {time.perf_counter() - t0:.2f} s; "
+                f"{after}"
+            )
 
     def _cmd_restart(self, args: list[str]) -> None:
         self._no_args("restart", args)
         session = self._require_session(allow_stopped=True)
-        try:
-            promoted = session.cluster is not None and session.restart()
-        except StartError as exc:
-            raise UsageError(str(exc)) from None
-        if promoted:
-            self.auto.on = True
-            say(summary(session, restarted=True))
-            return
-        session.stop(keep_cache=True)
+        # (the wait for the standbys can be interrupted; from their promotion on, not)
+        with interrupts.held("the restart"):
+            try:
+                promoted = session.cluster is not None and session.restart()
+            except StartError as exc:
+                raise UsageError(str(exc)) from None
+            if promoted:
+                self.auto.on = True
+                say(summary(session, restarted=True))
+                return
+            session.stop(keep_cache=True)
         self._start(session.settings, cache_dir=session._cache_dir)
+
+    def shutdown(self) -> None:
+        """Stop whatever this notebook started, from any thread (ipykernel's control thread
+        at a shutdown request): a start under way is cancelled, a cell's wait ends, and the
+        stop runs once the main thread has let go."""
+        if self.pending is not None:
+            self.pending.cancel()
+        for session in (self.starting, self.session):
+            if session is not None:
+                session.shutdown()
+
 
 def _warn_if_notebook_joined_jax() -> None:
     """The notebook must not be a member of the job: a failing rank would abort it."""

@@ -48,6 +48,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         # The SPMD kernel: auto mode cannot be turned off, and its cluster starts at launch.
         self.always_on = False
         self.pending: BackgroundStart | None = None
+        self.starting: Session | None = None  # a %spmd start under way on the main thread
         # The kernel's cluster has not been used yet: %spmd start may replace it.
         self._fresh = False
         self.panel = False  # the live panel for every cell (%spmd start --panel)
@@ -328,6 +329,5 @@ def register(shell) -> SpmdMagics:
 def unregister(shell) -> None:
     magics = _magics.pop(id(shell), None)
     if magics is not None:
-        if magics.session is not None:
-            magics.session.stop()
+        magics.shutdown()
         magics.auto.uninstall()

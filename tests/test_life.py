@@ -1,0 +1,242 @@
+"""The cluster's life has one owner: a stop, a restart and a report finish once begun, whatever
+SIGINT lands in them; a shutdown request on ipykernel's control thread waits for the cell on
+the main thread to let go; a start that retries keeps its compilation cache."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import (
+    SPMD_KERNEL,
+    report,
+    run,
+    session,
+    spmd_processes,
+    standbys_ready,
+    wait_until_gone,
+)
+
+from spmd.cluster import interrupts
+
+pytestmark = pytest.mark.timeout(240)
+
+SETUP = (
+    "import os, time, jax, jax.numpy as jnp\n"
+    "rank = jax.process_index()\n"
+    "psum = jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')"
+)
+PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
+
+
+def psum_runs(shell) -> None:
+    """A cell that needs every rank in step runs and gives the right answer."""
+    assert run(shell, SETUP).error is None
+    out = run(shell, PSUM)
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1] [2.]\n"
+
+
+@contextlib.contextmanager
+def sigint_guard():
+    """SIGINTs that come after the cell under test do nothing (they must not stop pytest)."""
+    yield
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    time.sleep(0.05)
+    signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_inside(
+    stretch: str, count: int = 3, after_wait: bool = False, delay: float = 0.0
+):
+    """A thread that waits until the main thread is inside the held stretch ``stretch``
+    (with SIGINT held there, not in an interruptible part of it; with ``after_wait``, only
+    once an interruptible part, a cell's wait, has come and gone; with ``delay``, that many
+    seconds after the stretch began, wherever in it the main thread is then), and sends the
+    notebook's process up to ``count`` SIGINTs, 2 ms apart, while it is still inside: the
+    notebook's Interrupt, pressed impatiently. What it sent is listed in the second value."""
+    me = os.getpid()
+    sent = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        waited = not after_wait
+        while time.monotonic() < deadline:
+            inside = stretch in interrupts._held
+            held = inside and signal.getsignal(signal.SIGINT) is interrupts._note
+            waited = waited or (inside and not held)
+            if inside and delay:
+                time.sleep(delay)
+                held = inside = stretch in interrupts._held
+            if held and waited:
+                for _ in range(count):
+                    if stretch not in interrupts._held:
+                        return
+                    os.kill(me, signal.SIGINT)
+                    sent.append(time.monotonic())
+                    time.sleep(0.002)
+                return
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, sent
+
+
+def test_sigint_during_stop_is_held_and_the_stop_finishes(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    pids = [r.pid for r in session(fresh).ranks]
+    with sigint_guard():
+        thread, sent = interrupt_inside("the stop")
+        out = run(fresh, "%spmd stop")
+        thread.join(5)
+    assert sent, "the stop was over before an interrupt could land in it"
+    assert out.error is None, out.error
+    assert out.stdout.startswith("Stopped 2 processes in "), out.stdout
+    assert "Interrupt held until the stop finished" in out.stderr
+    assert not wait_until_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 5)
+    assert not spmd_processes()
+    assert run(fresh, "%spmd start -n 2").error is None  # a clean start after it
+    psum_runs(fresh)
+
+
+def test_sigint_during_a_report_is_held_and_the_guard_comes(fresh):
+    assert run(fresh, "%spmd start -n 2 --grace 0.5").error is None
+    assert run(fresh, SETUP).error is None
+    with sigint_guard():
+        thread, sent = interrupt_inside("the report", after_wait=True)
+        out = run(fresh, "if rank == 0:\n    raise ValueError('diverge')\n" + PSUM)
+        thread.join(5)
+    assert sent
+    assert "The ranks diverged: rank 1 is waiting in a collective" in report(out), report(out)
+    assert "Interrupt held until the report finished" in out.stderr
+    assert session(fresh).out_of_step
+    assert run(fresh, "%spmd restart").error is None
+    psum_runs(fresh)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2])
+def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, delay):
+    """Before the promotion (the wait for the standbys) an interrupt cancels the restart and
+    nothing changed; from the promotion on, it waits until the new ranks have joined."""
+    assert run(fresh, "%spmd start -n 2").error is None
+    standbys_ready(fresh)
+    with sigint_guard():
+        thread, sent = interrupt_inside("the restart", count=1, delay=delay)
+        out = run(fresh, "%spmd restart")
+        thread.join(5)
+    if out.error is not None:  # it came before the promotion: the old ranks are still here
+        assert isinstance(out.error, KeyboardInterrupt), out.error
+    else:
+        assert "from the standby engines" in out.stdout, out.stdout
+        assert not sent or "Interrupt held until the restart finished" in out.stderr
+    s = session(fresh)
+    assert s.running and not s.dead_ranks() and not s.out_of_step
+    # every rank in the table is a live process, and no old rank is left over
+    live = {p.pid for p in spmd_processes()}
+    assert {r.pid for r in s.ranks} <= live
+    psum_runs(fresh)
+
+
+def test_an_interrupt_during_a_fresh_restart_never_leaves_a_half_cluster(fresh):
+    assert run(fresh, "%spmd start -n 2 --standby off").error is None
+    with sigint_guard():
+        thread, sent = interrupt_inside("the stop", count=1)
+        out = run(fresh, "%spmd restart")
+        thread.join(5)
+    assert sent
+    # the stop finished (held); the start after it is a start like any other
+    assert out.error is None or isinstance(out.error, KeyboardInterrupt), out.error
+    if out.error is not None:
+        assert not session(fresh).running
+        assert run(fresh, "%spmd restart").error is None
+    psum_runs(fresh)
+
+
+def _wait_exited(km, seconds: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if not km.is_alive():
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def test_shutdown_request_while_a_cell_runs_stops_the_cluster_once(tmp_path):
+    """Jupyter's shutdown comes on the control thread while the main thread waits for a cell
+    that sleeps on every rank: the kernel ends by itself within seconds, with no error in
+    its log, and nothing it started is left."""
+    from jupyter_client.manager import KernelManager
+
+    log = open(tmp_path / "kernel.log", "w")
+    km = KernelManager(kernel_name=SPMD_KERNEL)
+    km.start_kernel(stdout=log, stderr=subprocess.STDOUT)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        reply = kc.execute_interactive("import os; print(os.getpid())", timeout=120)
+        assert reply["content"]["status"] == "ok"
+        kernel_pid = km.provisioner.pid
+        ranks = spmd_processes(parent_pid=kernel_pid)
+        assert len(ranks) >= 2  # (the controller and the ranks' engines)
+        kc.execute("import time; time.sleep(60)")
+        time.sleep(2.0)  # the cell runs on the ranks; the main thread waits for it
+        km.request_shutdown()
+        took = _wait_exited(km, 20)
+        assert took is not None, "the kernel did not end after its shutdown request"
+        assert km.provisioner.process.returncode == 0  # it ended itself, not killed
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        log.close()
+    assert not wait_until_gone(ranks, 10)
+    text = (tmp_path / "kernel.log").read_text()
+    assert "Traceback" not in text, text
+
+
+def test_a_start_that_retries_keeps_its_compilation_cache(fresh, monkeypatch):
+    """The coordinator's port, chosen free, is taken by another program before rank 0 binds
+    it: the start tries once more, and the ranks still share the compilation cache."""
+    from spmd.cluster import startup
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen = startup._loopback_ports
+    calls = []
+
+    def first_taken(backend: str) -> dict[str, str]:
+        calls.append(backend)
+        if len(calls) == 1:
+            return {"jax": f"127.0.0.1:{taken.getsockname()[1]}"}
+        return chosen(backend)
+
+    monkeypatch.setattr(startup, "_loopback_ports", first_taken)
+    try:
+        out = run(fresh, "%spmd start -n 2 --standby off")
+    finally:
+        taken.close()
+    assert out.error is None, out.stdout + out.stderr
+    assert len(calls) == 2  # the first start failed on the taken port, the second worked
+    from test_standby import JITTED
+
+    assert run(fresh, SETUP).error is None
+    folder = run(fresh, "print(jax.config.jax_compilation_cache_dir)").stdout.split()[-1]
+    assert os.path.isdir(folder), folder
+    first = run(fresh, JITTED)
+    assert first.error is None
+    entries = {n for n in os.listdir(folder) if n.startswith("jit_steps")}
+    assert len(entries) == 2, entries  # one per rank: each process has its own key
+    assert run(fresh, "%spmd restart").error is None
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, JITTED).stdout == first.stdout
+    assert {n for n in os.listdir(folder) if n.startswith("jit_steps")} == entries
