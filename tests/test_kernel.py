@@ -127,14 +127,37 @@ def test_a_config_file_that_changes_the_kernelspecs_settings_gets_its_own_cluste
 def test_spmd_start_with_the_kernelspecs_settings_reuses_its_cluster():
     with spmd_kernel() as (km, kc):
         kernel_pid = km.provisioner.process.pid
+        # the kernel's own cluster, started in the background before any cell
+        deadline = time.monotonic() + 60
+        while len(kernels_own := rank_engines(spmd_processes(kernel_pid))) < 2:
+            assert time.monotonic() < deadline, "the kernel started no ranks"
+            time.sleep(0.1)
         reply, text = kernel_stream(kc, "%spmd start -n 2")
         assert reply["content"]["status"] == "ok", text
         assert text.splitlines()[-1].startswith("Started 2 processes, 1 device per process")
         first = {p.pid for p in rank_engines(spmd_processes(kernel_pid))}
+        assert first == {p.pid for p in kernels_own}  # taken, not started again
         reply, text = kernel_stream(kc, "%spmd start -n 2")  # now it has been used: refused
         assert reply["content"]["status"] == "error"
         assert "already running" in text
         assert {p.pid for p in rank_engines(spmd_processes(kernel_pid))} == first
+
+
+def test_exit_asks_the_front_end_to_shut_the_kernel_down_and_spares_the_ranks():
+    with spmd_kernel() as (km, kc):
+        reply, _ = kernel_stream(kc, "import jax")
+        assert reply["content"]["status"] == "ok"
+        engines = rank_engines(spmd_processes(km.provisioner.process.pid))
+        assert len(engines) == 2
+        for word in ("exit", "quit()"):
+            reply, text = kernel_stream(kc, word)
+            assert reply["content"]["status"] == "ok", text
+            # (what every IPython kernel does: the front end asks, then shuts the kernel down)
+            assert [p["source"] for p in reply["content"]["payload"]] == ["ask_exit"]
+        reply, text = kernel_stream(kc, "print(jax.process_count())")
+        assert text == "[ranks 0-1] 2\n"  # the ranks did not run it
+        assert all(p.is_running() for p in engines)
+    assert not wait_until_gone(engines)  # the shutdown stopped them
 
 
 def test_interrupt_reaches_every_rank_and_restart_recovers():

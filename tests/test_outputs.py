@@ -30,9 +30,20 @@ def test_a_flood_keeps_its_first_and_last_lines_and_the_log_keeps_every_line(clu
     # the log has every line, after a header that names the cell (and earlier cells before)
     tail = run(cluster, "%spmd log 1 --tail 100001")
     said, header, *lines = tail.stdout.splitlines()
-    assert re.match(r"\[rank 1\] the last 100,001 of [\d,]+ lines \(/.*rank-1\.log\):", said)
+    assert re.match(
+        r"\[rank 1\] (the last 100,001 of [\d,]+ lines; all of them are in /.*rank-1\.log "
+        r"\(%spmd log 1 --tail \d+ shows them here\)|100,001 lines \(/.*rank-1\.log\)):",
+        said,
+    ), said
     assert re.fullmatch(r"--- cell \d+: for i in range\(100_000\):", header)
     assert lines == [f"line {i}" for i in range(100_000)]
+    # without --tail: as many lines as a cell keeps (1000 by default), and where the rest are
+    default = run(cluster, "%spmd log 1").stdout.splitlines()
+    assert re.match(r"\[rank 1\] the last 1,000 of [\d,]+ lines; all of them are in /", default[0])
+    assert default[1:] == [f"line {i}" for i in range(99_000, 100_000)]
+    # more lines than a machine can count are all of them, not an OverflowError
+    huge = run(cluster, "%spmd log 1 --tail 99999999999999999999")
+    assert huge.error is None and huge.stdout.endswith("line 99999\n")
 
 
 def test_the_default_limit_keeps_a_thousand_lines_per_rank(cluster):
@@ -50,6 +61,9 @@ def test_log_and_max_output_say_what_they_take(cluster):
         ("%spmd log", "rank"),
         ("%spmd log 7", "this cluster has ranks 0-1"),
         ("%spmd log one", "say which rank by its number"),
+        ("%spmd log ²", "say which rank by its number"),
+        ("%spmd log -1", "say which rank by its number"),
+        ("%spmd debug ²", "%spmd debug takes one rank number"),
         ("%spmd log 0 --tail 0", "--tail must be a whole number"),
         ("%%spmd --max-output lots\nx = 1", "--max-output must be a whole number"),
         ("%spmd panel sideways", "%spmd panel takes on, off or nothing"),

@@ -107,7 +107,7 @@ class Cells:
             now = time.monotonic()
             # (the time a person spent at a prompt does not count)
             until = None if timeout is None else run.started + run.paused + timeout
-            if self._cancelled.is_set():  # (a shutdown from ipykernel's control thread)
+            if self._stopping.is_set():  # (a shutdown from ipykernel's control thread)
                 return STOPPED, None
             if self._any_death():
                 return DIED, None
@@ -158,7 +158,11 @@ class Cells:
 
         def wait(ranks: list[int], seconds: float) -> None:
             until = time.monotonic() + seconds
-            while time.monotonic() < until and any(not run.cells[r].done for r in ranks):
+            while (
+                time.monotonic() < until
+                and not self._stopping.is_set()
+                and any(not run.cells[r].done for r in ranks)
+            ):
                 run.poll(0.02)
 
         wait(busy(), AFTER_DEATH_SECONDS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -91,6 +92,9 @@ class Deaths:
                 death.cause, death.at = f"mpiexec says it ended by {how}", at - 1.0
             deaths.append(death)
         deaths.sort(key=lambda d: d.at)
+        for d in deaths:  # (every line it printed stays there until the next %spmd start)
+            path = self.logs.path(d.rank)
+            d.log = path if path is not None and os.path.exists(path) else ""
         return deaths
 
     def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:

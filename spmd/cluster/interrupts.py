@@ -71,10 +71,10 @@ def interruptible():
     came = bool(_noted)
     _noted.clear()
     handler = _outside if callable(_outside) else signal.default_int_handler
-    signal.signal(signal.SIGINT, handler)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         if came:
             raise KeyboardInterrupt
         yield
     finally:
-        signal.signal(signal.SIGINT, _note)
+        signal.signal(signal.SIGINT, previous)

@@ -250,7 +250,7 @@ class SpmdCluster(Cluster):
     def launcher_process(self):
         """The one local process (mpiexec, sbatch's job) that runs ranks for a whole engine
         set, or None."""
-        for engine_set in self.engines.values():
+        for engine_set in self.engines.copy().values():  # (a copy: see standby_launchers)
             if getattr(engine_set, "process", None) is not None:
                 return engine_set
         return None
@@ -264,7 +264,7 @@ class SpmdCluster(Cluster):
                 return self.ssh_launchers()[rank].fetch_output()
             except Exception:  # the host cannot be reached any more
                 return ""
-        for engine_set in self.engines.values():
+        for engine_set in self.engines.copy().values():
             try:
                 return engine_set.get_output(remove=False)
             except Exception:

@@ -1,16 +1,23 @@
 """Every line each rank printed, in a file per rank: the notebook keeps only a cell's first and
-last lines of a flood (``--max-output``); ``%spmd log RANK`` reads the rest here."""
+last lines of a flood (``--max-output``); ``%spmd log RANK`` reads the rest here.
+
+The logs outlive their cluster: a rank that died is when its last lines matter most. A stop
+closes the files; a restart writes on in them; the next ``%spmd start`` or the notebook's end
+removes them (and a later notebook, if this one was killed: see profiles.py)."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import shutil
-import tempfile
+import sys
+
+from spmd.cluster.profiles import owned_folder
 
 
 class RankLogs:
-    """One append-only file per rank, in a folder of the session's (removed at stop)."""
+    """One append-only file per rank, in a folder of its own (removed by ``remove``)."""
 
     def __init__(self) -> None:
         self.folder: str | None = None
@@ -39,13 +46,15 @@ class RankLogs:
 
     def flush(self) -> None:
         for rank in self._written:
-            self._files[rank].flush()
+            if rank in self._files:  # (a death's stop may have closed them already)
+                self._files[rank].flush()
 
     def _file(self, rank: int):
         f = self._files.get(rank)
         if f is None:
             if self.folder is None:
-                self.folder = tempfile.mkdtemp(prefix="spmd-logs-")
+                self.folder = owned_folder("spmd-logs-")
+                atexit.register(self.remove)
             # (buffered: a flood arrives in many chunks; flushed when the cell ends)
             f = self._files[rank] = open(self.path(rank), "a", encoding="utf-8")  # noqa: SIM115
         return f
@@ -61,7 +70,7 @@ class RankLogs:
             if tail is None:
                 text = f.read()
                 return text, text.count("\n")
-            last = collections.deque(maxlen=tail)
+            last = collections.deque(maxlen=min(tail, sys.maxsize))  # (more than it has: all)
             count = 0
             for line in f:
                 last.append(line)
@@ -69,9 +78,16 @@ class RankLogs:
             return "".join(last), count
 
     def close(self) -> None:
+        """Close the files (the cluster stopped); they stay to be read, and written on."""
         for f in self._files.values():
             f.close()
         self._files = {}
+        self._written = set()
+
+    def remove(self) -> None:
+        """Close and remove the files: a new cluster's logs begin."""
+        self.close()
+        atexit.unregister(self.remove)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None

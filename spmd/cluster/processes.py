@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-
 import psutil
 
 from spmd.cluster.launch import SpmdCluster
@@ -13,19 +9,6 @@ from spmd.cluster.launch import SpmdCluster
 
 class StartRefused(RuntimeError):
     """This machine cannot hold the ranks asked for; the text says why and what to do."""
-
-
-@contextlib.contextmanager
-def interrupts_held():
-    """SIGINT does nothing inside this block (main thread only: where the notebook runs)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 # What one rank needs on this machine: its engine with jax imported and initialized.

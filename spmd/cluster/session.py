@@ -59,8 +59,11 @@ class Session(Startup, Standbys, Deaths, Cells):
     cluster: SpmdCluster | None = None
     client: object | None = None
     _address: str = LOOPBACK  # where the controller listens
-    # Set by cancel and shutdown: what the main thread waits for gives up.
+    # Set by cancel (the kernel's background start is not wanted) and by shutdown: a start
+    # under way gives up.
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by shutdown only: every wait of the main thread gives up (a cell's, a restart's).
+    _stopping: threading.Event = field(default_factory=threading.Event)
     _life: threading.RLock = field(default_factory=threading.RLock)
     _profile_dir: str | None = None
     _cache_dir: str | None = None  # the compilation cache the ranks share
@@ -112,15 +115,18 @@ class Session(Startup, Standbys, Deaths, Cells):
         has. A main thread that does not let go within ``wait`` seconds (a rank's prompt
         waits for an answer that will not come) is stopped beside: the kernel's process ends
         right after, and its manager would kill it without a stop."""
+        self._stopping.set()
         self._cancelled.set()
         got = self._life.acquire(timeout=wait)
         try:
-            self._stop(keep_cache=False)
+            # (beside a main thread that may still wait on the cluster's event loop: that
+            # loop is left running, for the process's end to take)
+            self._stop(keep_cache=False, end_loop=got)
         finally:
             if got:
                 self._life.release()
 
-    def _stop(self, keep_cache: bool) -> None:
+    def _stop(self, keep_cache: bool, end_loop: bool = True) -> None:
         atexit.unregister(self.stop)
         cluster, client = self.cluster, self.client
         if not keep_cache and self._cache_dir and self._cache_dir != self.settings.cache_dir:
@@ -151,7 +157,7 @@ class Session(Startup, Standbys, Deaths, Cells):
             processes.end(started_in_ranks)
             # ... and end that thread's loop: every restart makes a new Cluster.
             loop = getattr(cluster, "_thread_loop", None)
-            if loop is not None:
+            if loop is not None and end_loop:
                 loop.add_callback(loop.stop)
         self.logs.close()
         self._remove_torch_file()

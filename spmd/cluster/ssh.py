@@ -8,7 +8,6 @@ import ctypes
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher, _ssh_outputs
 from ipyparallel.cluster.shellcmd import ShellCommandSend
 
+from spmd.cluster.profiles import owned_folder
 from spmd.engine import placement
 
 
@@ -228,7 +228,7 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
 
     def _connect(self) -> None:
         # A short folder: the control socket's path must fit in 108 bytes.
-        self._control_folder = tempfile.mkdtemp(prefix="spmd-ssh-")
+        self._control_folder = owned_folder("spmd-ssh-")
         shared = ["-o", f"ControlPath={self._control_folder}/%C"]
         self._masters = [
             subprocess.Popen(

@@ -62,8 +62,10 @@ class Standbys:
             return True
         try:
             starting.result(timeout=seconds)
-        except Exception:  # a host refused, or it did not finish in time: no standbys
-            self._standby_start = starting if not starting.done() else None
+        except BaseException as exc:  # a host refused, it did not finish in time, or ^C
+            self._standby_start = starting if not starting.done() else None  # (for stop)
+            if not isinstance(exc, Exception):
+                raise
             return False
         return True
 
@@ -105,7 +107,7 @@ class Standbys:
         deadline = time.monotonic() + seconds
         if not self._standby_started(seconds):
             return []
-        while not self._cancelled.is_set():
+        while not self._stopping.is_set():
             standbys = self.standbys()
             states = {r.state for r in standbys}
             if len(standbys) != self.settings.n or "failed" in states:
@@ -130,7 +132,7 @@ class Standbys:
         if not standbys:
             return False
         with self._life, interrupts.held("the restart"):
-            if self.cluster is None or self._cancelled.is_set():  # stopped meanwhile
+            if self.cluster is None or self._stopping.is_set():  # stopped meanwhile
                 return False
             self._promote(standbys)
         self.start_seconds = time.perf_counter() - t0

@@ -10,14 +10,13 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from spmd.cluster import processes, remote
 from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.lockstep import rank_words
-from spmd.cluster.profiles import new_profile_dir
+from spmd.cluster.profiles import new_profile_dir, owned_folder
 from spmd.cluster.ranks import Generation, Rank, StartError
 from spmd.cluster.watchdog import last_lines
 from spmd.engine import bootstrap as engine
@@ -64,6 +63,11 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
 
 
 
+# How rank 0 says its coordinator's port was taken: jax raises the first when the join fails
+# on its thread; the second is gRPC's own line when the engine exits before it registered.
+PORT_TAKEN = ("Failed to start RPC server", "Failed to add port to server")
+
+
 class Startup:
     """Session's start (a mixin: the state is Session's, see session.py)."""
 
@@ -76,7 +80,7 @@ class Startup:
             except processes.StartRefused as exc:
                 raise StartError(str(exc)) from None
         if self._cache_dir is None and "jax" in self.settings.backend:
-            self._cache_dir = self.settings.cache_dir or tempfile.mkdtemp(prefix="spmd-jax-cache-")
+            self._cache_dir = self.settings.cache_dir or owned_folder("spmd-jax-cache-")
         with self._life:
             for attempt in (1, 2):
                 self._profile_dir = new_profile_dir()
@@ -93,7 +97,7 @@ class Startup:
                     again = (
                         attempt == 1
                         and not self._cancelled.is_set()
-                        and "Failed to start RPC server" in str(exc)
+                        and any(sign in str(exc) for sign in PORT_TAKEN)
                     )
                     self.stop(keep_cache=again)
                     if not again:

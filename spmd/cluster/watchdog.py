@@ -33,6 +33,7 @@ class Death:
     crash: Stack | None = None  # where it was, if it crashed with a Python stack to show
     host: str = ""
     cause: str = ""  # what is known where the exit code is not (a rank on another host)
+    log: str = ""  # the file with every line it printed in its cells ('' if none)
 
     @property
     def how(self) -> str:
@@ -64,6 +65,11 @@ class Death:
             lines.extend(f"    {ln}" for ln in self.last_lines)
         else:
             lines.append(f"Rank {self.rank} wrote nothing to its stdout or stderr before it died.")
+        if self.log:
+            lines.append(
+                f"Every line its cells printed: %spmd log {self.rank} ({self.log}, kept until "
+                "the next %spmd start)."
+            )
         return lines
 
 

@@ -218,12 +218,10 @@ def _log_parser() -> _Parser:
 
 
 def _rank(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"say which rank by its number, like 1, not {text!r}"
-        ) from None
+    """A rank's number: ASCII digits only ("²".isdigit() is true, and int() refuses it)."""
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"say which rank by its number, like 1, not {text!r}")
+    return int(text)
 
 
 def _gather_options(text: str) -> tuple[str, str | None, int]:

@@ -12,10 +12,19 @@ from contextlib import contextmanager
 # Cells that begin with one of these stay in the notebook.
 _LOCAL_PREFIXES = ("%spmd", "%%spmd", "%%local")
 
+# A cell that is only one of these ends the notebook's kernel, as in every Jupyter kernel
+# (IPython asks the front end to shut it down, and the shutdown stops the cluster): on the
+# ranks it would end each rank's engine instead.
+EXITS = ("exit", "quit", "exit()", "quit()")
+
+
+def is_exit(code: str) -> bool:
+    return code.strip() in EXITS
+
 
 def stays_local(lines: list[str]) -> bool:
     first = next((ln.lstrip() for ln in lines if ln.strip()), "")
-    return not first or first.startswith(_LOCAL_PREFIXES)
+    return not first or first.startswith(_LOCAL_PREFIXES) or is_exit("".join(lines))
 
 
 class AutoMode:

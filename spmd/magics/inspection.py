@@ -55,19 +55,27 @@ class Inspection:
         n = session.settings.n
         if opts.rank >= n:
             raise UsageError(f"%spmd log {opts.rank}: this cluster has ranks 0-{n - 1}.")
-        text, lines = session.logs.read(opts.rank, opts.tail)
+        # A flood's every line is in the log: by default only as many as a cell keeps.
+        tail = opts.tail or session.settings.max_output
+        text, lines = session.logs.read(opts.rank, tail)
         if not lines:
             say(f"Rank {opts.rank} has printed nothing since the cluster started.")
             return
-        which = f"the last {min(opts.tail, lines):,} of " if opts.tail else ""
-        say(f"[rank {opts.rank}] {which}{lines:,} lines ({session.logs.path(opts.rank)}):")
+        path = session.logs.path(opts.rank)
+        if tail is not None and lines > tail:
+            say(
+                f"[rank {opts.rank}] the last {tail:,} of {lines:,} lines; all of them are in "
+                f"{path} (%spmd log {opts.rank} --tail {lines} shows them here):"
+            )
+        else:
+            say(f"[rank {opts.rank}] {lines:,} lines ({path}):")
         sys.stdout.write(text)
 
     def _cmd_debug(self, args: list[str]):
         """Post-mortem pdb on a rank's last exception (the lowest rank that failed in the last
         cell, by default), like IPython's %debug: nothing runs again."""
         session = self._require_session()
-        if len(args) > 1 or (args and not args[0].isdigit()):
+        if len(args) > 1 or (args and not (args[0].isascii() and args[0].isdigit())):
             raise UsageError("%spmd debug takes one rank number, like %spmd debug 1, or none.")
         n = session.settings.n
         if args:

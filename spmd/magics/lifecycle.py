@@ -9,6 +9,7 @@ import time
 from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
+from spmd.cluster.logs import RankLogs
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics.arguments import _cache_folder, _options_checked, _placement, _start_parser
 from spmd.magics.background import BackgroundStart
@@ -75,6 +76,7 @@ class Lifecycle:
             )
         if self.session is not None:
             self.session.stop()  # (after a death, its controller and standbys)
+            self.session.logs.remove()  # (kept until now: a dead rank's lines matter)
         _warn_if_notebook_joined_jax()
         self._start(settings)
         self._show_as(opts)
@@ -90,8 +92,9 @@ class Lifecycle:
             if self.pending.settings == settings:
                 self._take_pending()
             else:
-                self.pending.cancel()
-                self.pending = None
+                with interrupts.held("cancelling the kernel's own start"):
+                    self.pending.cancel()
+                    self.pending = None
         if self._fresh and self.session is not None:
             self._fresh = False
             if self.session.running and self.session.settings == settings:
@@ -100,7 +103,9 @@ class Lifecycle:
             self.session = None
         return False
 
-    def _start(self, settings: Settings, cache_dir: str | None = None) -> None:
+    def _start(
+        self, settings: Settings, cache_dir: str | None = None, logs: RankLogs | None = None
+    ) -> None:
         if not settings.curve and settings.where.leaves_machine:
             say(
                 "Warning: --no-curve: messages to and from the other hosts are signed but "
@@ -109,26 +114,34 @@ class Lifecycle:
             )
         session = Session(settings)
         session._cache_dir = cache_dir  # a restart's: compiled cells stay compiled
+        if logs is not None:  # ... and the ranks' logs go on
+            session.logs = logs
         progress = StartProgress(settings.n, settings.backend)
         session.progress = progress.update
         progress.started = time.monotonic()  # (the same clock as the summary's seconds)
         # An interrupt may cancel the engines' start and join (the start then ends what it
         # began); once they have joined, the cluster is recorded here whatever comes.
         with interrupts.held("the start's last steps"):
+            self._refuse_if_shutting_down()
             self.starting = session  # (so that a shutdown from the control thread finds it)
             try:
                 with interrupts.interruptible():
                     session.start()
-            except StartError as exc:
-                progress.done(ok=False)
-                raise UsageError(str(exc)) from None
-            except BaseException:
-                progress.done(ok=False)
-                raise
-            finally:
+            except BaseException as exc:
                 self.starting = None
+                progress.done(ok=False)
+                # (a start interrupted right at its end still runs: stop is safe twice)
+                session.stop()
+                if isinstance(exc, StartError):
+                    raise UsageError(str(exc)) from None
+                raise
             session.progress = None
+            # (session first: a shutdown on the control thread looks at starting, then session)
             self.session = session
+            self.starting = None
+            if self._shutting_down:  # it came while the start ran: this cluster goes too
+                session.shutdown()
+                self._refuse_if_shutting_down()
             progress.done(ok=True)
             self.auto.on = True
             say(summary(session))
@@ -169,17 +182,23 @@ class Lifecycle:
                 say(summary(session, restarted=True))
                 return
             session.stop(keep_cache=True)
-        self._start(session.settings, cache_dir=session._cache_dir)
+        self._start(session.settings, cache_dir=session._cache_dir, logs=session.logs)
 
     def shutdown(self) -> None:
         """Stop whatever this notebook started, from any thread (ipykernel's control thread
         at a shutdown request): a start under way is cancelled, a cell's wait ends, and the
-        stop runs once the main thread has let go."""
+        stop runs once the main thread has let go. No start begins after it."""
+        self._shutting_down = True
         if self.pending is not None:
             self.pending.cancel()
         for session in (self.starting, self.session):
             if session is not None:
                 session.shutdown()
+
+
+    def _refuse_if_shutting_down(self) -> None:
+        if self._shutting_down:
+            raise UsageError("The kernel is shutting down: no cluster starts now.")
 
 
 def _warn_if_notebook_joined_jax() -> None:

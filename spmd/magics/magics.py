@@ -18,7 +18,7 @@ from spmd.cluster.session import OutOfStep, Session
 from spmd.cluster.watchdog import stack_section
 from spmd.magics import arrays, widgets
 from spmd.magics.arguments import _cell_parser, _gather_options, _words
-from spmd.magics.automode import AutoMode
+from spmd.magics.automode import AutoMode, is_exit
 from spmd.magics.background import BackgroundStart
 from spmd.magics.inspection import Inspection
 from spmd.magics.lifecycle import Lifecycle
@@ -49,6 +49,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         self.always_on = False
         self.pending: BackgroundStart | None = None
         self.starting: Session | None = None  # a %spmd start under way on the main thread
+        self._shutting_down = False  # set by shutdown (any thread): no start begins after it
         # The kernel's cluster has not been used yet: %spmd start may replace it.
         self._fresh = False
         self.panel = False  # the live panel for every cell (%spmd start --panel)
@@ -239,6 +240,12 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
                 )
         if not cell.strip():
             return None
+        if is_exit(cell) and not debugging:
+            raise UsageError(
+                "exit on the ranks would end each rank's process, and the next cell would find "
+                "them dead: %spmd stop ends the cluster, and exit in a cell of its own ends "
+                "this notebook's kernel (and its cluster)."
+            )
         try:
             run = session.run_cell(
                 cell,
@@ -330,4 +337,6 @@ def unregister(shell) -> None:
     magics = _magics.pop(id(shell), None)
     if magics is not None:
         magics.shutdown()
+        if magics.session is not None:
+            magics.session.logs.remove()
         magics.auto.uninstall()
