@@ -4,6 +4,7 @@ live panel and its summary, per-rank outputs as tabs."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from conftest import ready_cluster, run
@@ -120,3 +121,46 @@ def test_tabs_show_one_tab_per_group_of_ranks_and_keep_the_text(cluster):
     # the same on every rank: no tabs
     out = run(cluster, "%%spmd --tabs\nprint('same')")
     assert out.outputs == [] and out.stdout == "[ranks 0-1] same\n"
+
+
+def test_output_without_newlines_is_capped_too(cluster):
+    out = run(cluster, "%%spmd --max-output 10\nfor i in range(100_000):\n    print('.', end='')")
+    assert out.error is None
+    assert len(out.stdout) < 12_000, len(out.stdout)  # 100 kB per rank without the cap
+    assert "lines left out here" in out.stderr
+    # every dot is in the log
+    log = run(cluster, "%spmd log 0 --tail 1").stdout
+    assert log.splitlines()[-1].count(".") == 100_000
+
+
+def test_a_rank_still_streaming_a_flood_is_not_taken_for_a_diverged_one(cluster):
+    out = run(
+        cluster,
+        "%%spmd --grace 0.3 --max-output 10\n"
+        "for i in range(300_000 if rank == 0 else 1):\n    print(i)",
+    )
+    assert out.error is None, out.error
+    assert "299999" in out.stdout
+
+
+def test_what_a_thread_prints_after_its_cell_ended_is_logged_and_shown_next(cluster):
+    from conftest import session
+
+    client = session(cluster).client
+    started = run(
+        cluster,
+        "import threading\nthreading.Timer(0.5, print, ('FROM-THREAD', rank)).start()",
+    )
+    assert started.error is None
+    entries = len(client.metadata)
+    assert run(cluster, "%%local\nimport time\ntime.sleep(2)").error is None
+    # ipyparallel keeps no entry for a message whose cell had ended ...
+    assert len(client.metadata) <= entries
+    # ... the rank's log has the line ...
+    assert "FROM-THREAD 1" in run(cluster, "%spmd log 1").stdout
+    # ... and the next cell shows what came after the last look, labelled
+    assert run(cluster, "threading.Timer(0.3, print, ('AGAIN', rank)).start()").error is None
+    time.sleep(1.5)
+    shown = run(cluster, "x = 1").stdout
+    assert "[rank 0, after its cell ended] AGAIN 0\n" in shown, shown
+    assert "[rank 1, after its cell ended] AGAIN 1\n" in shown, shown

@@ -3,13 +3,14 @@ when the wait ends early (a death, a divergence, a timeout, an interrupt); the r
 
 from __future__ import annotations
 
+import queue
 import signal
 import time
 from collections.abc import Callable
 
 from spmd.cluster import control, interrupts, where
 from spmd.cluster.lockstep import CellRun
-from spmd.cluster.outputs import Output
+from spmd.cluster.outputs import Output, output_from_message
 from spmd.cluster.ranks import OutOfStep
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 
@@ -113,8 +114,12 @@ class Cells:
                 return DIED, None
             if until is not None and now >= until:
                 return TIMEOUT, timeout
+            # (a rank whose output keeps coming, a flood, is not stuck: the grace runs from
+            # the later of the first rank done and the latest output)
             diverged_at = (
-                None if grace is None or run.first_done is None else run.first_done + grace
+                None
+                if grace is None or run.first_done is None
+                else max(run.first_done, run.last_output or 0.0) + grace
             )
             if diverged_at is not None and now >= diverged_at:
                 return DIVERGED, grace
@@ -177,6 +182,28 @@ class Cells:
         self.gen.unfinished = run if left else None
         return left
 
+    def late_outputs(self) -> list[tuple[int, Output]]:
+        """What ranks printed after their cell had ended (a thread, a callback), since the
+        last look, in order: now in their logs, and for the notebook to show."""
+        late = getattr(self.client, "late", None)
+        if late is None:
+            return []
+        by_engine = {r.engine_id: r.rank for r in self.gen.ranks}
+        found = []
+        while True:
+            try:
+                engine_id, kind, content = late.get_nowait()
+            except queue.Empty:
+                break
+            rank, out = by_engine.get(engine_id), output_from_message(kind, content)
+            if rank is None or out is None:
+                continue
+            if out.kind in ("stdout", "stderr"):
+                self.logs.write(rank, out.text)
+            found.append((rank, out))
+        self.logs.flush()
+        return found
+
     def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
         """The main-thread Python stack of each rank (None: it did not answer)."""
         if not ranks or self.client is None:
@@ -222,7 +249,7 @@ class Cells:
             run = gen.unfinished
             if run is None:
                 return []
-            run.poll(0)
+            run.poll(0, answer=False)  # (a prompt is left for a person, not a keypress)
             for rank, cell in run.cells.items():
                 if cell.done and gen.ranks[rank].state == "busy":
                     gen.ranks[rank].state = "idle"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLaun
 from traitlets.config import Config
 
 from spmd.cluster import remote, ssh
+from spmd.cluster.client import SpmdClient
 from spmd.engine import bootstrap as engine
 from spmd.engine import placement
 from spmd.engine.orphans import PARENT_ENV
@@ -216,6 +218,19 @@ class SpmdCluster(Cluster):
 
         self._thread_loop.add_callback(run)
         return future
+
+    async def connect_client(self, **client_kwargs):
+        """ipyparallel's connect_client, with the client that keeps late outputs (client.py)."""
+        connection_info = self.controller.get_connection_info()
+        if inspect.isawaitable(connection_info):
+            connection_info = await connection_info
+        return SpmdClient(
+            connection_info["client"],
+            cluster=self,
+            profile_dir=self.profile_dir,
+            cluster_id=self.cluster_id,
+            **client_kwargs,
+        )
 
     async def promote_standby(self) -> None:
         """The standbys become the ranks; the old ranks' engines are stopped."""

@@ -44,6 +44,7 @@ class CellRun:
     cells: dict[int, RankCell] = field(default_factory=dict)
     started: float = 0.0
     first_done: float | None = None  # when the first rank finished (time.monotonic())
+    last_output: float | None = None  # when a rank's latest output came (time.monotonic())
     stall: object | None = None  # a watchdog.Stall when the wait ended before every rank did
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _pending: dict[int, set] = field(default_factory=dict)
@@ -82,11 +83,12 @@ class CellRun:
     def finished(self) -> bool:
         return not self.busy_ranks
 
-    def poll(self, wait: float) -> None:
+    def poll(self, wait: float, answer: bool = True) -> None:
         """Handle every event that arrives within ``wait`` seconds (at least one, if any),
-        and answer the ranks' prompts that came with them, lowest rank first."""
+        and answer the ranks' prompts that came with them, lowest rank first (``answer``
+        False: they wait for a poll that answers; a keypress's completion must not)."""
         self._take(wait)
-        while self._requests:
+        while answer and self._requests:
             self._take(0.05)  # (prompts of several ranks come together: all of them first)
             self._requests.sort(key=lambda pair: pair[0])
             self._answer(*self._requests.pop(0))
@@ -121,6 +123,7 @@ class CellRun:
         out = output_from_message(kind, content or {})
         if out is None:
             return
+        self.last_output = time.monotonic()
         if out.kind == "display" and prompts.REQUEST in out.data:
             self._requests.append((rank, out.data[prompts.REQUEST]))
             self.prompting.add(rank)
@@ -139,7 +142,9 @@ class CellRun:
                 answer = {"error": "interrupt"}
             elif request["kind"] == "breakpoint":
                 if self._stopper is None:
-                    self._stopper = rank  # (the lowest rank that asked: they come sorted)
+                    # the first to ask: of those that asked within 50 ms (poll collects
+                    # them), the lowest; a lower rank that comes later is not waited for
+                    self._stopper = rank
                 answer = {"stop": self.breakpoints == "all" or rank == self._stopper}
             elif self.on_prompt is None:
                 answer = {"error": "input was called on a rank, but nothing answers it."}

@@ -75,6 +75,7 @@ class RankCell:
     max_lines: int | None = None
     left_out: int = 0  # stream lines not kept
     _head: int = 0  # stream lines kept from the start
+    _head_chars: int = 0  # ... and their characters
     _tail: collections.deque | None = None  # (stream, line) kept since the head was full
 
     @property
@@ -96,22 +97,33 @@ class RankCell:
             self.outputs.append(out)
 
     def _keep_head(self, out: Output) -> Output | None:
-        """The part of a stream chunk that fits in the head; the rest goes to the tail."""
+        """The part of a stream chunk that fits in the head; the rest goes to the tail.
+        Lines and characters both count: output with no newline is capped too."""
+        half = max(1, self.max_lines // 2)
         if self._tail is None:
-            room = max(1, self.max_lines // 2) - self._head
-            lines = out.text.splitlines(keepends=True)
-            if len(lines) <= room:
+            room = half - self._head
+            chars = half * LINE_WIDTH - self._head_chars  # (what the head may still hold)
+            lines = pieces(out.text)
+            if len(lines) <= room and len(out.text) <= chars:
                 self._head += out.text.count("\n")
+                self._head_chars += len(out.text)
                 return out
-            self._head += room
-            self._tail = collections.deque(maxlen=max(1, self.max_lines - self.max_lines // 2))
-            self._append(Output(out.kind, "".join(lines[:room])))
-            rest = lines[room:]
+            keep = 0
+            for piece in lines[:room]:
+                if len(piece) > chars:
+                    break
+                keep, chars = keep + 1, chars - len(piece)
+            self._head += keep
+            self._tail = collections.deque(maxlen=max(1, self.max_lines - half))
+            if keep:
+                self._append(Output(out.kind, "".join(lines[:keep])))
+            rest = lines[keep:]
         else:
-            rest = out.text.splitlines(keepends=True)
+            rest = pieces(out.text)
         tail = self._tail
         if rest and tail and tail[-1][0] == out.kind and not tail[-1][1].endswith("\n"):
-            tail[-1] = (out.kind, tail[-1][1] + rest.pop(0))  # the rest of a line begun before
+            # the rest of a line begun before (cut again where it grew past LINE_WIDTH)
+            rest = pieces(tail.pop()[1] + rest[0]) + rest[1:]
         if len(rest) >= tail.maxlen:  # (a million lines come in big chunks: skip, don't loop)
             self.left_out += len(tail) + len(rest) - tail.maxlen
             tail.clear()
@@ -132,6 +144,22 @@ class RankCell:
                 out.text = drop_chatter(out.text)
         self.outputs = [o for o in self.outputs if o.kind not in ("stdout", "stderr") or o.text]
         self.done = True
+
+
+# Where --max-output counts lines, a longer line counts as several of at most this many
+# characters: output without newlines (print('.', end='') in a loop) is capped as well.
+LINE_WIDTH = 500
+
+
+def pieces(text: str) -> list[str]:
+    """``text`` as lines (with their ends), each cut into pieces of at most LINE_WIDTH."""
+    found = []
+    for line in text.splitlines(keepends=True):
+        while len(line) > LINE_WIDTH:
+            found.append(line[:LINE_WIDTH])
+            line = line[LINE_WIDTH:]
+        found.append(line)
+    return found
 
 
 def left_out_line(lines: int) -> str:

@@ -97,7 +97,8 @@ def _start_parser() -> _Parser:
     return p
 
 
-# breakpoint() on the ranks: only the lowest rank that reaches one stops, or every rank
+# breakpoint() on the ranks: one rank stops (the first to reach one; of those that reach it
+# within 50 ms, the lowest), or every rank
 BREAKPOINTS = ("lowest", "all")
 
 

@@ -30,6 +30,7 @@ from spmd.magics.render import (
     RankResults,
     group_errors,
     group_results,
+    labelled,
     show_group,
     show_outputs,
 )
@@ -102,8 +103,9 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         A rank keeps at most ``--max-output`` lines (default 1000) of a cell in the notebook:
         its first and last lines; ``%spmd log RANK`` has them all. ``input()``, ``getpass``
         and pdb on a rank prompt here, labelled by rank, one rank at a time in rank order;
-        at ``breakpoint()`` only the lowest rank that reaches it stops (``--breakpoint all``:
-        every rank), and the others go on to wait in their next collective.
+        at ``breakpoint()`` one rank stops, the first to reach it (the lowest, of those that
+        reach it together; ``--breakpoint all``: every rank), and the others go on to wait in
+        their next collective.
 
         When some ranks are still busy ``--grace`` seconds (default 2, ``off`` to disable)
         after another rank finished, or after ``--timeout`` seconds, or when you interrupt
@@ -227,6 +229,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         live = LiveView(where=session.stacks, panel=panel)
         if started:
             live.reprint("stdout", started + "\n")
+        _show_late(live, session.late_outputs())
         n = session.settings.n
         ranks = opts.ranks
         if ranks is not None:
@@ -287,6 +290,19 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
         dead = [d.rank for d in stall.deaths] if stall is not None else []
         raise RankErrors(errors, sorted(run.cells), notes, details, hints, dead)
+
+
+def _show_late(live: LiveView, late: list) -> None:
+    """What ranks printed after their cell had ended (threads, callbacks), before this cell's
+    own outputs, labelled as such."""
+    for rank, out in late:
+        label = f"[rank {rank}, after its cell ended]"
+        if out.kind in ("stdout", "stderr"):
+            live.note(out.kind, labelled(label, out.text))
+        elif out.kind == "error":
+            live.note("stderr", labelled(label, "\n".join(out.traceback) or out.evalue))
+        elif out.kind == "display":
+            show_group([rank], out)
 
 
 def _interrupted_by_us(stall) -> set[int]:
