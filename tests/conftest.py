@@ -51,6 +51,28 @@ def run(shell: InteractiveShell, code: str) -> CellResult:
     return CellResult(stdout, stderr, shown, error)
 
 
+@contextlib.contextmanager
+def displays():
+    """Every display and display update that cells publish in this block, in order: what a
+    front end receives (``run``'s outputs lose what a clear_output cleared)."""
+    from IPython.core.displaypub import CapturingDisplayPublisher
+
+    seen: list[dict] = []
+    original = CapturingDisplayPublisher.publish
+
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
+        seen.append(data)
+        return original(
+            self, data, metadata=metadata, source=source, transient=transient, update=update
+        )
+
+    CapturingDisplayPublisher.publish = publish
+    try:
+        yield seen
+    finally:
+        CapturingDisplayPublisher.publish = original
+
+
 def session(shell: InteractiveShell):
     """The shell's SPMD session (None before the first start)."""
     return shell.magics_manager.registry["SpmdMagics"].session
@@ -249,6 +271,13 @@ def spmd_processes(parent_pid: int | None = None) -> list[psutil.Process]:
             continue
         found.append(proc)
     return found
+
+
+def started_since(before: set[int]) -> list[psutil.Process]:
+    """This test run's live processes that were not among the pids ``before`` (taken with
+    ``{p.pid for p in spmd_processes()}``): what one test started, whatever carries
+    SPMD_PARENT_PID (mpiexec's ranks do not), leaving out a module's own daemons."""
+    return [p for p in spmd_processes() if p.pid not in before]
 
 
 def wait_until_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:

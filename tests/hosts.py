@@ -1,21 +1,32 @@
 """Hosts for the tests: network namespaces on a bridge, each running its own sshd.
 
-Each host has its own network stack (its own loopback, its own address on the bridge) and its
-own host name, so ranks started there reach the notebook only across the bridge, as on a real
-cluster; the file system is shared, so the hosts run this checkout's Python. Everything is
-made from the test and ended by its own handles: the sshd processes, the namespaces, the
-bridge.
+Each host has its own network stack (its own loopback, its own address on the bridge), its
+own host name and its own /tmp, so ranks started there reach the notebook only across the
+bridge and leave their files on their own disk, as on a real cluster. The rest of the file
+system is shared, as home folders are on a cluster: the hosts run this checkout's Python (and
+see, in their /tmp, this checkout and its environment where those are under /tmp, and the
+hosts' own folder, ``folder``, for files a test gives them). Everything is made from the test
+and ended by its own handles: the sshd processes and what runs in the namespaces, the
+namespaces, the bridge.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+_MADE = itertools.count()
 
 
 def _run(*args: str) -> None:
@@ -26,7 +37,7 @@ def why_not() -> str:
     """'' when namespace hosts can be made here; else why not."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "unshare", "/usr/sbin/sshd", "ssh"):
+    for tool in ("ip", "unshare", "mount", "/usr/sbin/sshd", "ssh"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt-get install iproute2 openssh-server)"
     probe = f"spmdprobe{os.getpid()}"
@@ -47,6 +58,7 @@ class Hosts:
     names: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     _sshd: list[subprocess.Popen] = field(default_factory=list)
+    _outer: list[str] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
     _bridge: str = ""
 
@@ -79,7 +91,9 @@ class Hosts:
         self.close()
 
     def _make(self) -> None:
-        tag = f"{os.getpid() % 100000}"
+        # (names unique to this set of hosts: a test may make its own beside a module's;
+        # an interface name has at most 15 characters)
+        tag = f"{os.getpid() % 1000}{next(_MADE) % 100}"
         subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
         self._bridge = f"spbr{tag}"
         _run("ip", "link", "add", self._bridge, "type", "bridge")
@@ -128,11 +142,28 @@ class Hosts:
                 f.write(hosts_file)
         for name, ns in zip(self.names, self._namespaces):
             sshd_config = os.path.join(self.folder, f"sshd_{name}")
-            # Its own host name (a UTS namespace), so the ranks there say "node1".
+            # Its own host name (a UTS namespace), so the ranks there say "node1", and its
+            # own /tmp (a mount namespace), with the shared folders bound back into it.
+            outer = f"/run/spmd-outer-{tag}-{name}"
+            os.makedirs(outer, exist_ok=True)
+            self._outer.append(outer)
+            # (where the notebook's folders go: TMPDIR, or /tmp)
+            tmp = os.path.realpath(tempfile.gettempdir())
+            q = shlex.quote
+            binds = "".join(
+                f" && mkdir -p {q(d)} && mount --rbind {q(outer + d[len(tmp):])} {q(d)}"
+                for d in self.shared_under_tmp()
+            )
+            script = (
+                f"mount --rbind {q(tmp)} {q(outer)} "
+                f"&& mount -t tmpfs -o mode=1777 tmpfs {q(tmp)}{binds} "
+                f"&& umount -l {q(outer)} && hostname {name} "
+                f"&& exec /usr/sbin/sshd -D -e -f {q(sshd_config)}"
+            )
             self._sshd.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                     f"hostname {name} && exec /usr/sbin/sshd -D -e -f {sshd_config}"],
+                    ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c",
+                     script],
                     stdout=subprocess.DEVNULL,
                     stderr=open(os.path.join(self.folder, f"sshd_{name}.log"), "w"),  # noqa: SIM115
                 )
@@ -149,6 +180,23 @@ class Hosts:
         for name in self.names:  # each sshd answers before the test goes on
             self.ssh(name, "true", timeout=30)
 
+    def shared_under_tmp(self) -> list[str]:
+        """The folders in the temporary folder that the hosts share with this machine: this
+        checkout, its Python environment, the hosts' folder (parents before children)."""
+        here = [
+            str(Path(__file__).resolve().parents[1]), sys.prefix, self.folder,
+            *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+        ]
+        tmp = os.path.realpath(tempfile.gettempdir())
+        found = {os.path.realpath(p) for p in here if p}
+        return sorted(p for p in found if p.startswith(tmp + "/"))
+
+    def cut(self, host: str) -> None:
+        """Take ``host``'s link down: it stops answering, as a crashed node or a pulled
+        cable would."""
+        ns = self._namespaces[self.names.index(host)]
+        _run("ip", "-n", ns, "link", "set", "eth0", "down")
+
     def ssh(self, host: str, command: str, timeout: float = 30) -> str:
         for attempt in range(50):
             done = subprocess.run(
@@ -157,8 +205,6 @@ class Hosts:
             )
             if done.returncode != 255 or attempt == 49:  # 255: ssh itself failed
                 break
-            import time
-
             time.sleep(0.1)
         done.check_returncode()
         return done.stdout
@@ -177,6 +223,18 @@ class Hosts:
         for sshd in self._sshd:
             sshd.kill()
             sshd.wait(10)
+        # What still runs in a namespace (a rank on a host that was cut off) would outlive
+        # ``ip netns del``: it ends here, by its handle.
+        left = []
+        for pid in self.pids():
+            try:
+                left.append(psutil.Process(pid))
+                left[-1].kill()
+            except psutil.Error:
+                continue
+        psutil.wait_procs(left, timeout=10)
+        for outer in self._outer:
+            shutil.rmtree(outer, ignore_errors=True)
         for ns in self._namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)

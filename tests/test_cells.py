@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 from conftest import ready_cluster, run, wait_until_gone
@@ -16,8 +18,16 @@ def cluster(module_shell):
     return ready_cluster(module_shell, "start -n 2 -d 2", "import jax")
 
 
-def test_start_prints_one_summary_line(cluster):
-    session = cluster.magics_manager.registry["SpmdMagics"].session
+def test_start_prints_one_summary_line(fresh):
+    out = run(fresh, "%spmd start -n 2 -d 2")
+    assert out.error is None, out.stderr
+    # (the progress line is rewritten in place while it starts, then gives way to this)
+    assert re.fullmatch(
+        r"Started 2 processes, 2 devices per process, 4 global devices \(jax\) in \d+\.\d+ s\. "
+        r"Auto mode on: every cell now runs on all ranks[^\n]*\n",
+        out.stdout,
+    ), out.stdout
+    session = fresh.magics_manager.registry["SpmdMagics"].session
     assert [r.rank for r in session.ranks] == [0, 1]
     assert all(r.local_devices == 2 and r.global_devices == 4 for r in session.ranks)
 

@@ -8,12 +8,22 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import report, run, spmd_processes, standbys_ready, wait_until_gone
+from conftest import (
+    report,
+    run,
+    spmd_processes,
+    standbys_ready,
+    started_since,
+    wait_until_gone,
+)
 from hosts import Hosts, why_not
 from IPython.core.error import UsageError
 
@@ -34,6 +44,27 @@ def hosts():
         pytest.skip(f"no hosts in network namespaces here: {reason}")
     with Hosts(2) as made:
         yield made
+        # (what a test left on a host would end with the namespaces, unseen: seen here)
+        assert nothing_left_on(made) == []
+
+
+def hub_answers(info: dict, curve: bool) -> bool:
+    """Whether the controller answers a signed connection request on its query port."""
+    import zmq
+    from jupyter_client.session import Session as Signer
+
+    signer = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = info["curve_serverkey"].encode()
+    try:
+        sock.connect(f"{info['interface']}:{info['registration']}")
+        signer.send(sock, "connection_request")
+        return bool(sock.poll(3000))
+    finally:
+        sock.close()
 
 
 def magics(shell):
@@ -99,6 +130,10 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
     with open(os.path.join(security, client_file)) as f:
         info = json.load(f)
     assert info["curve_serverkey"] and info["key"]
+    # A client with the signing key but without the server's curve key gets no answer; with
+    # it, the same request is answered (so the silence is the encryption's doing).
+    assert not hub_answers(info, curve=False)
+    assert hub_answers(info, curve=True)
 
     out = run(fresh, "%spmd stop")
     assert out.error is None
@@ -113,7 +148,7 @@ def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):
         "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM,
     )
     text = report(out)
-    assert text.startswith("Rank 1 died: its process on node2 ended."), text
+    assert text.startswith("Rank 1 on node2 died: its process ended."), text
     status = run(fresh, "%spmd status").stdout
     assert "died" in status
     restart_psum_and_stop(fresh, hosts)
@@ -200,8 +235,9 @@ def test_ssh_bad_hosts_give_one_sentence_and_leave_nothing(fresh, hosts, tmp_pat
     assert magics(fresh).session is None or not magics(fresh).session.running
 
 
-def test_ssh_jax_missing_on_the_hosts_says_so(fresh, hosts, tmp_path):
-    # A Python on the hosts where jax cannot be imported.
+def test_ssh_jax_missing_on_the_hosts_says_so(fresh, hosts):
+    # A Python on the hosts where jax cannot be imported (in the folder the hosts share).
+    tmp_path = Path(hosts.folder)
     fake = tmp_path / "nojax" / "jax"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError(\"No module named 'jax'\")\n")
@@ -215,9 +251,9 @@ def test_ssh_jax_missing_on_the_hosts_says_so(fresh, hosts, tmp_path):
     assert nothing_left_on(hosts) == []
 
 
-def test_ssh_hosts_slower_than_the_start_timeout_are_named(fresh, hosts, tmp_path):
+def test_ssh_hosts_slower_than_the_start_timeout_are_named(fresh, hosts):
     # A Python that takes 60 s to start an engine there (and no time for anything else).
-    python = tmp_path / "slow-python"
+    python = Path(hosts.folder) / "slow-python"
     python.write_text(
         "#!/bin/sh\n"
         f'case "$*" in *spmd.engine*) exec {sys.executable} -c '
@@ -237,6 +273,68 @@ def test_ssh_hosts_slower_than_the_start_timeout_are_named(fresh, hosts, tmp_pat
     assert nothing_left_on(hosts) == []
 
 
+def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(fresh, hosts):
+    # (each host has its own /tmp, as on a cluster: the notebook's clean-up cannot reach it)
+    out = run(fresh, ssh_start(hosts, extra="--standby off"))
+    assert out.error is None, out.stdout + out.stderr
+    profile = magics(fresh).session._profile_dir
+    for name in hosts.names:
+        assert hosts.ssh(name, f"stat -c %a {profile}").strip() == "700"
+        assert hosts.ssh(name, f"ls {profile}/log").count("ipengine-") == 1
+    assert run(fresh, "%spmd stop").error is None
+    for name in hosts.names:
+        left = [e for e in hosts.ssh(name, "ls -A /tmp").split() if e.startswith("spmd-")]
+        assert left == [os.path.basename(hosts.folder)] or left == [], (name, left)
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_python_paths_are_quoted_on_the_hosts(fresh, hosts):
+    spaced = os.path.join(hosts.folder, "a python")
+    os.makedirs(spaced, exist_ok=True)
+    python = os.path.join(spaced, "python3")  # (this environment's Python, by another path)
+    with open(python, "w") as f:
+        f.write(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    os.chmod(python, 0o755)
+    out = run(fresh, ssh_start(hosts, extra="--standby off").replace(
+        f"--python {hosts.python}", f"--python '{python}'"))
+    assert out.error is None, out.stdout + out.stderr
+    assert run(fresh, "%spmd stop").error is None
+    # a ; in it is part of the name, not a second command
+    marker = os.path.join(hosts.folder, "ran")
+    with pytest.raises(UsageError, match="--python names a Python with jupyter-spmd"):
+        fresh.run_line_magic("spmd", ssh_start(hosts).replace(
+            f"--python {hosts.python}", f"--python '{sys.executable}; touch {marker}'"
+        ).removeprefix("%spmd "))
+    assert not os.path.exists(marker)
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_a_host_cut_off_is_reported_within_seconds_and_stop_returns(fresh):
+    with Hosts(2) as cut:  # (hosts of its own: one of them loses its link)
+        out = run(fresh, ssh_start(cut, extra="--standby off"))
+        assert out.error is None, out.stdout + out.stderr
+        assert run(fresh, SETUP).error is None
+        assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+        timer = threading.Timer(1.0, cut.cut, ("node2",))
+        timer.start()
+        t0 = time.monotonic()
+        out = run(fresh, "time.sleep(2)\n" + PSUM)
+        reported = time.monotonic() - t0
+        timer.join()
+        text = report(out)
+        assert re.match(r"Rank 1 on node2 died: it(s host)? stopped answering", text), text
+        assert reported < 20, reported  # the link went down 1 s in
+        t0 = time.monotonic()
+        assert run(fresh, "%spmd stop").error is None
+        assert time.monotonic() - t0 < 10
+        # node1 still answers: nothing is left there
+        sshd = {p.pid for p in cut._sshd}
+        node1 = cut._namespaces[0]
+        on_node1 = subprocess.run(["ip", "netns", "pids", node1], capture_output=True, text=True)
+        left = [int(p) for p in on_node1.stdout.split() if int(p) not in sshd]
+        assert not wait_until_gone([psutil.Process(p) for p in left if psutil.pid_exists(p)], 10)
+
+
 # -- mpi --------------------------------------------------------------------------------------
 
 needs_mpiexec = pytest.mark.skipif(
@@ -246,6 +344,7 @@ needs_mpiexec = pytest.mark.skipif(
 
 @needs_mpiexec
 def test_mpi_psum_with_ranks_from_mpiexec(fresh):
+    before = {p.pid for p in spmd_processes()}
     out = run(fresh, "%spmd start -n 2 --launcher mpi")
     assert out.error is None, out.stdout + out.stderr
     assert run(fresh, SETUP).error is None
@@ -260,19 +359,38 @@ def test_mpi_psum_with_ranks_from_mpiexec(fresh):
     assert run(fresh, "%spmd restart").error is None
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    pid = os.getpid()
     run(fresh, "%spmd stop")
-    assert wait_until_gone(spmd_processes(pid)) == []
+    assert wait_until_gone(started_since(before)) == []
+
+
+@needs_mpiexec
+def test_mpi_with_a_host_file_listens_where_other_machines_reach_it(fresh, tmp_path):
+    # mpiexec may put ranks on any machine of its host file: the controller cannot stay on
+    # the loopback (ranks elsewhere would never register), and its traffic is encrypted.
+    before = {p.pid for p in spmd_processes()}
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost:2\n")
+    out = run(fresh, f'%spmd start -n 2 --launcher mpi --launcher-arg "mpi_args=-f {hostfile}"')
+    assert out.error is None, out.stdout + out.stderr
+    session = magics(fresh).session
+    assert session._address != "127.0.0.1"
+    assert session.settings.where.leaves_machine  # (so CurveZMQ is on)
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    assert run(fresh, "%spmd stop").error is None
+    assert not wait_until_gone(started_since(before), 10)
 
 
 @needs_mpiexec
 def test_mpi_where_and_interrupt_reach_ranks_without_handles(fresh):
+    before = {p.pid for p in spmd_processes()}
     assert run(fresh, "%spmd start -n 2 --launcher mpi").error is None
     assert run(fresh, SETUP).error is None
     text = report(run(fresh, "%%spmd --grace 1\nif rank == 0:\n    time.sleep(60)\n"))
     assert "[rank 0] was running at cell line 2: time.sleep(60)" in text
     assert magics(fresh).session.busy_ranks() == []
     run(fresh, "%spmd stop")
+    assert wait_until_gone(started_since(before)) == []
 
 
 # -- slurm ------------------------------------------------------------------------------------

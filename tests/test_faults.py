@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ready_cluster, report, restart_and_run, run, session
+from conftest import displays, ready_cluster, report, restart_and_run, run, session
 from IPython.core.error import UsageError
 
 from spmd.magics.render import LiveView
@@ -87,6 +87,24 @@ def test_one_rank_still_running_after_the_grace_is_named(cluster):
     restart_and_psum(cluster)
 
 
+def test_the_watchdogs_interrupt_reaches_a_rank_and_ends_its_cell(cluster):
+    # (the report is written before any signal is sent: only the rank itself can show that
+    # the SIGINT came)
+    cell = (
+        "%%spmd --grace 0.5\n"
+        "if rank == 1:\n"
+        "    try:\n"
+        "        time.sleep(60)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('rank 1 got the interrupt')\n"
+    )
+    text = report(run(cluster, cell))
+    assert "did not respond" not in text, text
+    assert not session(cluster).busy_ranks()
+    assert "rank 1 got the interrupt" in run(cluster, "%spmd log 1").stdout
+    restart_and_psum(cluster)
+
+
 def test_where_shows_busy_ranks_and_interrupt_says_who_did_not_respond(cluster):
     stubborn = (
         "%%spmd --grace 0.5\n"
@@ -114,16 +132,11 @@ def test_where_shows_busy_ranks_and_interrupt_says_who_did_not_respond(cluster):
 def test_a_long_cell_shows_the_line_each_busy_rank_is_on(cluster, monkeypatch):
     monkeypatch.setattr(LiveView, "look_after", 1.0)
     monkeypatch.setattr(LiveView, "look_every", 1.0)
-    seen: list[str] = []  # what the live view showed while the cell ran
-    tick = LiveView.tick
-
-    def watched_tick(self, run=None):
-        tick(self, run)
-        if self.status:
-            seen.append("\n".join(self.status))
-
-    monkeypatch.setattr(LiveView, "tick", watched_tick)
-    out = run(cluster, "%%spmd --grace off --timeout 4\nif rank == 1:\n    time.sleep(60)\n" + PSUM)
+    with displays() as shown:  # what the live view showed while the cell ran
+        out = run(
+            cluster, "%%spmd --grace off --timeout 4\nif rank == 1:\n    time.sleep(60)\n" + PSUM
+        )
+    seen = [d.get("text/plain", "") for d in shown]
     live = next(text for text in seen if text.startswith("Still running after"))
     assert "  rank 0 at cell line 3: " + PSUM + "   (waiting inside jax)" in live
     assert "  rank 1 at cell line 2: time.sleep(60)" in live
@@ -254,3 +267,24 @@ def test_a_session_timeout_applies_to_every_cell(cluster):
         assert text.startswith("Timed out after 1 s")
     finally:
         run(shell, "%spmd stop")
+
+
+def test_a_completions_look_at_busy_ranks_leaves_a_ranks_prompt_waiting(cluster):
+    # The notebook gave up on the cell (a timeout; the rank ignores SIGINT), and afterwards
+    # the rank asks for input. Tab completion checks for busy ranks on every keypress: that
+    # look must not answer the rank's prompt (it would get an EOFError from a keypress).
+    cell = (
+        "%%spmd --timeout 1 --grace off\n"
+        "import signal\n"
+        "if rank == 1:\n"
+        "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "    time.sleep(4)\n"
+        "    answer = input('name? ')\n"
+    )
+    text = report(run(cluster, cell))  # (over in about 2 s: the report's wait is done)
+    assert "Rank 1 did not respond to the interrupt" in text, text
+    time.sleep(3.5)  # rank 1 is at its prompt now
+    for _ in range(5):
+        assert session(cluster).busy_ranks() == [1]
+        time.sleep(0.1)
+    restart_and_psum(cluster)

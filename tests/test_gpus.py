@@ -74,17 +74,24 @@ def fresh(shell):
 @pytest.mark.parametrize(
     ("gpus", "extra", "expected"),
     [
-        (8, "", "[rank 0] 0,1,2,3 0\n[rank 1] 4,5,6,7 1\n"),
-        (2, "", "[rank 0] 0 0\n[rank 1] 1 1\n"),
-        (8, "--gpus-per-process 1", "[rank 0] 0 0\n[rank 1] 1 1\n"),
+        (8, "--backend jax", "[rank 0] 0,1,2,3 0\n[rank 1] 4,5,6,7 1\n"),
+        (2, "--backend none", "[rank 0] 0 0\n[rank 1] 1 1\n"),
+        (8, "--backend jax --gpus-per-process 1", "[rank 0] 0 0\n[rank 1] 1 1\n"),
     ],
 )
 def test_each_rank_sees_its_own_gpus_before_jax_starts(fresh, fake_gpus, gpus, extra, expected):
     fake_gpus(gpus)
-    out = run(fresh, f"%spmd start -n 2 --backend none {extra}")
+    out = run(fresh, f"%spmd start -n 2 {extra}")
     assert out.error is None, out.stdout + out.stderr
     out = run(fresh, "import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['LOCAL_RANK'])")
     assert out.stdout == expected
+    if "jax" in extra:  # set before jax was imported (jax reads it once, when it starts)
+        out = run(
+            fresh,
+            "import jax\nfrom spmd.engine.bootstrap import TIMELINE as t\n"
+            "print(jax.process_count(), t['backend_before_gpus'], t['gpus'] < t['imported'])",
+        )
+        assert out.stdout == "[ranks 0-1] 2 0.0 True\n", out.stdout + out.stderr
     status = run(fresh, "%spmd status").stdout
     assert status.splitlines()[0].split() == [
         "rank", "host", "pid", "state", "devices", "gpus", "last", "cell"

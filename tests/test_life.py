@@ -45,30 +45,24 @@ def psum_runs(shell) -> None:
 
 
 @contextlib.contextmanager
-def sigint_guard():
-    """SIGINTs that come after the cell under test do nothing (they must not stop pytest)."""
-    yield
-    previous = signal.signal(signal.SIGINT, lambda *_: None)
-    time.sleep(0.05)
-    signal.signal(signal.SIGINT, previous)
-
-
 def interrupt_inside(
     stretch: str, count: int = 3, after_wait: bool = False, delay: float = 0.0
 ):
-    """A thread that waits until the main thread is inside the held stretch ``stretch``
-    (with SIGINT held there, not in an interruptible part of it; with ``after_wait``, only
-    once an interruptible part, a cell's wait, has come and gone; with ``delay``, that many
-    seconds after the stretch began, wherever in it the main thread is then), and sends the
-    notebook's process up to ``count`` SIGINTs, 2 ms apart, while it is still inside: the
-    notebook's Interrupt, pressed impatiently. What it sent is listed in the second value."""
+    """While the block runs, a thread waits until the main thread is inside the held stretch
+    ``stretch`` (with SIGINT held there, not in an interruptible part of it; with
+    ``after_wait``, only once an interruptible part, a cell's wait, has come and gone; with
+    ``delay``, that many seconds after the stretch began, wherever in it the main thread is
+    then), and sends the notebook's process up to ``count`` SIGINTs, 2 ms apart, while it is
+    still inside: the notebook's Interrupt, pressed impatiently. Yields the list of what it
+    sent. When the block ends the thread is ended, and a SIGINT still in flight does nothing
+    (it must not reach pytest, or a later test)."""
     me = os.getpid()
-    sent = []
+    sent: list[float] = []
+    done = threading.Event()
 
     def watch() -> None:
-        deadline = time.monotonic() + 60
         waited = not after_wait
-        while time.monotonic() < deadline:
+        while not done.is_set():
             inside = stretch in interrupts._held
             held = inside and signal.getsignal(signal.SIGINT) is interrupts._note
             waited = waited or (inside and not held)
@@ -87,16 +81,21 @@ def interrupt_inside(
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
-    return thread, sent
+    try:
+        yield sent
+    finally:
+        previous = signal.signal(signal.SIGINT, lambda *_: None)
+        done.set()
+        thread.join()
+        time.sleep(0.05)
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_sigint_during_stop_is_held_and_the_stop_finishes(fresh):
     assert run(fresh, "%spmd start -n 2").error is None
     pids = [r.pid for r in session(fresh).ranks]
-    with sigint_guard():
-        thread, sent = interrupt_inside("the stop")
+    with interrupt_inside("the stop") as sent:
         out = run(fresh, "%spmd stop")
-        thread.join(5)
     assert sent, "the stop was over before an interrupt could land in it"
     assert out.error is None, out.error
     assert out.stdout.startswith("Stopped 2 processes in "), out.stdout
@@ -110,10 +109,8 @@ def test_sigint_during_stop_is_held_and_the_stop_finishes(fresh):
 def test_sigint_during_a_report_is_held_and_the_guard_comes(fresh):
     assert run(fresh, "%spmd start -n 2 --grace 0.5").error is None
     assert run(fresh, SETUP).error is None
-    with sigint_guard():
-        thread, sent = interrupt_inside("the report", after_wait=True)
+    with interrupt_inside("the report", after_wait=True) as sent:
         out = run(fresh, "if rank == 0:\n    raise ValueError('diverge')\n" + PSUM)
-        thread.join(5)
     assert sent
     assert "The ranks diverged: rank 1 is waiting in a collective" in report(out), report(out)
     assert "Interrupt held until the report finished" in out.stderr
@@ -128,10 +125,8 @@ def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, del
     nothing changed; from the promotion on, it waits until the new ranks have joined."""
     assert run(fresh, "%spmd start -n 2").error is None
     standbys_ready(fresh)
-    with sigint_guard():
-        thread, sent = interrupt_inside("the restart", count=1, delay=delay)
+    with interrupt_inside("the restart", count=1, delay=delay) as sent:
         out = run(fresh, "%spmd restart")
-        thread.join(5)
     if out.error is not None:  # it came before the promotion: the old ranks are still here
         assert isinstance(out.error, KeyboardInterrupt), out.error
     else:
@@ -147,10 +142,8 @@ def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, del
 
 def test_an_interrupt_during_a_fresh_restart_never_leaves_a_half_cluster(fresh):
     assert run(fresh, "%spmd start -n 2 --standby off").error is None
-    with sigint_guard():
-        thread, sent = interrupt_inside("the stop", count=1)
+    with interrupt_inside("the stop", count=1) as sent:
         out = run(fresh, "%spmd restart")
-        thread.join(5)
     assert sent
     # the stop finished (held); the start after it is a start like any other
     assert out.error is None or isinstance(out.error, KeyboardInterrupt), out.error

@@ -32,8 +32,6 @@ def new_notebook(tmp_path: Path, *cells: str) -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def started(text: str) -> str:
     """A start cell's summary line, after the start's timeline (what its progress became)."""
     timeline, summary = text.rstrip("\n").split("\n")
@@ -41,6 +39,8 @@ def started(text: str) -> str:
     return summary
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_quickstart_prints_what_the_guide_prints():
     nb = execute(NOTEBOOKS / "quickstart.ipynb")
     assert_saved_without_empty_outputs(nb)

@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from conftest import ready_cluster, run
+from conftest import displays, ready_cluster, run
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,25 +90,19 @@ def test_the_panel_freezes_to_a_summary_that_names_the_slowest_rank(cluster):
 
 
 def test_the_panel_shows_the_straggler_while_the_cell_runs(cluster):
-    from spmd.magics.panel import Panel
-
-    seen = []
-    original = Panel.tick
-
-    def watch(self, run_):
-        original(self, run_)
-        if self.handle is not None:
-            seen.append([r["state"] for r in self.rows(run_)])
-
-    Panel.tick = watch
     try:
         assert run(cluster, "%spmd panel on").error is None
-        out = run(cluster, "%%spmd --grace 10\ntime.sleep(2 if rank == 1 else 0.1)")
+        with displays() as shown:  # every update of the panel, as a front end gets it
+            out = run(cluster, "%%spmd --grace 10\ntime.sleep(2 if rank == 1 else 0.1)")
         assert out.error is None
     finally:
-        Panel.tick = original
         run(cluster, "%spmd panel off")
-    assert ["done", "straggler"] in seen
+    live = [d for d in shown if "spmd-panel" in d.get("text/html", "")]
+    straggling = [d for d in live if "<- straggler" in d["text/plain"]]
+    assert straggling, [d["text/plain"] for d in live]
+    rows = straggling[0]["text/plain"].splitlines()
+    assert any(r.split()[:2] == ["0", "done"] for r in rows), rows
+    assert any(r.split()[:2] == ["1", "busy"] and r.endswith("<- straggler") for r in rows), rows
     assert run(cluster, "x = 1").outputs == []  # off again: no panel
 
 
@@ -118,6 +112,13 @@ def test_tabs_show_one_tab_per_group_of_ranks_and_keep_the_text(cluster):
     (tabs,) = out.outputs
     assert WIDGET_VIEW in tabs
     assert tabs["text/plain"] == "[ranks 0-1] same\n[rank 0] rank 0\n[rank 1] rank 1"
+    # what the browser draws: one page per rank, titled by it, holding that rank's lines
+    from ipywidgets import Widget
+
+    tab = Widget.widgets[tabs[WIDGET_VIEW]["model_id"]]
+    assert tuple(tab.titles) == ("rank 0", "rank 1")
+    pages = ["".join(o.get("text", "") for o in page.outputs) for page in tab.children]
+    assert pages == ["same\nrank 0\n", "same\nrank 1\n"]
     # the same on every rank: no tabs
     out = run(cluster, "%%spmd --tabs\nprint('same')")
     assert out.outputs == [] and out.stdout == "[ranks 0-1] same\n"

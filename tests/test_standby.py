@@ -105,7 +105,7 @@ def test_standby_compilation_cache_is_kept_across_restarts_and_emptied_at_stop(f
     first = run(fresh, JITTED)
     assert first.error is None
     cached = {n for n in os.listdir(folder) if n.startswith("jit_steps")}
-    assert cached, os.listdir(folder)
+    assert len(cached) == 2, os.listdir(folder)  # one per rank: each writes its own
     for how in ("%spmd restart", "%spmd restart"):  # from standbys, then again
         assert run(fresh, how).error is None
         assert run(fresh, SETUP).error is None

@@ -3,14 +3,13 @@ when the wait ends early (a death, a divergence, a timeout, an interrupt); the r
 
 from __future__ import annotations
 
-import queue
 import signal
 import time
 from collections.abc import Callable
 
 from spmd.cluster import control, interrupts, where
 from spmd.cluster.lockstep import CellRun
-from spmd.cluster.outputs import Output, output_from_message
+from spmd.cluster.outputs import Output, RankCell, output_from_message
 from spmd.cluster.ranks import OutOfStep
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 
@@ -115,11 +114,16 @@ class Cells:
             if until is not None and now >= until:
                 return TIMEOUT, timeout
             # (a rank whose output keeps coming, a flood, is not stuck: the grace runs from
-            # the later of the first rank done and the latest output)
+            # the later of the first rank done and the latest output, for 10 graces at most:
+            # a rank stuck in a collective while a thread of its cell prints is still found)
             diverged_at = (
                 None
                 if grace is None or run.first_done is None
-                else max(run.first_done, run.last_output or 0.0) + grace
+                else min(
+                    max(run.first_done, run.last_output or 0.0),
+                    run.first_done + 10 * grace,
+                )
+                + grace
             )
             if diverged_at is not None and now >= diverged_at:
                 return DIVERGED, grace
@@ -183,26 +187,47 @@ class Cells:
         return left
 
     def late_outputs(self) -> list[tuple[int, Output]]:
-        """What ranks printed after their cell had ended (a thread, a callback), since the
-        last look, in order: now in their logs, and for the notebook to show."""
-        late = getattr(self.client, "late", None)
-        if late is None:
-            return []
-        by_engine = {r.engine_id: r.rank for r in self.gen.ranks}
-        found = []
+        """What ranks printed after their cell had ended (a thread, a callback) since the
+        last cell, in order and kept short as a cell's output is (--max-output): for the
+        notebook to show. Every line of it is in the ranks' logs already."""
+        self.collect_late()
+        late, self._late = self._late, []
+        by_rank: dict[int, RankCell] = {}
+        order = []
+        for rank, out in late:
+            if rank not in by_rank:
+                by_rank[rank] = RankCell(rank, max_lines=self.settings.max_output)
+                order.append(rank)
+            by_rank[rank].add(out)
+        shown = []
+        for rank in order:
+            by_rank[rank].finish()
+            shown += [(rank, out) for out in by_rank[rank].outputs]
+        return shown
+
+    def collect_late(self) -> None:
+        """Take what the client kept of the ranks' late outputs: streams into the logs now
+        (a death report points there), everything kept for the next cell to show."""
+        client = self.client
+        late = getattr(client, "late", None)
+        if not late:
+            return
         while True:
             try:
-                engine_id, kind, content = late.get_nowait()
-            except queue.Empty:
+                engine_id, kind, content = late.popleft()
+            except IndexError:
                 break
-            rank, out = by_engine.get(engine_id), output_from_message(kind, content)
+            rank, out = self._engine_rank.get(engine_id), output_from_message(kind, content)
             if rank is None or out is None:
                 continue
             if out.kind in ("stdout", "stderr"):
                 self.logs.write(rank, out.text)
-            found.append((rank, out))
+            self._late.append((rank, out))
+        dropped, client.late_dropped = client.late_dropped, 0
+        if dropped:
+            self._late.append((0, Output("stderr", f"... {dropped:,} outputs printed after "
+                                         "their cell ended were too many to keep ...\n")))
         self.logs.flush()
-        return found
 
     def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
         """The main-thread Python stack of each rank (None: it did not answer)."""

@@ -18,67 +18,71 @@ Runs on ipyparallel's IO thread; ``late`` is the only thing it shares with the m
 from __future__ import annotations
 
 import collections
-import queue
 
 import ipyparallel
 from ipyparallel.client.client import unpack_message
 
-# Requests whose engine is remembered for their late outputs: thousands of cells back.
-RECENT_REQUESTS = 4096
+# Requests whose engine is remembered for their late outputs (a few MB at most): hundreds of
+# cells back on 64 ranks.
+RECENT_REQUESTS = 50_000
 
-# ipyparallel's own handler, undecorated: this class adds to it, it does not replace it.
+# Outputs kept for the next cell while the notebook does not look: the oldest go first (and
+# are counted) when a thread prints faster than the notebook drains them.
+LATE_KEPT = 100_000
+
+# ipyparallel's own handler, undecorated: this class adds to it, it does not replace it
+# (spmd/internals.py checks that it is there before a cluster starts).
 _dispatch_iopub = getattr(ipyparallel.Client._dispatch_iopub, "__wrapped__", None)
 
 
 class SpmdClient(ipyparallel.Client):
     """ipyparallel's Client; ``late`` holds (engine id, msg_type, content) of outputs whose
-    cell had already ended."""
+    cell had already ended (``late_dropped``: how many did not fit)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self.late: queue.SimpleQueue = queue.SimpleQueue()
-        # Which engine each recent request went to: a late output names only its request
-        # (its own metadata has no engine; the request's status messages had).
+        self.late: collections.deque = collections.deque(maxlen=LATE_KEPT)
+        self.late_dropped = 0
+        # Which engine each recent request went to: a late output may name only its request
+        # (a thread's output carries no engine; the request's status messages did).
         self._engine_of: collections.OrderedDict[str, int] = collections.OrderedDict()
         super().__init__(*args, **kwargs)
 
-    if _dispatch_iopub is not None:  # (else ipyparallel's own, unchanged: see check)
-
-        @unpack_message
-        def _dispatch_iopub(self, msg) -> None:
+    @unpack_message
+    def _dispatch_iopub(self, msg) -> None:
+        try:
             _dispatch_iopub(self, msg)
+        finally:
             self._after_iopub(msg)
 
     def _after_iopub(self, msg) -> None:
         parent = msg.get("parent_header") or {}
         msg_id = parent.get("msg_id")
-        kind = msg["header"]["msg_type"]
-        if msg_id is None or kind == "status" or parent.get("session") != self.session.session:
+        if msg_id is None or parent.get("session") != self.session.session:
             return  # (ipyparallel ignores other clients' messages too)
+        kind = msg["header"]["msg_type"]
+        engine_id = self._engine(msg.get("metadata", {}).get("engine"))
+        if engine_id is not None and msg_id in self._futures and msg_id not in self._engine_of:
+            self._engine_of[msg_id] = engine_id
+            while len(self._engine_of) > RECENT_REQUESTS:
+                self._engine_of.popitem(last=False)
+        if kind == "status":
+            return
         if msg_id in self._futures:
-            engine = msg.get("metadata", {}).get("engine")
-            if engine and msg_id not in self._engine_of:
-                try:
-                    self._engine_of[msg_id] = self._engines[engine]
-                except KeyError:
-                    pass
-                while len(self._engine_of) > RECENT_REQUESTS:
-                    self._engine_of.popitem(last=False)
             if kind == "stream":
                 md = self.metadata.get(msg_id)
                 if md is not None:
                     md[msg["content"]["name"]] = ""
             return
         self.metadata.pop(msg_id, None)
-        engine_id = self._engine_of.get(msg_id)
+        if engine_id is None:
+            engine_id = self._engine_of.get(msg_id)
         if engine_id is not None and kind in ("stream", "display_data", "error"):
-            self.late.put((engine_id, kind, msg["content"]))
+            if len(self.late) == LATE_KEPT:
+                self.late_dropped += 1
+            self.late.append((engine_id, kind, msg["content"]))
 
-
-def check() -> str:
-    """'' when ipyparallel's client is as this module expects; else why not, in a sentence."""
-    if _dispatch_iopub is None:
-        return (
-            f"ipyparallel {ipyparallel.__version__}'s Client._dispatch_iopub has no __wrapped__: "
-            "outputs printed after their cell ended are not shown"
-        )
-    return ""
+    def _engine(self, uuid: str | None) -> int | None:
+        try:
+            return self._engines[uuid] if uuid else None
+        except KeyError:  # (an engine of an earlier generation, gone since)
+            return None

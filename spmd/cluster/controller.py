@@ -21,6 +21,16 @@ def save_connection_dict(self, fname: str, cdict: dict) -> None:
     JSONDecodeError (about 1 start in 60). Here the file appears complete, by rename, and is
     private (0600) from its first byte: it holds the key that signs every message.
     """
+    if os.environ.get(CURVE_ENV) == "1" and not cdict.get("curve_serverkey"):
+        # ipyparallel did not turn CurveZMQ on: plain text would leave the machine. No
+        # connection file, no rank and no notebook connects; the controller ends.
+        import ipyparallel
+
+        sys.stderr.write(
+            f"ipyparallel {ipyparallel.__version__} did not honour enable_curve: the "
+            "controller refuses to serve unencrypted traffic off the loopback.\n"
+        )
+        raise SystemExit(3)
     path = os.path.join(self.profile_dir.security_dir, fname)
     self.log.info("writing connection info to %s", path)
     fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{fname}.")

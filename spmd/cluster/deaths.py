@@ -36,24 +36,29 @@ class Deaths:
 
     def _vanished_ranks(self) -> dict[int, float]:
         """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
-        lost: their engine missed its heartbeats and was unregistered."""
-        watched = self._watched
-        unwatched = [r for r in self.ranks if r.rank not in watched]
-        if self.client is None or not unwatched:  # (every poll of every cell comes here)
-            return self.gen.vanished
+        lost: their engine missed its heartbeats and was unregistered. (A rank over ssh is
+        watched by its wait on the host too; a host cut off answers neither.)"""
+        gen = self.gen
+        unwatched = [r for r in gen.ranks if r.rank not in gen.launchers and r.rank not in gen.ssh]
+        far = unwatched + [
+            r for r in gen.ranks if r.rank in gen.ssh and gen.ssh[r.rank].exited_at is None
+        ]
+        if self.client is None or not far:  # (every poll of every cell comes here)
+            return gen.vanished
         registered = set(self.client.ids)
-        for r in unwatched:
+        for r in far:
             if r.engine_id not in registered:
-                self.gen.vanished.setdefault(r.rank, time.monotonic())
+                gen.vanished.setdefault(r.rank, time.monotonic())
         # mpiexec ends every rank when one fails: all of them are gone with it
         whole = self.cluster.launcher_process() if self.cluster is not None else None
         if whole is not None and processes.exited(whole.process):
             for r in unwatched:
-                self.gen.vanished.setdefault(r.rank, time.monotonic())
-        return self.gen.vanished
+                gen.vanished.setdefault(r.rank, time.monotonic())
+        return gen.vanished
 
     def _deaths(self) -> list[Death]:
         """Ranks whose processes ended while the cluster runs, first to die first."""
+        self.collect_late()  # (what a rank's threads printed last belongs in its log)
         gone = [ln for ln in self._watched.values() if ln.exited_at is not None]
         deaths = [
             Death(
@@ -64,17 +69,28 @@ class Deaths:
                 last_lines(self.cluster.output_of(ln.rank)),
                 self._crash_stack(ln) if ln.rank in self.gen.launchers else None,
                 host=self.ranks[ln.rank].host,
-                cause=f"its process on {self.ranks[ln.rank].host} ended",
+                cause=(
+                    "its host stopped answering"
+                    if getattr(ln, "lost", False)
+                    else "its process ended"
+                ),
             )
             for ln in gone
         ]
         culprit = None
+        ended = {d.rank for d in deaths}
         for rank, at in self._vanished_ranks().items():
+            if rank in ended:
+                continue
             row = self.ranks[rank]
             output = self.cluster.output_of(rank) if self.cluster is not None else ""
             death = Death(
                 rank, row.pid, None, at, last_lines(output), host=row.host,
-                cause="it stopped answering the controller's heartbeat",
+                cause=(
+                    "it stopped answering (its host, or the network to it, may be down)"
+                    if rank in self.gen.ssh
+                    else "it stopped answering the controller's heartbeat"
+                ),
             )
             culprit = culprit or remote.mpi_culprit(output)
             if culprit and culprit[0] == row.pid:
@@ -137,6 +153,12 @@ class Deaths:
             )
             for d in deaths:
                 self.ranks[d.rank].state = "died"
+                far = self.gen.ssh.get(d.rank)
+                if far is not None and d.exit_code is None and far.exited_at is None:
+                    # it stopped answering the controller, and its host's wait saw no end:
+                    # the host is cut off, and the stop sends it no command (each would
+                    # wait for ssh's connect timeout)
+                    far.lost = True
             if self.standbys():
                 self._end_ranks()  # the controller and the standbys stay, for a fast restart
             else:

@@ -207,17 +207,11 @@ class SpmdCluster(Cluster):
 
     def in_background(self, async_f, *args) -> concurrent.futures.Future:
         """ipyparallel's ``_in_thread`` without waiting: ``async_f`` runs on the cluster's
-        event-loop thread while the caller goes on."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        async def run() -> None:
-            try:
-                future.set_result(await async_f(*args))
-            except Exception as exc:
-                future.set_exception(exc)
-
-        self._thread_loop.add_callback(run)
-        return future
+        event-loop thread while the caller goes on. (asyncio's own hand-over: a coroutine
+        that is cancelled, or fails in any way, still resolves its Future.)"""
+        return asyncio.run_coroutine_threadsafe(
+            async_f(*args), self._thread_loop.asyncio_loop
+        )
 
     async def connect_client(self, **client_kwargs):
         """ipyparallel's connect_client, with the client that keeps late outputs (client.py)."""

@@ -79,9 +79,9 @@ class RankLogs:
 
     def close(self) -> None:
         """Close the files (the cluster stopped); they stay to be read, and written on."""
-        for f in self._files.values():
+        files, self._files = self._files, {}  # (a shutdown may close them from its thread)
+        for f in list(files.values()):
             f.close()
-        self._files = {}
         self._written = set()
 
     def remove(self) -> None:

@@ -8,6 +8,7 @@ the interface that reaches the hosts, never all interfaces.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import socket
@@ -28,7 +29,12 @@ LOOPBACK = "127.0.0.1"
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 
 # ssh must never stop to ask (a password, a new host key): it fails at once, and says why.
-SSH_ARGS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+# A host that stops answering is given up within about 3 s (ServerAlive*): the connection
+# ends, and with it every command on it, so a lost host is reported and a stop goes on.
+SSH_ARGS = [
+    "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+    "-o", "ServerAliveInterval=1", "-o", "ServerAliveCountMax=3",
+]
 
 # Slurm's own option names, and the launcher setting each one is.
 _SLURM_NAMES = {"partition": "queue", "time": "timelimit"}
@@ -58,11 +64,41 @@ class Placement:
         return SSH_ARGS + shlex.split(dict(self.launcher_args).get("ssh_args", ""))
 
     @property
+    def ssh_cmd(self) -> list[str]:
+        """The ssh command (``--launcher-arg ssh_cmd=...``, else ssh), for every command."""
+        return shlex.split(dict(self.launcher_args).get("ssh_cmd", "")) or ["ssh"]
+
+    @property
     def leaves_machine(self) -> bool:
         """Whether ranks may run on another machine (so traffic is encrypted by default)."""
         if self.launcher == "slurm":
             return True
+        if self.launcher == "mpi" and not self.hosts and mpi_spreads(self.launcher_args):
+            return True
         return any(not _is_this_machine(host) for host, _ in self.hosts)
+
+
+# mpiexec's flags (MPICH's and Open MPI's) that place ranks on other machines.
+_MPI_HOST_FLAGS = ("-f", "-hostfile", "--hostfile", "-machinefile", "--machinefile", "-hosts",
+                   "--host", "-host", "-H")
+
+
+# Host files an allocation or an MPI reads from the environment: PBS's, LSF's, Open MPI's.
+_MPI_HOST_FILES = ("PBS_NODEFILE", "LSB_DJOB_HOSTFILE", "OMPI_MCA_orte_default_hostfile",
+                   "PRTE_MCA_prte_default_hostfile")
+
+
+def mpi_spreads(launcher_args) -> bool:
+    """Whether mpiexec may place ranks on other machines without --hosts: a host file or
+    host list in its own arguments, or an allocation's nodes in the environment (Slurm's,
+    PBS's), as mpiexec itself reads them. Then the controller listens where they reach it."""
+    args = shlex.split(dict(launcher_args).get("mpi_args", ""))
+    if any(a in _MPI_HOST_FLAGS or a.split("=", 1)[0] in _MPI_HOST_FLAGS for a in args):
+        return True
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if nodes:  # (node names may be short where this machine's own name is not)
+        return nodes.split(".")[0] != socket.gethostname().split(".")[0]
+    return any(os.environ.get(name) for name in _MPI_HOST_FILES)
 
 
 def parse_hosts(text: str, n: int) -> tuple[tuple[str, int], ...]:
@@ -110,12 +146,13 @@ def _is_this_machine(host: str) -> bool:
     return host.rsplit("@", 1)[-1] in ("localhost", LOOPBACK, "::1")
 
 
-def ssh_address(host: str, ssh_args: list[str]) -> str:
+def ssh_address(host: str, ssh_args: list[str], ssh_cmd: list[str] | None = None) -> str:
     """The IP address ssh connects to for ``host``, after the user's ssh config
     (``HostName`` aliases) and DNS."""
     try:
         out = subprocess.run(
-            ["ssh", *ssh_args, "-G", host], capture_output=True, text=True, timeout=10
+            [*(ssh_cmd or ["ssh"]), *ssh_args, "-G", host],
+            capture_output=True, text=True, timeout=10,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
@@ -135,10 +172,10 @@ def controller_address(where: Placement, ssh_args: list[str]) -> str:
     if where.launcher in ("local", "mpi") and not where.leaves_machine:
         return LOOPBACK
     if where.hosts:
-        first = ssh_address(where.hosts[0][0], ssh_args)
+        first = ssh_address(where.hosts[0][0], ssh_args, where.ssh_cmd)
         return address_toward(first)
-    # Slurm without hosts: the nodes are not known yet; they reach this machine by the
-    # interface of its default route, or else by its name.
+    # Slurm, or mpiexec over an allocation, without hosts: the nodes are not known yet; they
+    # reach this machine by the interface of its default route, or else by its name.
     try:
         return address_toward("192.0.2.1")  # (a documentation address: nothing is sent)
     except OSError:

@@ -71,6 +71,10 @@ class Session(Startup, Standbys, Deaths, Cells):
     _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
     _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
     _standby_start: object | None = None  # the standby set's start (a Future), while it runs
+    # Every engine id the cluster's ranks had, and its rank (ids change at a restart; a
+    # thread of an old rank may still print): for outputs that come after their cell.
+    _engine_rank: dict = field(default_factory=dict)
+    _late: list = field(default_factory=list)  # late outputs taken, for the next cell
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     logs: RankLogs = field(default_factory=RankLogs)  # every line each rank printed
@@ -137,6 +141,7 @@ class Session(Startup, Standbys, Deaths, Cells):
             self._standby_started(self.settings.start_timeout)
         if client is not None and cluster is not None:
             self._end_far_ranks(standbys=True)
+            self.collect_late()  # (a rank's last words before the stop, into its log)
         self.client = self.cluster = None
         self.gen = self.gen.ended()
         if client is not None:
@@ -151,10 +156,21 @@ class Session(Startup, Standbys, Deaths, Cells):
                 if isinstance(ln, ssh.RankedSSHEngineLauncher) and not ln.ended_by_control
             )
             started_in_ranks = processes.started_by_ranks(cluster)
+            far = [*cluster.ssh_launchers().values(), *standbys]
+            lost = {ln.location for ln in far if getattr(ln, "lost", False)}
+            # (where the hosts keep it: relative to their home, when it is under ours)
+            remote_dir = next(
+                (ln.remote_profile_dir for ln in far if getattr(ln, "remote_profile_dir", "")),
+                self._profile_dir,
+            )
             # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
             # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
             cluster._in_thread(cluster.stop_cluster)
             processes.end(started_in_ranks)
+            where = self.settings.where
+            if where.launcher == "ssh" and self._profile_dir:  # (their files, on their disks)
+                hosts = [h for h, _ in where.hosts if h not in lost]
+                ssh.remove_folder(hosts, where.ssh_cmd, where.ssh_args, remote_dir)
             # ... and end that thread's loop: every restart makes a new Cluster.
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None and end_loop:

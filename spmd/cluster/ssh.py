@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,11 +32,17 @@ class _Sender(ShellCommandSend):
     it raises (for the start's one-sentence error), not in the notebook's terminal.
 
     ipyparallel creates the (shared) profile folder on the host once per engine, an IPython
-    start each (~1 s of CPU): here the first engine of each host creates it, and the others
-    wait for that.
+    start each (~1 s of CPU): here the first engine of each host creates it, private (0700:
+    it will hold the ranks' output), and the others wait for that.
+
+    The Python's path goes into a remote shell's command line: it is quoted (a space in it
+    would split it, a ``;`` would run what follows).
     """
 
     profile_made: _Once | None = None
+
+    def __init__(self, shell, args, python_path, **kwargs) -> None:
+        super().__init__(shell, args, shlex.quote(python_path), **kwargs)
 
     def _check_output(self, cmd, **kwargs):
         kwargs.setdefault("stderr", subprocess.PIPE)
@@ -48,6 +55,11 @@ class _Sender(ShellCommandSend):
         with once.lock:
             if once.done:
                 return ""
+            folder = module_params[module_params.index("--profile-dir") + 1]
+            self.check_output_python_code(
+                f"import os; os.makedirs({folder!r}, mode=0o700, exist_ok=True); "
+                f"os.chmod({folder!r}, 0o700)"
+            )
             out = super().check_output_python_module(module_params, **kwargs)
             once.done = True
             return out
@@ -91,9 +103,12 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
     # Set when the engine confirmed a SIGTERM on its control channel (Session.stop): it is
     # ending, and the wait that runs since its start (a long poll over ssh) sees it end.
     ended_by_control = False
+    # Set when its host stopped answering (the wait's connection ended): no more commands
+    # go there, so that a stop returns (each would wait for the connect timeout).
+    lost = False
 
     def signal(self, sig) -> None:
-        if sig == signal.SIGTERM and self.ended_by_control:
+        if self.lost or (sig == signal.SIGTERM and self.ended_by_control):
             return
         # (its wait, in ``join``, polls the host until the process has ended)
         self.parent.in_parallel(super().signal, sig)
@@ -101,7 +116,7 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
     def kill_now(self) -> None:
         """SIGKILL at once, with the host's own ``kill`` (ipyparallel's signal runs a Python
         on the host: seconds, on a host busy starting engines)."""
-        if self.state != "running" or self.pid is None or self.pid <= 0:
+        if self.lost or self.state != "running" or self.pid is None or self.pid <= 0:
             return
         kill = [*self.ssh_cmd, *self.ssh_args, self.location, "kill", "-KILL", str(self.pid)]
         if subprocess.run(kill, capture_output=True, timeout=30).returncode != 0:
@@ -114,12 +129,22 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
         """ipyparallel's wait (a long poll of the host over ssh), keeping the exit code where
         the notebook reads it in the middle of a cell, as RankedEngineLauncher does."""
         exit_code = None
+        failures = 0
         while not self._stop_waiting.is_set() and self.state == "running":
             try:
                 exit_code = self.wait_one(timeout=self.poll_seconds)
             except TimeoutError:
+                failures = 0
                 continue
-            except Exception:  # the host or the connection went away: the cluster will stop
+            except Exception:
+                # The connection ended (ssh gives a silent host up after ServerAlive*): once
+                # more, on a connection of its own (a network hiccup passes); twice, and the
+                # host is lost. (The controller's heartbeat reports the rank sooner.)
+                failures += 1
+                if failures < 2:
+                    continue
+                if not self._stop_waiting.is_set():
+                    self.lost, self.exited_at = True, time.monotonic()
                 break
             else:
                 break
@@ -145,7 +170,7 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
         return int(values.get("exit_code", -1))
 
     async def join(self, timeout=None) -> None:
-        if self.state != "running":  # its start failed: there is nothing to wait for
+        if self.state != "running" or self.lost:  # (nothing there to wait for, or to ask)
             return
         waiting = getattr(self, "_wait_thread", None)
         if self.ended_by_control and waiting is not None:
@@ -164,7 +189,9 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
         return self._output or ""
 
     def fetch_output(self) -> str:
-        """What the engine wrote, fetched from its host now."""
+        """What the engine wrote, fetched from its host now ('' from a lost host)."""
+        if self.lost:
+            return self._output or ""
         self._output = None
         return super().get_output(remove=False)
 
@@ -230,24 +257,30 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
         # A short folder: the control socket's path must fit in 108 bytes.
         self._control_folder = owned_folder("spmd-ssh-")
         shared = ["-o", f"ControlPath={self._control_folder}/%C"]
-        self._masters = [
-            subprocess.Popen(
-                ["ssh", *self.ssh_args, *shared, "-o", "ControlMaster=yes", "-N", host],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                preexec_fn=_end_with_parent,
-            )
-            for host in self.engines
-        ]
+        # (what a master says goes to a file: a pipe nobody reads fills up, with -v, and then
+        # every command on that connection waits)
+        self._masters = []
+        for host in self.engines:
+            with open(self._said(host), "wb") as said:
+                self._masters.append(
+                    subprocess.Popen(
+                        [*self.ssh_cmd, *self.ssh_args, *shared, "-o", "ControlMaster=yes",
+                         "-N", host],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=said,
+                        preexec_fn=_end_with_parent,
+                    )
+                )
         for host, master in zip(self.engines, self._masters):
-            check = ["ssh", *self.ssh_args, *shared, "-O", "check", host]
+            check = [*self.ssh_cmd, *self.ssh_args, *shared, "-O", "check", host]
             deadline = time.monotonic() + 30
             while subprocess.run(check, capture_output=True).returncode != 0:
                 if master.poll() is not None:  # it could not connect: say why
-                    raise subprocess.CalledProcessError(
-                        master.returncode, ["ssh", host], stderr=master.stderr.read()
-                    )
+                    with open(self._said(host), errors="replace") as said:
+                        raise subprocess.CalledProcessError(
+                            master.returncode, ["ssh", host], stderr=said.read()
+                        )
                 if time.monotonic() > deadline:
                     raise subprocess.CalledProcessError(
                         255, ["ssh", host], stderr=f"{host} did not answer within 30 s"
@@ -256,11 +289,13 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
         self.ssh_args = [*self.ssh_args, *shared, "-o", "ControlMaster=no"]
         self.scp_args = [*self.scp_args, *shared, "-o", "ControlMaster=no"]
 
+    def _said(self, host: str) -> str:
+        return f"{self._control_folder}/{host.replace('/', '_')}.err"
+
     def _disconnect(self) -> None:
         for master in getattr(self, "_masters", []):
             master.kill()
             master.wait()
-            master.stderr.close()
         self._masters = []
         if getattr(self, "_control_folder", None):
             shutil.rmtree(self._control_folder, ignore_errors=True)
@@ -281,6 +316,25 @@ def kill_now(launchers) -> None:
                 future.result()
             except Exception:  # the host is gone: so is what ran there
                 continue
+
+
+def remove_folder(hosts, ssh_cmd: list[str], ssh_args: list[str], folder: str) -> None:
+    """Remove ``folder`` (the cluster's profile folder there: the ranks' output files) on
+    each host, all at once. A host that does not answer within seconds keeps it."""
+    runs = [
+        subprocess.Popen(
+            [*ssh_cmd, *ssh_args, "-o", "ConnectTimeout=5", host,
+             f"rm -rf -- {shlex.quote(folder)}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for host in hosts
+    ]
+    for run in runs:
+        try:
+            run.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait()
 
 
 def _end_with_parent() -> None:

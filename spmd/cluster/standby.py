@@ -157,6 +157,7 @@ class Standbys:
             launchers=cluster.rank_launchers(),
             ssh=cluster.ssh_launchers(),
         )
+        self._engine_rank.update({r.engine_id: r.rank for r in self.gen.ranks})
         self._cells.clear()
         local = self.settings.where.launcher == "local"
         try:

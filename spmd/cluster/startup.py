@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from spmd import internals
 from spmd.cluster import processes, remote
 from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
@@ -56,7 +57,7 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
         return StartError(
             f"{evalue}: install it there, or start with --backend none."
         )
-    if ename in ("GpuError", "TorchSetupError"):  # (its text names the host and says what to do)
+    if ename in ("GpuError", "TorchSetupError", "InternalsChanged"):  # (its text says what to do)
         return StartError(evalue)
     return StartError(f"Rank {rank} failed to initialize: {ename}: {evalue}")
 
@@ -74,6 +75,10 @@ class Startup:
     def start(self) -> None:
         """Start the engines and join them into one distributed job. Raises StartError."""
         t0 = time.perf_counter()
+        try:
+            internals.check("notebook")
+        except internals.InternalsChanged as exc:
+            raise StartError(str(exc)) from None
         if self.settings.where.on_this_machine:
             try:
                 processes.check_room(self.settings.n)
@@ -214,6 +219,7 @@ class Startup:
             launchers=self.cluster.rank_launchers(),
             ssh=self.cluster.ssh_launchers(),
         )
+        self._engine_rank.update({r.engine_id: r.rank for r in self.gen.ranks})
 
     def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
         """Wait until every rank has joined; ``coordinators`` go to ranks that were not given

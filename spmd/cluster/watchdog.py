@@ -53,9 +53,14 @@ class Death:
         """``how``, with what usually sends that signal."""
         return self.how + _SIGNAL_HINTS.get(self.how.removeprefix("killed by "), "")
 
+    @property
+    def elsewhere(self) -> str:
+        """' on node2' for a rank on another host ('' on this one)."""
+        return f" on {self.host}" if self.host and self.host != socket.gethostname() else ""
+
     def describe(self, headline: bool = True) -> list[str]:
         """Where it crashed, if it did, and its last lines; ``headline`` adds who and how."""
-        on = f" on {self.host}" if self.host and self.host != socket.gethostname() else ""
+        on = self.elsewhere
         lines = [f"Rank {self.rank} (pid {self.pid}{on}) died: {self.how_and_why}."] if headline else []
         if self.crash is not None and self.crash.frames:
             lines.append(f"Rank {self.rank} crashed {self.crash.at_cell_line}".rstrip())
@@ -140,7 +145,7 @@ class Stall:
         busy, waiting = self.busy, self._in_collective()
         if self.reason == DIED:
             first = self.deaths[0]
-            text = f"Rank {first.rank} died: {first.how_and_why}."
+            text = f"Rank {first.rank}{first.elsewhere} died: {first.how_and_why}."
             later = [d.rank for d in self.deaths[1:]]
             if later:
                 aborted = all(d.exit_code == -signal.SIGABRT for d in self.deaths[1:])

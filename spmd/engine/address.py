@@ -13,7 +13,11 @@ _COORDINATOR_PORTS = (20000, 32768)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from."""
+    """A TCP port on ``host`` that is free now, outside the ranges other sockets draw from.
+
+    Not portpicker's: it asks the system for a port from the ephemeral range, which every
+    outgoing connection of the ranks (gloo's, gRPC's) also draws from, so one of those can
+    take the coordinator's port before rank 0 binds it (the start then tries once more)."""
     for _ in range(100):
         port = random.randrange(*_COORDINATOR_PORTS)
         with socket.socket() as s:

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from spmd import internals
 from spmd.engine import commands, control, jit_cache, placement, prompts, torch_group
 from spmd.engine.address import address_toward, coordinator_addresses
 from spmd.engine.orphans import end_children, watch_parent
@@ -109,6 +110,9 @@ class _Join:
         )
         if gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        # (when, and whether a backend was imported by then: it reads them once, at start)
+        TIMELINE["gpus"] = time.time()
+        TIMELINE["backend_before_gpus"] = float("jax" in sys.modules or "torch" in sys.modules)
         # torch's name for a rank's place on its host (its device index, with GPUs)
         os.environ["LOCAL_RANK"] = str(self.local_rank)
         return gpus
@@ -286,6 +290,7 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     _join.wait()
     if _join.error is not None:
         raise _join.error
+    internals.check("rank")  # (what the lines below patch is there, or one sentence)
     if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
         del sys.modules["debugpy"]  # hidden by main() during start-up only
     # Signal handlers can only be set from the main thread, which is where this runs.

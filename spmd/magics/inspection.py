@@ -55,7 +55,7 @@ class Inspection:
         n = session.settings.n
         if opts.rank >= n:
             raise UsageError(f"%spmd log {opts.rank}: this cluster has ranks 0-{n - 1}.")
-        session.late_outputs()  # (what threads printed since the last cell: into the logs)
+        session.collect_late()  # (what threads printed since the last cell: into the logs)
         # A flood's every line is in the log: by default only as many as a cell keeps.
         tail = opts.tail or session.settings.max_output
         text, lines = session.logs.read(opts.rank, tail)

@@ -100,6 +100,7 @@ class Lifecycle:
             if self.session.running and self.session.settings == settings:
                 return True
             self.session.stop()
+            self.session.logs.remove()
             self.session = None
         return False
 

@@ -1,0 +1,143 @@
+"""Every private part of another project that jupyter-spmd calls, replaces or subclasses, in
+one place, each with what it is used for.
+
+These are the places a new release of ipyparallel, ipykernel or jax can break without a word.
+Each side checks its own when it starts: the notebook before a cluster starts (``check
+("notebook")``), every rank when its engine starts (``check("rank")``). One that is missing
+fails loudly, in one sentence that names it and the version installed, instead of failing
+later as an AttributeError in the middle of a cell. pyproject.toml bounds each project below
+the next major version that has not been tried.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Internal:
+    project: str  # the distribution whose version is named when it is missing
+    module: str
+    path: str  # attribute path inside the module ("Client._send")
+    side: str  # "notebook" or "rank": which process uses it
+    why: str
+    # False: without it a feature steps aside and says so where it is used (jit_cache.py),
+    # and the start goes on.
+    required: bool = True
+
+
+INTERNALS = [
+    # ipyparallel, in the notebook
+    Internal("ipyparallel", "ipyparallel", "Client._dispatch_iopub.__wrapped__", "notebook",
+             "outputs that come after their cell ended (client.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._engines", "notebook",
+             "an engine's identity, to send a cell to one rank (lockstep.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._mux_stream", "notebook",
+             "the stream a cell is sent on (lockstep.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._futures", "notebook",
+             "whether an output's cell is still running (client.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._build_targets", "notebook",
+             "control-channel requests to ranks (control.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._send", "notebook",
+             "control-channel requests to ranks (control.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._control_stream", "notebook",
+             "control-channel requests to ranks (control.py)"),
+    Internal("ipyparallel", "ipyparallel.client.client", "unpack_message", "notebook",
+             "the decorator of Client._dispatch_iopub (client.py)"),
+    Internal("ipyparallel", "ipyparallel", "Cluster._in_thread", "notebook",
+             "the cluster's calls on its own event-loop thread (startup.py, session.py)"),
+    Internal("ipyparallel", "ipyparallel", "Cluster._thread_loop", "notebook",
+             "the event loop that starts and stops the cluster (launch.py, session.py)"),
+    Internal("ipyparallel", "ipyparallel", "Cluster._new_engine_set_id", "notebook",
+             "the standby engine set (launch.py)"),
+    Internal("ipyparallel", "ipyparallel.cluster.launcher", "LocalEngineLauncher._wait",
+             "notebook", "a rank's exit code, seen in the middle of a cell (launch.py)"),
+    Internal("ipyparallel", "ipyparallel.cluster.launcher", "SSHEngineLauncher._wait",
+             "notebook", "a rank's exit code over ssh (ssh.py)"),
+    Internal("ipyparallel", "ipyparallel.cluster.launcher", "_ssh_outputs", "notebook",
+             "reading what a host's wait printed (ssh.py)"),
+    Internal("ipyparallel", "ipyparallel.cluster.shellcmd", "ShellCommandSend._check_output",
+             "notebook", "a host's error in the start's sentence (ssh.py)"),
+    Internal("ipyparallel", "ipyparallel.cluster.launcher",
+             "SlurmEngineSetLauncher._insert_options_in_script", "notebook",
+             "any sbatch option in the batch script (remote.py)"),
+    Internal("ipyparallel", "ipyparallel.controller.app", "IPController.save_connection_dict",
+             "notebook", "connection files written whole, and refused unencrypted "
+             "(controller.py)"),
+    Internal("ipyparallel", "ipyparallel.controller.app", "IPController.enable_curve",
+             "notebook", "CurveZMQ where ranks are on other machines (controller.py)"),
+    # ipykernel and IPython, on every rank
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.control_handlers", "rank",
+             "stacks, signals and prompt answers on the control channel (engine/control.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.raw_input", "rank",
+             "input() answered in the notebook (engine/prompts.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.getpass", "rank",
+             "getpass answered in the notebook (engine/prompts.py)"),
+    Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
+             "!cmd without a fork in a threaded process (engine/commands.py)"),
+    # jax, on every rank
+    Internal("jax", "jax._src.compiler", "_cache_write", "rank",
+             "every rank writes its own compilation-cache entries (engine/jit_cache.py)",
+             required=False),
+]
+
+
+class InternalsChanged(RuntimeError):
+    """A project's private part that jupyter-spmd uses is not there; the text says which."""
+
+
+def _version(project: str) -> str:
+    try:
+        return importlib.metadata.version(project)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def missing(side: str, required_only: bool = False) -> list[str]:
+    """One sentence for each internal of ``side`` that is not where it should be."""
+    found = []
+    for item in INTERNALS:
+        if item.side != side or (required_only and not item.required):
+            continue
+        try:
+            value = importlib.import_module(item.module)
+            for part in item.path.split("."):
+                value = getattr(value, part) if not isinstance(value, type) else _attr(value, part)
+        except (ImportError, AttributeError):
+            found.append(
+                f"{item.project} {_version(item.project)} has no {item.module}.{item.path}, "
+                f"which jupyter-spmd needs for {item.why}: install a version that does "
+                "(see pyproject.toml)."
+            )
+    return found
+
+
+def _attr(cls: type, name: str):
+    """A class attribute, a traitlet of that name, or an attribute its instances set on
+    themselves (``self._mux_stream = ...`` in the class's code)."""
+    if name in getattr(cls, "class_traits", lambda: {})():
+        return cls.class_traits()[name]
+    if hasattr(cls, name):
+        return getattr(cls, name)
+    assigned = re.compile(rf"self\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)")
+    for klass in cls.__mro__:
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # no source to read (a frozen or packed install):
+            return name  # not known to be missing
+        if assigned.search(source):
+            return name
+    raise AttributeError(name)
+
+
+@functools.cache
+def check(side: str) -> None:
+    """Raise InternalsChanged (its text: every missing one) if ``side``'s internals moved."""
+    problems = missing(side, required_only=True)
+    if problems:
+        raise InternalsChanged(" ".join(problems))
