@@ -128,7 +128,9 @@ def _attr(cls: type, name: str):
     for klass in cls.__mro__:
         try:
             source = inspect.getsource(klass)
-        except (OSError, TypeError):  # no source to read (a frozen or packed install):
+        except TypeError:  # a built-in class (object): nothing it sets
+            continue
+        except OSError:  # no source to read (a frozen or packed install):
             return name  # not known to be missing
         if assigned.search(source):
             return name
