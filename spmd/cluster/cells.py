@@ -208,6 +208,10 @@ class Cells:
     def collect_late(self) -> None:
         """Take what the client kept of the ranks' late outputs: streams into the logs now
         (a death report points there), everything kept for the next cell to show."""
+        with self._life:
+            self._collect_late()
+
+    def _collect_late(self) -> None:
         client = self.client
         late = getattr(client, "late", None)
         if not late:

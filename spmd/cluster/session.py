@@ -15,7 +15,8 @@ Who may touch what:
   restart's wait all give up within ~0.1 s), then takes ``_life`` and stops. The kernel's
   background start runs ``start`` on a Session of its own, which no cell sees until it ended.
   ipyparallel's event-loop thread owns the launchers and engine sets; this side reads them
-  only through copies (see SpmdCluster).
+  only through copies (see SpmdCluster). The client's IO thread hands over what ranks print
+  after their cell through one deque (client.py), taken under ``_life`` (collect_late).
 - A SIGINT on the main thread during a stop, a restart's promotion, a start's last steps or
   a cell's report is held until it has finished (interrupts.py).
 """
@@ -141,7 +142,8 @@ class Session(Startup, Standbys, Deaths, Cells):
             self._standby_started(self.settings.start_timeout)
         if client is not None and cluster is not None:
             self._end_far_ranks(standbys=True)
-            self.collect_late()  # (a rank's last words before the stop, into its log)
+            if end_loop:  # (with the lock: a rank's last words before the stop, into its log)
+                self.collect_late()
         self.client = self.cluster = None
         self.gen = self.gen.ended()
         if client is not None:
