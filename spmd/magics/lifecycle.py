@@ -92,7 +92,7 @@ class Lifecycle:
             if self.pending.settings == settings:
                 self._take_pending()
             else:
-                with interrupts.held("cancelling the kernel's own start"):
+                with interrupts.held("the cancel of the kernel's own start"):
                     self.pending.cancel()
                     self.pending = None
         if self._fresh and self.session is not None:
@@ -122,7 +122,7 @@ class Lifecycle:
         progress.started = time.monotonic()  # (the same clock as the summary's seconds)
         # An interrupt may cancel the engines' start and join (the start then ends what it
         # began); once they have joined, the cluster is recorded here whatever comes.
-        with interrupts.held("the start's last steps"):
+        with interrupts.held("the end of the start"):
             self._refuse_if_shutting_down()
             self.starting = session  # (so that a shutdown from the control thread finds it)
             try:
