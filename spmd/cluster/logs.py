@@ -25,6 +25,7 @@ class RankLogs:
         self._cell = 0
         self._header = ""
         self._written: set[int] = set()  # ranks that printed in this cell
+        self._mid_line: set[int] = set()  # ranks whose log ends without a newline
 
     def path(self, rank: int) -> str | None:
         return None if self.folder is None else os.path.join(self.folder, f"rank-{rank}.log")
@@ -41,8 +42,11 @@ class RankLogs:
         f = self._file(rank)
         if rank not in self._written:
             self._written.add(rank)
-            f.write(self._header)
+            # (on a line of its own: an earlier cell may have ended mid-line, print(end=''))
+            f.write(self._header if rank not in self._mid_line else "\n" + self._header)
         f.write(text)
+        if text:
+            (self._mid_line.discard if text.endswith("\n") else self._mid_line.add)(rank)
 
     def flush(self) -> None:
         for rank in self._written:
