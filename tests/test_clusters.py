@@ -309,6 +309,29 @@ def test_ssh_python_paths_are_quoted_on_the_hosts(fresh, hosts):
     assert nothing_left_on(hosts) == []
 
 
+def test_ssh_every_command_goes_through_the_ssh_command_given(fresh, hosts):
+    # --launcher-arg ssh_cmd=...: a wrapper that notes each call, then runs ssh with -v (whose
+    # chatter on the master connection's stderr once went to a pipe nobody read)
+    calls = os.path.join(hosts.folder, "ssh-calls")
+    wrapper = os.path.join(hosts.folder, "noted-ssh")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\necho "$*" >> {calls}\nexec ssh -v "$@"\n')
+    os.chmod(wrapper, 0o755)
+    out = run(fresh, ssh_start(hosts, extra=f"--standby off --launcher-arg ssh_cmd={wrapper}"))
+    assert out.error is None, out.stdout + out.stderr
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    assert run(fresh, "%spmd stop").error is None
+    with open(calls) as f:
+        noted = f.read().splitlines()
+    os.remove(calls)
+    # the address lookup, the master connections, and the engines' commands all came here
+    assert any(" -G node1" in c for c in noted), noted
+    assert sum("ControlMaster=yes" in c for c in noted) == 2, noted
+    assert any("ControlMaster=no" in c for c in noted), noted
+    assert nothing_left_on(hosts) == []
+
+
 def test_ssh_a_host_cut_off_is_reported_within_seconds_and_stop_returns(fresh):
     with Hosts(2) as cut:  # (hosts of its own: one of them loses its link)
         out = run(fresh, ssh_start(cut, extra="--standby off"))
