@@ -45,8 +45,10 @@ class RankLogs:
             # (on a line of its own: an earlier cell may have ended mid-line, print(end=''))
             f.write(self._header if rank not in self._mid_line else "\n" + self._header)
         f.write(text)
-        if text:
-            (self._mid_line.discard if text.endswith("\n") else self._mid_line.add)(rank)
+        if text.endswith("\n"):
+            self._mid_line.discard(rank)
+        elif text:
+            self._mid_line.add(rank)
 
     def flush(self) -> None:
         for rank in self._written:
@@ -91,6 +93,7 @@ class RankLogs:
     def remove(self) -> None:
         """Close and remove the files: a new cluster's logs begin."""
         self.close()
+        self._mid_line = set()
         atexit.unregister(self.remove)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -243,7 +243,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
                 )
         if not cell.strip():
             return None
-        if is_exit(cell) and not debugging:
+        if is_exit(cell):
             raise UsageError(
                 "exit on the ranks would end each rank's process, and the next cell would find "
                 "them dead: %spmd stop ends the cluster, and exit in a cell of its own ends "
