@@ -159,8 +159,9 @@ class Deaths:
                     # the host is cut off, and the stop sends it no command (each would
                     # wait for ssh's connect timeout)
                     far.lost = True
-            if self.standbys():
-                self._end_ranks()  # the controller and the standbys stay, for a fast restart
+            if self.standbys() or self._server is not None:
+                # the controller and the standbys (or the rank server) stay, for a fast restart
+                self._end_ranks()
             else:
                 self.stop(keep_cache=True)
 

@@ -186,6 +186,8 @@ class SpmdCluster(Cluster):
     # and ssh clusters); None before the start.
     rank_set: str | None = None
     standby_set: str | None = None
+    # This machine's rank server (forks.py), which forks the local ranks; None without one.
+    rank_server = None
 
     async def launch(self, n: int) -> None:
         """Start the controller and ``n`` engines at once."""
@@ -225,6 +227,13 @@ class SpmdCluster(Cluster):
             cluster_id=self.cluster_id,
             **client_kwargs,
         )
+
+    async def replace_ranks(self, n: int, environment: dict[str, str]) -> None:
+        """The ranks' engine set is stopped (if it is still there) and ``n`` new engines
+        become the ranks."""
+        if self.rank_set in self.engines:
+            await self.stop_engines(self.rank_set)
+        self.rank_set = await self.start_engines(n, environment=environment)
 
     async def promote_standby(self) -> None:
         """The standbys become the ranks; the old ranks' engines are stopped."""

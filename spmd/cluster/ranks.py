@@ -47,6 +47,8 @@ class Settings:
     # Stream lines of one rank kept in the notebook per cell (the first and last half); the
     # rank's log keeps every line. None keeps them all.
     max_output: int | None = 1000
+    # Modules the rank server imports once for every rank (besides the engine and backend).
+    preload: tuple[str, ...] = ()
 
 
 @dataclass

@@ -37,6 +37,7 @@ from spmd.cluster.launch import LOOPBACK, SpmdCluster
 from spmd.cluster.lockstep import CellRun
 from spmd.cluster.logs import RankLogs
 from spmd.cluster.ranks import Generation, OutOfStep, Rank, Settings, StartError
+from spmd.cluster.restarts import Restarts
 from spmd.cluster.standby import STANDBY_LAUNCHERS, Standbys
 from spmd.cluster.startup import Startup
 from spmd.cluster.watchdog import Death
@@ -53,7 +54,7 @@ __all__ = [
 
 
 @dataclass(eq=False)
-class Session(Startup, Standbys, Deaths, Cells):
+class Session(Startup, Restarts, Standbys, Deaths, Cells):
     settings: Settings
     gen: Generation = field(default_factory=Generation)  # the ranks now (see above)
     start_seconds: float = 0.0
@@ -72,6 +73,10 @@ class Session(Startup, Standbys, Deaths, Cells):
     _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
     _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
     _standby_start: object | None = None  # the standby set's start (a Future), while it runs
+    # This machine's rank server, which forks the local ranks (forks.py); it lives from the
+    # start to the stop, across restarts. None where there is none (other launchers).
+    _server: object | None = None
+    fell_back: str = ""  # why the ranks started without the rank server ('' if they did not)
     # Every engine id the cluster's ranks had, and its rank (ids change at a restart; a
     # thread of an old rank may still print): for outputs that come after their cell.
     _engine_rank: dict = field(default_factory=dict)
@@ -177,6 +182,9 @@ class Session(Startup, Standbys, Deaths, Cells):
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None and end_loop:
                 loop.add_callback(loop.stop)
+        server, self._server = self._server, None
+        if server is not None:  # (it kills any rank still there as it ends)
+            server.close()
         self.logs.close()
         self._remove_torch_file()
         if self._profile_dir:

@@ -20,6 +20,8 @@ class Standbys:
 
     def _standby_wanted(self) -> bool:
         s = self.settings
+        if self._server is not None:  # (the rank server forks new ranks at a restart)
+            return False
         if s.standby is False or s.where.launcher not in STANDBY_LAUNCHERS:
             return False
         if not s.where.on_this_machine:
@@ -119,7 +121,7 @@ class Standbys:
             time.sleep(0.02)
         return []
 
-    def restart(self) -> bool:
+    def _restart_from_standbys(self) -> bool:
         """Promote the standbys to ranks and start new standbys behind them: the controller
         and the client stay. False (nothing done) where no standby set is ready: the caller
         then stops and starts afresh. Raises StartError if the promoted ranks fail to join.

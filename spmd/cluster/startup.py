@@ -13,7 +13,7 @@ import sys
 import time
 
 from spmd import internals
-from spmd.cluster import processes, remote
+from spmd.cluster import forks, processes, remote
 from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.lockstep import rank_words
@@ -145,6 +145,15 @@ class Startup:
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
+        if placed.launcher == "local":
+            # One process imports what the ranks need, once, and forks them (forks.py).
+            log_dir = os.path.join(self._profile_dir, "log")
+            os.makedirs(log_dir, exist_ok=True)
+            self._server = forks.local_server(
+                placed.python or sys.executable, s.backend, list(s.preload),
+                os.path.join(log_dir, "rank-server.log"),
+            )
+            config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
         if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
             config.SpmdSlurmEngineSetLauncher.batch_file_name = f"{self._profile_dir}/engines.sbatch"
         self.cluster = SpmdCluster(
@@ -158,6 +167,7 @@ class Startup:
             log=_cluster_log(),
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
+        self.cluster.rank_server = self._server
         # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which
         # its ``_sync`` methods use inside a running loop): the launchers keep the loop they
         # started on, and a kernel starts its cluster from a background thread with no loop.
@@ -170,6 +180,22 @@ class Startup:
             ) from None
         except subprocess.CalledProcessError as exc:  # ssh, sbatch or mpiexec said no
             raise StartError(remote.launch_failure(placed, exc)) from None
+        self._note_fallback()
+
+    def _note_fallback(self) -> None:
+        """Where the rank server could not be used, the ranks started as a Python each: the
+        start says so in one line, and the server goes."""
+        engine_set = self.cluster.engines.get(self.cluster.rank_set)
+        why = getattr(engine_set, "fell_back", "")
+        if why and self._server is not None:
+            self.fell_back = (
+                f"The rank server could not be used ({why.rstrip('.')}): each rank started "
+                "its own Python."
+            )
+            self._server.close()
+            self._server = self.cluster.rank_server = None
+            # (and so do the standbys, as they did before there was a rank server)
+            self.cluster.engine_launcher_class = forks.RankedEngineSetLauncher
 
     def _torch_init(self) -> str:
         """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's
@@ -187,39 +213,47 @@ class Startup:
                 os.remove(self._torch_method[len("file://"):])
 
     def _init_client(self) -> None:
-        s = self.settings
-        client = self.client = self.cluster._in_thread(self.cluster.connect_client)
+        self.client = self.cluster._in_thread(self.cluster.connect_client)
+        self._wait_registered(range(self.settings.n))
+        self._new_generation(engine_ids=sorted(self.client.ids))
+
+    def _new_generation(self, engine_ids: list[int]) -> None:
+        """The ranks are these engines, in this order (rank = position: ids change after a
+        restart)."""
+        self.gen = Generation(
+            ranks=[Rank(rank=r, engine_id=eid) for r, eid in enumerate(engine_ids)],
+            launchers=self.cluster.rank_launchers(),
+            ssh=self.cluster.ssh_launchers(),
+        )
+        self._engine_rank.update({r.engine_id: r.rank for r in self.gen.ranks})
+
+    def _wait_registered(self, engine_ids: range) -> None:
+        """Until these engines registered with the controller (engine id = its first id +
+        rank). Polls rather than wait_for_engines(timeout): an engine that crashes at start
+        fails the start at once, not after the whole timeout."""
+        s, client = self.settings, self.client
         deadline = time.monotonic() + s.start_timeout
-        # Poll rather than wait_for_engines(timeout): an engine that crashes at start should
-        # fail the start at once, not after the whole timeout.
         registered = -1
-        while len(client.ids) < s.n:
-            if len(client.ids) != registered:
-                registered = len(client.ids)
+        while missing := sorted(set(engine_ids) - set(client.ids)):
+            if s.n - len(missing) != registered:
+                registered = s.n - len(missing)
                 self._tell("registered", registered, s.n)
             self._check_cancelled()
             exited = self._exited_engines()
             if exited:
                 raise StartError(f"An engine process exited during start-up{exited}")
             if time.monotonic() > deadline:
-                missing = sorted(set(range(s.n)) - set(client.ids))  # (engine id = rank)
+                missing = [engine_id - engine_ids.start for engine_id in missing]  # (ranks)
                 hosts = remote.hosts_of(s.where, missing)
                 where_ = f" (on {', '.join(hosts)})" if hosts else ""
                 raise StartError(
-                    f"Only {len(client.ids)} of {s.n} engines registered within "
+                    f"Only {s.n - len(missing)} of {s.n} engines registered within "
                     f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
                     "engines' Python environment there, or give them more time with "
                     "--start-timeout."
                 )
             time.sleep(0.01)
         self._tell("registered", s.n, s.n)
-        # Rank = position in the sorted engine ids at start (ids change after a restart).
-        self.gen = Generation(
-            ranks=[Rank(rank=r, engine_id=eid) for r, eid in enumerate(sorted(client.ids))],
-            launchers=self.cluster.rank_launchers(),
-            ssh=self.cluster.ssh_launchers(),
-        )
-        self._engine_rank.update({r.engine_id: r.rank for r in self.gen.ranks})
 
     def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
         """Wait until every rank has joined; ``coordinators`` go to ranks that were not given

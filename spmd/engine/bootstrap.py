@@ -110,9 +110,10 @@ class _Join:
         )
         if gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        # (when, and whether a backend was imported by then: it reads them once, at start)
+        # (when, and whether a backend had started by then: it reads them once, at its start;
+        # a rank forked by the rank server has jax or torch imported, but not started)
         TIMELINE["gpus"] = time.time()
-        TIMELINE["backend_before_gpus"] = float("jax" in sys.modules or "torch" in sys.modules)
+        TIMELINE["backend_before_gpus"] = float(_backend_started())
         # torch's name for a rank's place on its host (its device index, with GPUs)
         os.environ["LOCAL_RANK"] = str(self.local_rank)
         return gpus
@@ -223,6 +224,15 @@ class _Join:
         }
 
 
+def _backend_started() -> bool:
+    """Whether jax has made a backend or torch has set up CUDA in this process."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is not None and getattr(bridge, "_backends", None):
+        return True
+    cuda = sys.modules.get("torch.cuda")
+    return cuda is not None and cuda.is_initialized()
+
+
 def _import(name: str):
     import importlib
 
@@ -236,6 +246,17 @@ def _import(name: str):
 
 
 _join = _Join()
+
+
+def forked() -> None:
+    """In a rank forked by the rank server (server.py), whose environment was set after this
+    module was imported: read it again (rank, backend, coordinators), and start the clock."""
+    global _join
+    _join = _Join()
+    INITIALIZE_ARGS.clear()
+    TIMELINE.clear()
+    TIMELINE["process_start"] = time.time()
+    TIMELINE["forked"] = 1.0
 
 
 def _exit_now(signum: int, frame: Any) -> None:

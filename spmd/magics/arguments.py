@@ -90,6 +90,7 @@ def _start_parser() -> _Parser:
     p.add_argument("--no-curve", action="store_true")
     p.add_argument("--standby", choices=("on", "off"), default=None)
     p.add_argument("--compilation-cache", default=None)
+    p.add_argument("--preload", type=_modules, default=())
     p.add_argument("--max-output", type=_max_output, default=Settings.max_output)
     p.add_argument("--panel", action="store_true")
     p.add_argument("--tabs", action="store_true")
@@ -118,6 +119,16 @@ def _key_value(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _modules(text: str) -> tuple[str, ...]:
+    """--preload: module names, comma-separated."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names or not all(re.fullmatch(r"[A-Za-z_][\w.]*", name) for name in names):
+        raise argparse.ArgumentTypeError(
+            f"--preload takes module names separated by commas, like flax,optax, not {text!r}"
+        )
+    return names
+
+
 def _gpus(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(
@@ -142,7 +153,13 @@ def _cache_folder(path: str | None) -> str | None:
 
 
 def _options_checked(opts, where: remote.Placement) -> remote.Placement:
-    """``where``, once the torch and standby options agree with the backend and launcher."""
+    """``where``, once the torch, standby and preload options agree with the backend and
+    launcher."""
+    if opts.preload and where.launcher != "local":
+        raise UsageError(
+            f"%spmd start: --preload is for ranks forked on this machine ({where.launcher} "
+            "starts a Python per rank): drop it, or import the modules in a cell."
+        )
     if opts.standby == "on" and where.launcher not in STANDBY_LAUNCHERS:
         raise UsageError(
             f"%spmd start: standby engines need the local or ssh launcher ({where.launcher} "

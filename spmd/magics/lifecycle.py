@@ -64,6 +64,7 @@ class Lifecycle:
             standby=None if opts.standby is None else opts.standby == "on",
             cache_dir=_cache_folder(opts.compilation_cache),
             max_output=opts.max_output,
+            preload=opts.preload,
         )
         if self._kernel_cluster_is(settings):
             self._show_as(opts)

@@ -71,7 +71,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
                         [--init-method tcp|env|file|file:///PATH] [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
-                        [--standby on|off] [--compilation-cache DIR]
+                        [--standby on|off] [--compilation-cache DIR] [--preload M1,M2]
                         [--max-output N|all] [--panel] [--tabs] [--breakpoint lowest|all]
             %spmd stop | restart | status | interrupt | where | on | off
             %spmd panel [on|off]         the ranks' rows; on: a live panel in every cell
@@ -87,9 +87,10 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
         becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
-        A set of standby engines waits behind the ranks (on by default over ssh, and for ranks
-        on this machine where memory allows): ``%spmd restart`` promotes them in well under a
-        second.
+        On this machine one rank server imports IPython, ipyparallel, zmq and the backend once
+        and forks the ranks (``--preload flax,optax`` adds modules to what it imports);
+        ``%spmd restart`` has it fork new ones in well under a second. Over ssh a set of
+        standby engines waits behind the ranks instead, which a restart promotes.
         jax's compilation cache is shared by the ranks and kept across restarts.
         ``--backend torch`` runs ``torch.distributed.init_process_group`` instead (gloo by
         default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).

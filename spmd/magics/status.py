@@ -15,9 +15,12 @@ def summary(session: Session, restarted: bool = False) -> str:
         if s.backend != "none"
         else ""
     )
-    how = ", from the standby engines" if restarted else ""
+    how = ""
+    if restarted:
+        how = ", forked by the rank server" if session._server else ", from the standby engines"
+    fell_back = f"{session.fell_back}\n" if session.fell_back and not restarted else ""
     return (
-        f"Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
+        f"{fell_back}Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
         "Auto mode on: every cell now runs on all ranks."
     )
 
@@ -61,7 +64,12 @@ def status_table(session: Session, auto_on: bool) -> str:
     lines.append(
         f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
     )
-    if session.cluster is not None:
+    if session._server is not None:
+        lines.append(
+            f"rank server: pid {session._server.pid} (imported the ranks' modules once; forks "
+            "them at start and restart)"
+        )
+    elif session.cluster is not None:
         lines.append(standby_line(session))
     if session.out_of_step:
         lines.append(f"Cells are refused: {session.out_of_step}")

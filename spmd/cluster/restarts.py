@@ -1,0 +1,67 @@
+"""``%spmd restart`` with a rank server: the old ranks end, and the server forks new ones that
+register with the same controller; the notebook's connection stays."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from spmd.cluster import interrupts, processes
+from spmd.cluster.startup import _loopback_ports
+from spmd.engine import bootstrap as engine
+
+
+class Restarts:
+    """Session's restart (a mixin: the state is Session's, see session.py)."""
+
+    def restart(self) -> bool:
+        """Start the ranks again, keeping the controller and the client: forked by the rank
+        server where there is one, else promoted from the standbys. False (nothing done)
+        where neither can: the caller then stops and starts afresh. Raises StartError if the
+        new ranks fail to join."""
+        if self._server is None:
+            return self._restart_from_standbys()
+        t0 = time.perf_counter()
+        with self._life, interrupts.held("the restart"):
+            if self.cluster is None or self._stopping.is_set() or self._server is None:
+                return False
+            try:
+                self._refork()
+            except BaseException:
+                self.stop(keep_cache=True)
+                raise
+        self.start_seconds = time.perf_counter() - t0
+        return True
+
+    def _refork(self) -> None:
+        cluster, n = self.cluster, self.settings.n
+        # The old ranks end: SIGTERM, and SIGKILL soon for those stuck in a collective
+        # (ipyparallel's own kill comes after a whole second), with what their cells started.
+        started_in_ranks = processes.started_by_ranks(cluster)
+        old = list(cluster.rank_launchers().values())
+        for launcher in old:
+            launcher.signal(signal.SIGTERM)
+        processes.kill_now(old, after=0.2)
+        processes.end(started_in_ranks)
+        self._remove_torch_file()
+        # New engine ids (the controller never gives one twice), the same ranks, a new
+        # coordinator (the old one's port may linger).
+        self._engine_sets += 1
+        offset = self._engine_sets * n
+        coordinators = _loopback_ports(self.settings.backend)
+        environment = dict(
+            cluster.engine_environment(),
+            **{
+                engine.ENGINE_ID_OFFSET_ENV: str(offset),
+                engine.COORDINATOR_ENV: coordinators.get("jax", ""),
+                engine.TORCH_MASTER_ENV: coordinators.get("torch", ""),
+                engine.TORCH_INIT_ENV: self._torch_init(),
+            },
+        )
+        cluster._in_thread(cluster.replace_ranks, n, environment)
+        self._cells.clear()
+        with interrupts.interruptible():  # (a ^C here gives up the restart: the stop follows)
+            self._wait_registered(range(offset, offset + n))
+            self._new_generation(engine_ids=list(range(offset, offset + n)))
+            self._tell_coordinator(coordinators)
+            self._init_distributed(coordinators=None)  # (given at the fork)

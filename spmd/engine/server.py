@@ -1,0 +1,231 @@
+"""The rank server: one process per host that imports what every rank needs, once, and then
+forks the ranks.
+
+A fresh Python per rank imports IPython, ipyparallel's engine, zmq and jax on its own (most of
+a start on a small machine, and once more per rank). Here the import is paid once per host:
+the children start warm and share the imported pages until they write. What we took from the
+anchors: multiprocessing's forkserver (a preload list imported before any thread exists, a
+child forked per request), gunicorn's ``--preload`` and its arbiter (signals handled in one
+loop woken through a pipe, never where they land), Ray's prestarted workers (the server waits
+ready before anyone asks).
+
+``python -m spmd.engine.server [MODULE ...]`` imports the modules, then speaks JSON lines: it
+writes ``{"ready": pid}`` (or ``{"failed": "why"}`` and exits) on stdout, then reads requests
+on stdin:
+
+- ``{"fork": id, "env": {...}, "argv": [...], "output": path, "cwd": path}``: fork a rank;
+  answered ``{"forked": id, "pid": pid}`` (or ``{"forked": id, "error": "why"}``);
+- and for every child that ended, ``{"exited": pid, "code": code}`` (negative: the signal).
+
+Nothing of the user's runs here: no backend, device, socket or Python thread is started before
+a fork (jax starts none at import). When stdin closes (the notebook ended, even by SIGKILL, or
+its ssh connection dropped) or on SIGTERM, the server kills every rank it forked (each in its
+own process group, with what it started) and exits.
+
+Threads: one. Children are forked from the only Python thread there is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+# What every rank imports before its first cell, whatever its backend.
+ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.app",
+                  "spmd.engine.bootstrap")
+BACKEND_MODULES = {"jax": ("jax", "jax.numpy"), "torch": ("torch", "torch.distributed")}
+
+
+def modules_for(backend: str, preload: list[str]) -> list[str]:
+    """What a rank server imports for ranks of this backend ("jax", "torch", "jax,torch",
+    "none"), and the user's own ``preload`` (flax, optax...)."""
+    found = list(ENGINE_MODULES)
+    for name in backend.split(","):
+        found += BACKEND_MODULES.get(name, ())
+    return found + [m for m in preload if m not in found]
+
+
+class Server:
+    def __init__(self, replies) -> None:
+        self.replies = replies  # the protocol's stream (the process's stdout, set apart)
+        self.children: dict[int, str] = {}  # pid: the id it was forked for
+        self.ending = False
+        self._wake_read, self._wake_write = os.pipe()
+        for fd in (self._wake_read, self._wake_write):
+            os.set_blocking(fd, False)
+
+    def say(self, **message) -> None:
+        self.replies.write(json.dumps(message) + "\n")
+        self.replies.flush()
+
+    def serve(self) -> None:
+        # A signal only wakes the loop (its byte in the pipe); the loop reaps and ends.
+        signal.set_wakeup_fd(self._wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._asked_to_end)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the notebook's ^C is not for us)
+        pending = b""
+        while not self.ending:
+            try:
+                ready, _, _ = select.select([0, self._wake_read], [], [])
+            except InterruptedError:
+                continue
+            if self._wake_read in ready:
+                while _drain(self._wake_read):
+                    pass
+                self._reap()
+            if 0 in ready:
+                data = os.read(0, 1 << 16)
+                if not data:  # the notebook is gone
+                    break
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self._handle(json.loads(line))
+        self._end_children()
+
+    def _asked_to_end(self, *_) -> None:
+        self.ending = True
+
+    def _handle(self, request: dict) -> None:
+        if "fork" in request:
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                self.say(forked=request["fork"], error=f"{type(exc).__name__}: {exc}")
+                return
+            if pid == 0:
+                self._run_rank(request)  # never returns
+            self.children[pid] = request["fork"]
+            self.say(forked=request["fork"], pid=pid)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.pop(pid, None)
+            self.say(exited=pid, code=os.waitstatus_to_exitcode(status))
+
+    def _end_children(self) -> None:
+        for pid in list(self.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)  # (its group: what the rank's cells started)
+            except OSError:
+                continue
+        deadline = time.monotonic() + 5
+        while self.children and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            self.children.pop(pid, None)
+
+    def _run_rank(self, request: dict) -> None:
+        """In the child: become the rank the request describes, run its engine, and exit."""
+        code = 1
+        try:
+            os.setsid()  # its own group: the notebook's ^C and the server's end are not its
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self.replies.close()
+            output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+            os.close(output)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+            os.environ.clear()
+            os.environ.update(request["env"])
+            from spmd.engine.orphans import PARENT_ENV
+
+            os.environ[PARENT_ENV] = str(os.getppid())  # (it watches this server)
+            os.chdir(request["cwd"])
+            _name_process(f"spmd-rank{os.environ.get('SPMD_RANK', '')}")
+            sys.argv = list(request["argv"])
+            _fresh_randomness()
+            from spmd.engine import bootstrap
+
+            bootstrap.forked()
+            bootstrap.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            import atexit
+
+            atexit._run_exitfuncs()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # (a closed stream at the very end)
+                    pass
+            os._exit(code)
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _name_process(name: str) -> None:
+    """The name ps and top show (its command line stays the server's: fork keeps it)."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:  # (not Linux)
+        pass
+
+
+def _fresh_randomness() -> None:
+    """A forked child starts with its server's random state: every rank would draw the same
+    numbers, where fresh processes draw their own."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def main(modules: list[str]) -> None:
+    # The protocol gets stdout to itself; anything an import prints goes to stderr (the
+    # server's log).
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    t0 = time.perf_counter()
+    server = Server(replies)
+    try:
+        if not hasattr(os, "fork"):
+            raise OSError("this system cannot fork")
+        for name in modules:
+            importlib.import_module(name)
+    except BaseException as exc:  # (an import can fail in any way, SystemExit included)
+        server.say(failed=f"{type(exc).__name__}: {exc}")
+        return
+    server.say(ready=os.getpid(), imported=time.perf_counter() - t0)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
