@@ -7,6 +7,7 @@ import signal
 import time
 
 from spmd.cluster import control, interrupts, processes, remote, ssh, where
+from spmd.cluster.forks import ForkedEngineLauncher
 from spmd.cluster.launch import RankedEngineLauncher
 from spmd.cluster.ranks import OutOfStep
 from spmd.cluster.watchdog import Death, last_lines
@@ -69,11 +70,7 @@ class Deaths:
                 last_lines(self.cluster.output_of(ln.rank)),
                 self._crash_stack(ln) if ln.rank in self.gen.launchers else None,
                 host=self.ranks[ln.rank].host,
-                cause=(
-                    "its host stopped answering"
-                    if getattr(ln, "lost", False)
-                    else "its process ended"
-                ),
+                cause=self._cause(ln),
             )
             for ln in gone
         ]
@@ -112,6 +109,20 @@ class Deaths:
             path = self.logs.path(d.rank)
             d.log = path if path is not None and os.path.exists(path) else ""
         return deaths
+
+    def _cause(self, launcher) -> str:
+        """What is known of why a rank's process ended, beyond its exit code."""
+        if getattr(launcher, "lost", False):
+            return "its host stopped answering"
+        server = self._server
+        if isinstance(launcher, ForkedEngineLauncher) and server is not None and (
+            launcher.exit_code is None and server.ended_how()
+        ):
+            return (
+                f"its rank server (pid {server.pid}) {server.ended_how()}, and every rank it "
+                "forked ended with it"
+            )
+        return "its process ended"
 
     def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:
         """Where a rank was when it crashed, from faulthandler's dump in its stack file."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -109,6 +110,21 @@ class RankServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+    @property
+    def usable(self) -> bool:
+        """Whether it runs and can fork."""
+        return not self.why_not and not self._gone()
+
+    def ended_how(self) -> str:
+        """How the server ended, in words ('' while it runs)."""
+        if not self._gone():
+            return ""
+        code = self.process.returncode
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            return f"was killed by {name}"
+        return f"exited with code {code}"
 
     def _gone(self) -> bool:
         return self.process is not None and self.process.poll() is not None

@@ -23,8 +23,8 @@ class Restarts:
             return self._restart_from_standbys()
         t0 = time.perf_counter()
         with self._life, interrupts.held("the restart"):
-            if self.cluster is None or self._stopping.is_set() or self._server is None:
-                return False
+            if self.cluster is None or self._stopping.is_set() or not self._server.usable:
+                return False  # (a server that ended: the restart starts a new one)
             try:
                 self._refork()
             except BaseException:

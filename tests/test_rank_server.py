@@ -1,0 +1,213 @@
+"""The rank server: one process on this machine that imported the ranks' modules and forks
+the ranks, at start and at every restart (after a plain restart, a divergence and a death);
+its fallback to a Python per rank (and standby engines) where it cannot be used; the
+compilation cache the ranks share across restarts."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+from conftest import report, run, session, spmd_processes, standbys_ready
+from IPython.core.error import UsageError
+
+pytestmark = pytest.mark.timeout(180)
+
+SETUP = (
+    "import os, time, jax, jax.numpy as jnp\n"
+    "rank = jax.process_index()\n"
+    "psum = jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')"
+)
+PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
+
+
+def server_of(shell) -> psutil.Process:
+    server = session(shell)._server
+    assert server is not None, "no rank server"
+    return psutil.Process(server.process.pid)
+
+
+def forked_by_the_server(shell) -> None:
+    """Every rank is a child of the rank server, in a process group of its own, and named
+    after its rank; the server is a child of this notebook."""
+    server = server_of(shell)
+    assert server.ppid() == os.getpid()
+    for row in session(shell).ranks:
+        rank = psutil.Process(row.pid)
+        assert rank.ppid() == server.pid, (row, rank.ppid(), server.pid)
+        assert os.getpgid(row.pid) == row.pid  # (the notebook's ^C is not the ranks')
+        assert rank.name() == f"spmd-rank{row.rank}"
+
+
+def restart_forks(shell) -> None:
+    """%spmd restart ends the old ranks and the same server forks new ones, which register
+    with the same controller; a psum works."""
+    old = [r.pid for r in session(shell).ranks]
+    controller = session(shell).cluster.controller.process.pid
+    server = server_of(shell).pid
+    out = run(shell, "%spmd restart")
+    assert out.error is None, out.stderr
+    assert "forked by the rank server" in out.stdout, out.stdout
+    assert session(shell).cluster.controller.process.pid == controller
+    assert server_of(shell).pid == server
+    assert not {r.pid for r in session(shell).ranks} & set(old)
+    forked_by_the_server(shell)
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in old if psutil.pid_exists(p)], 5)
+    assert not alive, f"old ranks still running: {alive}"
+    assert run(shell, SETUP).error is None
+    assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
+
+
+def test_the_rank_server_forks_the_ranks(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    forked_by_the_server(fresh)
+    status = run(fresh, "%spmd status").stdout
+    assert f"rank server: pid {server_of(fresh).pid} " in status, status
+    assert "standby" not in status
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    # a forked rank draws its own random numbers, as a fresh process would
+    out = run(fresh, "import random, numpy as np\nprint(random.random(), np.random.rand())")
+    assert out.error is None and "[rank 0]" in out.stdout and "[rank 1]" in out.stdout, out.stdout
+
+
+def test_restart_forks_new_ranks(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    restart_forks(fresh)
+    restart_forks(fresh)  # twice: the server forks as often as asked
+
+
+def test_restart_after_a_divergence_ends_the_blocked_rank(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, "if rank == 0:\n    raise ValueError('diverge')\n" + PSUM)
+    assert "The ranks diverged" in report(out)
+    restart_forks(fresh)
+
+
+def test_restart_after_a_death(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM)
+    text = report(out)
+    assert text.startswith("Rank 1 died: killed by SIGKILL"), text
+    # the ranks were ended; the controller and the rank server were kept for the restart
+    assert all(r.state in ("died", "stopped") for r in session(fresh).ranks)
+    refused = run(fresh, PSUM)
+    assert "rank 1 died" in str(refused.error)
+    status = run(fresh, "%spmd status").stdout
+    assert "cluster stopped" in status and "rank server: pid" in status, status
+    restart_forks(fresh)
+
+
+def test_a_rank_server_killed_ends_its_ranks_and_the_notebook_says_so(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    assert run(fresh, SETUP).error is None
+    ranks = [psutil.Process(r.pid) for r in session(fresh).ranks]
+    server_pid = server_of(fresh).pid
+    server_of(fresh).kill()  # (the out-of-memory killer's choice, say)
+    gone, alive = psutil.wait_procs(ranks, timeout=10)  # (they watch their parent)
+    assert not alive, alive
+    out = run(fresh, PSUM)
+    assert f"its rank server (pid {server_pid}) was killed by SIGKILL, and every rank it forked "\
+        "ended with it" in str(out.error), out.error
+    restarted = run(fresh, "%spmd restart")  # afresh: a new server
+    assert restarted.error is None, restarted.stderr
+    forked_by_the_server(fresh)
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+
+
+def test_preload_imports_modules_once_for_every_rank(fresh):
+    out = run(fresh, "%spmd start -n 2 --backend none --preload xml.dom.minidom,csv")
+    assert out.error is None, out.stderr
+    out = run(fresh, "import sys\nprint('xml.dom.minidom' in sys.modules)")
+    assert out.stdout == "[ranks 0-1] True\n", out.stdout
+
+
+def test_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh):
+    """The ranks then start as a Python each, with standby engines behind them as before."""
+    out = run(fresh, "%spmd start -n 2 --preload no_such_module_for_spmd")
+    assert out.error is None, out.stderr
+    said = [line for line in out.stdout.split("\r")[-1].splitlines() if "rank server" in line]
+    assert said == [
+        "The rank server could not be used (ModuleNotFoundError: No module named "
+        "'no_such_module_for_spmd'): each rank started its own Python."
+    ], out.stdout
+    assert session(fresh)._server is None
+    for row in session(fresh).ranks:
+        assert psutil.Process(row.pid).ppid() == os.getpid()
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    standby_pids = [r.pid for r in standbys_ready(fresh)]
+    out = run(fresh, "%spmd restart")
+    assert out.error is None and "from the standby engines" in out.stdout, out.stdout
+    assert "rank server" not in out.stdout  # (said once, at the start)
+    assert [r.pid for r in session(fresh).ranks] == standby_pids
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+
+
+JITTED = (
+    "@jax.jit\n"
+    "def steps(x):\n"
+    "    for i in range(20):\n"
+    "        x = jnp.tanh(x @ x.T + i)\n"
+    "    return x\n"
+    "print(float(steps(jnp.ones((8, 8))).sum()))"
+)
+
+
+def test_compilation_cache_is_kept_across_restarts_and_emptied_at_stop(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    assert run(fresh, SETUP).error is None
+    folder = run(fresh, "print(jax.config.jax_compilation_cache_dir)").stdout.split()[-1]
+    assert os.path.isdir(folder)
+    first = run(fresh, JITTED)
+    assert first.error is None
+    cached = {n for n in os.listdir(folder) if n.startswith("jit_steps")}
+    assert len(cached) == 2, os.listdir(folder)  # one per rank: each writes its own
+    for how in ("%spmd restart", "%spmd restart"):  # forked, then again
+        assert run(fresh, how).error is None
+        assert run(fresh, SETUP).error is None
+        assert run(fresh, "print(jax.config.jax_compilation_cache_dir)").stdout.split()[-1] == folder
+        again = run(fresh, JITTED)
+        assert again.stdout == first.stdout
+    # the same function was not compiled again: no new entry for it
+    assert {n for n in os.listdir(folder) if n.startswith("jit_steps")} == cached
+    run(fresh, "%spmd stop")
+    assert not os.path.exists(folder)
+
+
+def test_a_named_compilation_cache_outlives_stop(fresh, tmp_path):
+    folder = tmp_path / "jax-cache"
+    out = run(fresh, f"%spmd start -n 2 --compilation-cache {folder}")
+    assert out.error is None, out.stderr
+    assert run(fresh, SETUP + "\n" + JITTED).error is None
+    run(fresh, "%spmd stop")
+    assert any(n.startswith("jit_steps") for n in os.listdir(folder))
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (
+            "%spmd start -n 2 --standby on --launcher mpi",
+            "standby engines need the local or ssh launcher (mpi starts all ranks as one job)",
+        ),
+        ("%spmd start -n 2 --standby maybe", "invalid choice: 'maybe'"),
+        (
+            "%spmd start -n 2 --preload flax --launcher mpi",
+            "--preload is for ranks forked on this machine (mpi starts a Python per rank)",
+        ),
+        ("%spmd start -n 2 --preload 'a b'", "--preload takes module names separated by"),
+        ("%spmd start -n 2 --compilation-cache /dev/null/cache", "--compilation-cache "
+         "/dev/null/cache cannot be used"),
+    ],
+)
+def test_bad_start_options_are_refused_before_anything_starts(fresh, line, says):
+    out = run(fresh, line)
+    assert isinstance(out.error, UsageError), out.error
+    assert says in str(out.error)
+    assert not spmd_processes()
