@@ -137,12 +137,17 @@ def test_jax_initialized_in_the_notebook_warns(shell):
 
 
 def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, monkeypatch):
-    # sitecustomize runs first in every new Python on the path: rank 1's process exits at once
+    # sitecustomize runs first in every new Python on the path: rank 1's process exits at
+    # once; a rank forked by the rank server (whose sitecustomize ran with no rank) exits as
+    # it enters its folder, once its rank is set, before its engine starts
     (tmp_path / "sitecustomize.py").write_text(
         "import os, sys\n"
-        "if os.environ.get('SPMD_RANK') == '1':\n"
-        "    print('rank 1 cannot start', file=sys.stderr)\n"
-        "    os._exit(3)\n"
+        "def exit_if_rank_1(*_):\n"
+        "    if os.environ.get('SPMD_RANK') == '1':\n"
+        "        print('rank 1 cannot start', file=sys.stderr, flush=True)\n"
+        "        os._exit(3)\n"
+        "exit_if_rank_1()\n"
+        "sys.addaudithook(lambda event, args: event == 'os.chdir' and exit_if_rank_1())\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     t0 = time.monotonic()

@@ -85,11 +85,14 @@ class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
 
 
 def rank_engines(procs) -> list:
-    """The engines among ``procs`` that are ranks (not standbys, see %spmd status)."""
+    """The engines among ``procs`` that are ranks (not standbys, nor the rank server that
+    forks them and whose command line they keep; see %spmd status)."""
     return [
         p
         for p in procs
-        if "spmd.engine" in " ".join(p.cmdline()) and p.environ().get("SPMD_STANDBY") != "1"
+        if "spmd.engine" in " ".join(p.cmdline())
+        and p.environ().get("SPMD_STANDBY") != "1"
+        and (p.name().startswith("spmd-rank") or "spmd.engine.server" not in p.cmdline())
     ]
 
 

@@ -49,6 +49,9 @@ class Settings:
     max_output: int | None = 1000
     # Modules the rank server imports once for every rank (besides the engine and backend).
     preload: tuple[str, ...] = ()
+    # Local ranks forked by one rank server (True), or started as a Python each (False: each
+    # has its own string-hash salt, as a job's processes do).
+    rank_server: bool = True
 
 
 @dataclass

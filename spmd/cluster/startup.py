@@ -145,7 +145,7 @@ class Startup:
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
-        if placed.launcher == "local":
+        if placed.launcher == "local" and s.rank_server:
             # One process imports what the ranks need, once, and forks them (forks.py).
             log_dir = os.path.join(self._profile_dir, "log")
             os.makedirs(log_dir, exist_ok=True)

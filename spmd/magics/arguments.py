@@ -91,6 +91,7 @@ def _start_parser() -> _Parser:
     p.add_argument("--standby", choices=("on", "off"), default=None)
     p.add_argument("--compilation-cache", default=None)
     p.add_argument("--preload", type=_modules, default=())
+    p.add_argument("--rank-server", choices=("on", "off"), default="on")
     p.add_argument("--max-output", type=_max_output, default=Settings.max_output)
     p.add_argument("--panel", action="store_true")
     p.add_argument("--tabs", action="store_true")
@@ -155,6 +156,11 @@ def _cache_folder(path: str | None) -> str | None:
 def _options_checked(opts, where: remote.Placement) -> remote.Placement:
     """``where``, once the torch, standby and preload options agree with the backend and
     launcher."""
+    if opts.preload and opts.rank_server == "off":
+        raise UsageError(
+            "%spmd start: --preload is what the rank server imports, and --rank-server off "
+            "starts none: drop one of them."
+        )
     if opts.preload and where.launcher != "local":
         raise UsageError(
             f"%spmd start: --preload is for ranks forked on this machine ({where.launcher} "

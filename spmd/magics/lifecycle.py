@@ -65,6 +65,7 @@ class Lifecycle:
             cache_dir=_cache_folder(opts.compilation_cache),
             max_output=opts.max_output,
             preload=opts.preload,
+            rank_server=opts.rank_server == "on",
         )
         if self._kernel_cluster_is(settings):
             self._show_as(opts)

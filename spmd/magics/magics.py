@@ -72,6 +72,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
                         [--standby on|off] [--compilation-cache DIR] [--preload M1,M2]
+                        [--rank-server on|off]
                         [--max-output N|all] [--panel] [--tabs] [--breakpoint lowest|all]
             %spmd stop | restart | status | interrupt | where | on | off
             %spmd panel [on|off]         the ranks' rows; on: a live panel in every cell
@@ -88,7 +89,8 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
         becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
         On this machine one rank server imports IPython, ipyparallel, zmq and the backend once
-        and forks the ranks (``--preload flax,optax`` adds modules to what it imports);
+        and forks the ranks (``--preload flax,optax`` adds modules to what it imports; ``--rank-server off``
+        starts a Python per rank, each with its own string-hash salt, as a job's processes);
         ``%spmd restart`` has it fork new ones in well under a second. Over ssh a set of
         standby engines waits behind the ranks instead, which a restart promotes.
         jax's compilation cache is shared by the ranks and kept across restarts.
