@@ -225,6 +225,9 @@ def main(modules: list[str]) -> None:
         return
     server.say(ready=os.getpid(), imported=time.perf_counter() - t0)
     server.serve()
+    # (its ranks are gone and it holds nothing: no need for the interpreter's slow
+    # finalization of what jax imported, which a stop would wait for)
+    os._exit(0)
 
 
 if __name__ == "__main__":
