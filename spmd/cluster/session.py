@@ -17,6 +17,9 @@ Who may touch what:
   ipyparallel's event-loop thread owns the launchers and engine sets; this side reads them
   only through copies (see SpmdCluster). The client's IO thread hands over what ranks print
   after their cell through one deque (client.py), taken under ``_life`` (collect_late).
+- ``_server`` (this machine's rank server) is started and closed under ``_life`` with the
+  cluster; ipyparallel's event-loop thread asks it for forks, and its own reader thread is
+  the only writer of what it answered (forks.py).
 - A SIGINT on the main thread during a stop, a restart's promotion, a start's last steps or
   a cell's report is held until it has finished (interrupts.py).
 """
