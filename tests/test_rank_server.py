@@ -110,8 +110,8 @@ def test_a_rank_server_killed_ends_its_ranks_and_the_notebook_says_so(fresh):
     gone, alive = psutil.wait_procs(ranks, timeout=10)  # (they watch their parent)
     assert not alive, alive
     out = run(fresh, PSUM)
-    assert f"its rank server (pid {server_pid}) was killed by SIGKILL, and every rank it forked "\
-        "ended with it" in str(out.error), out.error
+    assert f"its rank server (pid {server_pid}) ended: killed by SIGKILL (sent by hand, or by "\
+        "the out-of-memory killer); every rank it forked ended with it" in str(out.error), out.error
     restarted = run(fresh, "%spmd restart")  # afresh: a new server
     assert restarted.error is None, restarted.stderr
     forked_by_the_server(fresh)
@@ -124,6 +124,24 @@ def test_preload_imports_modules_once_for_every_rank(fresh):
     assert out.error is None, out.stderr
     out = run(fresh, "import sys\nprint('xml.dom.minidom' in sys.modules)")
     assert out.stdout == "[ranks 0-1] True\n", out.stdout
+
+
+def test_a_rank_server_whose_imports_start_a_thread_does_not_fork(fresh, tmp_path, monkeypatch):
+    """A fork keeps only the forking thread (a lock another thread held would stay held in
+    every rank): the start falls back, and says why."""
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), name='telemetry', daemon=True).start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = run(fresh, "%spmd start -n 2 --backend none --preload starts_a_thread")
+    assert out.error is None, out.stderr
+    assert (
+        "The rank server could not be used (RuntimeError: its imports started a thread "
+        "(telemetry), and a fork is unsafe): each rank started its own Python." in out.stdout
+    ), out.stdout
+    assert session(fresh)._server is None
+    assert run(fresh, "x = 1").error is None
 
 
 def test_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh):

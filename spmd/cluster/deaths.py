@@ -10,7 +10,7 @@ from spmd.cluster import control, interrupts, processes, remote, ssh, where
 from spmd.cluster.forks import ForkedEngineLauncher
 from spmd.cluster.launch import RankedEngineLauncher
 from spmd.cluster.ranks import OutOfStep
-from spmd.cluster.watchdog import Death, last_lines
+from spmd.cluster.watchdog import Death, last_lines, with_hint
 
 
 class Deaths:
@@ -119,8 +119,8 @@ class Deaths:
             launcher.exit_code is None and server.ended_how()
         ):
             return (
-                f"its rank server (pid {server.pid}) {server.ended_how()}, and every rank it "
-                "forked ended with it"
+                f"its rank server (pid {server.pid}) ended: {with_hint(server.ended_how())}; "
+                "every rank it forked ended with it"
             )
         return "its process ended"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ import time
 import psutil
 
 from spmd.cluster.launch import RankedEngineLauncher, RankedEngineSetLauncher
+from spmd.cluster.watchdog import how_it_ended
 from spmd.engine import server as rank_server
 from spmd.engine.orphans import PARENT_ENV
 
@@ -46,7 +46,7 @@ class RankServer:
         self._send_lock = threading.Lock()
         self.process: subprocess.Popen | None = None
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def start(self) -> None:
         """Start the server (it imports on its own while the caller goes on)."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -56,7 +56,7 @@ class RankServer:
                 stderr=log,
                 # (its parent, for the ranks it forks: they watch it, and it watches us
                 # through its stdin)
-                env=dict(os.environ if env is None else env, **{PARENT_ENV: str(os.getpid())}),
+                env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
                 start_new_session=True,  # (the notebook's ^C is not for it)
             )
         threading.Thread(target=self._read, name="spmd-rank-server", daemon=True).start()
@@ -70,7 +70,7 @@ class RankServer:
 
     def fork(self, key: str, env: dict[str, str], argv: list[str], output: str, cwd: str,
              timeout: float = 30.0) -> int:
-        """Fork one rank; its pid. Raises ServerUnavailable."""
+        """Fork one rank; its pid. Raises ServerUnavailable (the start then fails)."""
         self._send({"fork": key, "env": env, "argv": argv, "output": output, "cwd": cwd})
         deadline = time.monotonic() + timeout
         with self._replied:
@@ -118,13 +118,7 @@ class RankServer:
 
     def ended_how(self) -> str:
         """How the server ended, in words ('' while it runs)."""
-        if not self._gone():
-            return ""
-        code = self.process.returncode
-        if code < 0:
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
-            return f"was killed by {name}"
-        return f"exited with code {code}"
+        return how_it_ended(self.process.returncode) if self._gone() else ""
 
     def _gone(self) -> bool:
         return self.process is not None and self.process.poll() is not None
@@ -216,13 +210,5 @@ class ForkedEngineSetLauncher(RankedEngineSetLauncher):
         if not ready:
             self.fell_back = server.why_not
             self.launcher_class = RankedEngineLauncher
-        try:
-            return super().start(n)
-        except ServerUnavailable as exc:  # it ended between ready and the fork
-            self.fell_back = str(exc)
-            for launcher in list(self.launchers.values()):
-                await launcher.stop()
-            self.launchers.clear()
-            self.launcher_class = RankedEngineLauncher
-            return super().start(n)
+        return super().start(n)
 

@@ -43,7 +43,6 @@ class Restarts:
             launcher.signal(signal.SIGTERM)
         processes.kill_now(old, after=0.2)
         processes.end(started_in_ranks)
-        self._remove_torch_file()
         # New engine ids (the controller never gives one twice), the same ranks, a new
         # coordinator (the old one's port may linger).
         self._engine_sets += 1
@@ -55,7 +54,7 @@ class Restarts:
                 engine.ENGINE_ID_OFFSET_ENV: str(offset),
                 engine.COORDINATOR_ENV: coordinators.get("jax", ""),
                 engine.TORCH_MASTER_ENV: coordinators.get("torch", ""),
-                engine.TORCH_INIT_ENV: self._torch_init(),
+                engine.TORCH_INIT_ENV: self._torch_init(),  # (a file left from before: removed)
             },
         )
         cluster._in_thread(cluster.replace_ranks, n, environment)

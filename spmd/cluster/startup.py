@@ -15,7 +15,7 @@ import time
 from spmd import internals
 from spmd.cluster import forks, processes, remote
 from spmd.cluster.controller import CURVE_ENV
-from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
+from spmd.cluster.launch import LOOPBACK, RankedEngineSetLauncher, SpmdCluster, cluster_config
 from spmd.cluster.lockstep import rank_words
 from spmd.cluster.profiles import new_profile_dir, owned_folder
 from spmd.cluster.ranks import Generation, Rank, StartError
@@ -180,6 +180,11 @@ class Startup:
             ) from None
         except subprocess.CalledProcessError as exc:  # ssh, sbatch or mpiexec said no
             raise StartError(remote.launch_failure(placed, exc)) from None
+        except forks.ServerUnavailable as exc:  # it was ready, then ended before a fork
+            raise StartError(
+                f"The rank server failed while it forked the ranks ({exc}): start again, or "
+                "with --rank-server off."
+            ) from None
         self._note_fallback()
 
     def _note_fallback(self) -> None:
@@ -195,7 +200,7 @@ class Startup:
             self._server.close()
             self._server = self.cluster.rank_server = None
             # (and so do the standbys, as they did before there was a rank server)
-            self.cluster.engine_launcher_class = forks.RankedEngineSetLauncher
+            self.cluster.engine_launcher_class = RankedEngineSetLauncher
 
     def _torch_init(self) -> str:
         """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's

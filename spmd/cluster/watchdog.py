@@ -38,20 +38,14 @@ class Death:
     @property
     def how(self) -> str:
         """'killed by SIGKILL', 'exit code 1'."""
-        code = self.exit_code
-        if code is None:
+        if self.exit_code is None:
             return self.cause or "it exited"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
+        return how_it_ended(self.exit_code)
 
     @property
     def how_and_why(self) -> str:
         """``how``, with what usually sends that signal."""
-        return self.how + _SIGNAL_HINTS.get(self.how.removeprefix("killed by "), "")
+        return with_hint(self.how)
 
     @property
     def elsewhere(self) -> str:
@@ -76,6 +70,22 @@ class Death:
                 "the next %spmd start)."
             )
         return lines
+
+
+def how_it_ended(code: int) -> str:
+    """A process's end from its exit code (negative: the signal): 'killed by SIGKILL',
+    'exit code 1'."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def with_hint(how: str) -> str:
+    """``how``, with what usually sends that signal."""
+    return how + _SIGNAL_HINTS.get(how.removeprefix("killed by "), "")
 
 
 _SIGNAL_HINTS = {

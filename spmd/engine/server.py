@@ -33,6 +33,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 
 # What every rank imports before its first cell, whatever its backend.
@@ -53,7 +54,7 @@ def modules_for(backend: str, preload: list[str]) -> list[str]:
 class Server:
     def __init__(self, replies) -> None:
         self.replies = replies  # the protocol's stream (the process's stdout, set apart)
-        self.children: dict[int, str] = {}  # pid: the id it was forked for
+        self.children: set[int] = set()  # the ranks it forked that have not ended
         self.ending = False
         self._wake_read, self._wake_write = os.pipe()
         for fd in (self._wake_read, self._wake_write):
@@ -102,7 +103,7 @@ class Server:
                 return
             if pid == 0:
                 self._run_rank(request)  # never returns
-            self.children[pid] = request["fork"]
+            self.children.add(pid)
             self.say(forked=request["fork"], pid=pid)
 
     def _reap(self) -> None:
@@ -113,7 +114,7 @@ class Server:
                 return
             if pid == 0:
                 return
-            self.children.pop(pid, None)
+            self.children.discard(pid)
             self.say(exited=pid, code=os.waitstatus_to_exitcode(status))
 
     def _end_children(self) -> None:
@@ -128,7 +129,7 @@ class Server:
                 pid, _ = os.waitpid(-1, 0)
             except ChildProcessError:
                 break
-            self.children.pop(pid, None)
+            self.children.discard(pid)
 
     def _run_rank(self, request: dict) -> None:
         """In the child: become the rank the request describes, run its engine, and exit."""
@@ -220,6 +221,10 @@ def main(modules: list[str]) -> None:
             raise OSError("this system cannot fork")
         for name in modules:
             importlib.import_module(name)
+        if threading.active_count() > 1:
+            # a fork keeps only the forking thread: a lock another one held stays held
+            names = ", ".join(t.name for t in threading.enumerate()[1:])
+            raise RuntimeError(f"its imports started a thread ({names}), and a fork is unsafe")
     except BaseException as exc:  # (an import can fail in any way, SystemExit included)
         server.say(failed=f"{type(exc).__name__}: {exc}")
         return
