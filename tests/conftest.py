@@ -96,17 +96,6 @@ def restart_and_run(shell: InteractiveShell, setup: str, cell: str) -> str:
     return out.stdout
 
 
-def standbys_ready(shell: InteractiveShell, timeout: float = 60) -> list:
-    """The standby engines' rows, once all are ready (their backends imported)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rows = session(shell).standbys()
-        if rows and all(r.state == "ready" for r in rows):
-            return rows
-        time.sleep(0.1)
-    raise AssertionError(f"the standbys did not become ready: {session(shell).standbys()}")
-
-
 CLEAR = "\x1b[2K\r"  # what IPython's clear_output writes to a terminal
 
 
@@ -213,7 +202,7 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> Inter
         and not s.busy_ranks()
     )
     if not healthy:
-        if s is not None:  # (stop is idempotent; a died cluster may keep its standbys)
+        if s is not None:  # (stop is idempotent; a died cluster may keep its controller and rank server)
             s.stop()
         out = run(shell, f"%spmd {start}")
         assert out.error is None, out.stdout + out.stderr

@@ -20,7 +20,6 @@ from conftest import (
     report,
     run,
     spmd_processes,
-    standbys_ready,
     started_since,
     wait_until_gone,
 )
@@ -87,14 +86,15 @@ def nothing_left_on(hosts: Hosts) -> list[int]:
 
 
 def restart_psum_and_stop(shell, hosts: Hosts) -> None:
-    """One %spmd restart promotes the standbys on the hosts to ranks, where a psum works;
-    stop leaves nothing there."""
-    standbys = standbys_ready(shell)
-    assert [r.host for r in standbys] == ["node1", "node2"]
+    """One %spmd restart has each host's rank server fork new ranks there, where a psum
+    works; stop leaves nothing there."""
+    before = [r.pid for r in magics(shell).session.ranks]
     out = run(shell, "%spmd restart")
     assert out.error is None, out.stderr
-    assert "from the standby engines" in out.stdout, out.stdout
-    assert [r.pid for r in magics(shell).session.ranks] == [r.pid for r in standbys]
+    assert "forked by the rank server" in out.stdout, out.stdout
+    ranks = magics(shell).session.ranks
+    assert [r.host for r in ranks] == ["node1", "node2"]
+    assert [r.pid for r in ranks] != before
     assert run(shell, SETUP).error is None
     assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
     run(shell, "%spmd stop")
@@ -148,7 +148,8 @@ def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):
         "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM,
     )
     text = report(out)
-    assert text.startswith("Rank 1 on node2 died: its process ended."), text
+    # (its host's rank server is its parent there, and says how it ended)
+    assert text.startswith("Rank 1 on node2 died: killed by SIGKILL"), text
     status = run(fresh, "%spmd status").stdout
     assert "died" in status
     restart_psum_and_stop(fresh, hosts)
@@ -275,7 +276,7 @@ def test_ssh_hosts_slower_than_the_start_timeout_are_named(fresh, hosts):
 
 def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(fresh, hosts):
     # (each host has its own /tmp, as on a cluster: the notebook's clean-up cannot reach it)
-    out = run(fresh, ssh_start(hosts, extra="--standby off"))
+    out = run(fresh, ssh_start(hosts, extra=""))
     assert out.error is None, out.stdout + out.stderr
     profile = magics(fresh).session._profile_dir
     for name in hosts.names:
@@ -295,7 +296,7 @@ def test_ssh_python_paths_are_quoted_on_the_hosts(fresh, hosts):
     with open(python, "w") as f:
         f.write(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     os.chmod(python, 0o755)
-    out = run(fresh, ssh_start(hosts, extra="--standby off").replace(
+    out = run(fresh, ssh_start(hosts, extra="").replace(
         f"--python {hosts.python}", f"--python '{python}'"))
     assert out.error is None, out.stdout + out.stderr
     assert run(fresh, "%spmd stop").error is None
@@ -317,7 +318,7 @@ def test_ssh_every_command_goes_through_the_ssh_command_given(fresh, hosts):
     with open(wrapper, "w") as f:
         f.write(f'#!/bin/sh\necho "$*" >> {calls}\nexec ssh -v "$@"\n')
     os.chmod(wrapper, 0o755)
-    out = run(fresh, ssh_start(hosts, extra=f"--standby off --launcher-arg ssh_cmd={wrapper}"))
+    out = run(fresh, ssh_start(hosts, extra=f"--launcher-arg ssh_cmd={wrapper}"))
     assert out.error is None, out.stdout + out.stderr
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
@@ -334,7 +335,7 @@ def test_ssh_every_command_goes_through_the_ssh_command_given(fresh, hosts):
 
 def test_ssh_a_host_cut_off_is_reported_within_seconds_and_stop_returns(fresh):
     with Hosts(2) as cut:  # (hosts of its own: one of them loses its link)
-        out = run(fresh, ssh_start(cut, extra="--standby off"))
+        out = run(fresh, ssh_start(cut, extra=""))
         assert out.error is None, out.stdout + out.stderr
         assert run(fresh, SETUP).error is None
         assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"

@@ -6,8 +6,8 @@ import os
 import signal
 import time
 
-from spmd.cluster import control, interrupts, processes, remote, ssh, where
-from spmd.cluster.forks import ForkedEngineLauncher
+from spmd.cluster import control, interrupts, processes, remote, where
+from spmd.cluster.forks import ForkedEngineLauncher, ForkedSSHEngineLauncher
 from spmd.cluster.launch import RankedEngineLauncher
 from spmd.cluster.ranks import OutOfStep
 from spmd.cluster.watchdog import Death, last_lines, with_hint
@@ -114,14 +114,18 @@ class Deaths:
         """What is known of why a rank's process ended, beyond its exit code."""
         if getattr(launcher, "lost", False):
             return "its host stopped answering"
-        server = self._server
-        if isinstance(launcher, ForkedEngineLauncher) and server is not None and (
-            launcher.exit_code is None and server.ended_how()
+        if isinstance(launcher, (ForkedEngineLauncher, ForkedSSHEngineLauncher)) and (
+            self._server is not None and launcher.exit_code is None
         ):
-            return (
-                f"its rank server (pid {server.pid}) ended: {with_hint(server.ended_how())}; "
-                "every rank it forked ended with it"
-            )
+            server = launcher.server
+            if server.ended_how():
+                # (over ssh, how its ssh command ended: a server killed on its host makes
+                # ssh end with 255, as a dropped connection would)
+                on = f" on {launcher.location}" if hasattr(launcher, "location") else ""
+                return (
+                    f"its rank server (pid {server.pid}{on}) ended: "
+                    f"{with_hint(server.ended_how())}; every rank it forked ended with it"
+                )
         return "its process ended"
 
     def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:
@@ -170,16 +174,15 @@ class Deaths:
                     # the host is cut off, and the stop sends it no command (each would
                     # wait for ssh's connect timeout)
                     far.lost = True
-            if self.standbys() or self._server is not None:
-                # the controller and the standbys (or the rank server) stay, for a fast restart
+            if self._server is not None:
+                # the controller and the rank server stay, for a fast restart
                 self._end_ranks()
             else:
                 self.stop(keep_cache=True)
 
-    def _end_far_ranks(self, standbys: bool = False) -> None:
-        """Ranks (and, with ``standbys``, ready standbys) with no process handle here end at
-        once on their control channel; the launcher's own stop (over ssh, mpiexec or
-        scancel) then only confirms it."""
+    def _end_far_ranks(self) -> None:
+        """Ranks with no process handle here end at once on their control channel; the
+        launcher's own stop (over ssh, mpiexec or scancel) then only confirms it."""
         engine_ids = [
             r.engine_id
             for r in self.ranks
@@ -189,12 +192,6 @@ class Deaths:
             self.ranks[rank].engine_id: ln for rank, ln in self.cluster.ssh_launchers().items()
             if rank < len(self.ranks)
         }
-        if standbys:
-            far = self.cluster.standby_launchers()
-            for row in self.standbys():
-                if row.state == "ready" and isinstance(far[row.rank], ssh.RankedSSHEngineLauncher):
-                    engine_ids.append(row.engine_id)
-                    launchers[row.engine_id] = far[row.rank]
         if not engine_ids or self.client is None:
             return
         ended = control.signal(self.client, engine_ids, signal.SIGTERM, timeout=0.5)

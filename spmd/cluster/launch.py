@@ -182,22 +182,14 @@ def cluster_config(
 class SpmdCluster(Cluster):
     """A Cluster whose controller and engines start concurrently."""
 
-    # The engine set whose engines are the ranks, and the standby set behind it (local
-    # and ssh clusters); None before the start.
+    # The engine set whose engines are the ranks; None before the start.
     rank_set: str | None = None
-    standby_set: str | None = None
-    # This machine's rank server (forks.py), which forks the local ranks; None without one.
+    # The rank servers (servers.py) that fork the ranks; None without them.
     rank_server = None
 
     async def launch(self, n: int) -> None:
         """Start the controller and ``n`` engines at once."""
         _, self.rank_set = await asyncio.gather(self.start_controller(), self.start_engines(n))
-
-    async def start_standby(self, n: int, environment: dict[str, str]) -> None:
-        """Start ``n`` standby engines (``environment`` says so to them) behind the ranks.
-        The set is the standby set from the first moment, so a stop never misses it."""
-        self.standby_set = self._new_engine_set_id()
-        await self.start_engines(n, engine_set_id=self.standby_set, environment=environment)
 
     def engine_environment(self) -> dict[str, str]:
         """The environment this cluster's engine sets give their engines (from the config)."""
@@ -235,20 +227,6 @@ class SpmdCluster(Cluster):
             await self.stop_engines(self.rank_set)
         self.rank_set = await self.start_engines(n, environment=environment)
 
-    async def promote_standby(self) -> None:
-        """The standbys become the ranks; the old ranks' engines are stopped."""
-        old, self.rank_set, self.standby_set = self.rank_set, self.standby_set, None
-        if old in self.engines:
-            await self.stop_engines(old)
-
-    def standby_launchers(self) -> dict[int, RankedEngineLauncher | ssh.RankedSSHEngineLauncher]:
-        """The standby engines' launchers, by the rank each would become."""
-        engine_set = self.engines.get(self.standby_set) if self.standby_set else None
-        # (a copy, taken in one step: the event-loop thread adds launchers while an ssh
-        # standby set starts, and iterating the live dict then would fail)
-        launchers = {} if engine_set is None else engine_set.launchers.copy()
-        return {launcher.rank: launcher for launcher in launchers.values()}
-
     def rank_launchers(self) -> dict[int, RankedEngineLauncher]:
         """The launcher (local process handle) of every local rank, by rank."""
         return {
@@ -268,7 +246,7 @@ class SpmdCluster(Cluster):
     def launcher_process(self):
         """The one local process (mpiexec, sbatch's job) that runs ranks for a whole engine
         set, or None."""
-        for engine_set in self.engines.copy().values():  # (a copy: see standby_launchers)
+        for engine_set in self.engines.copy().values():  # (a copy: the event-loop thread adds sets)
             if getattr(engine_set, "process", None) is not None:
                 return engine_set
         return None
@@ -290,11 +268,9 @@ class SpmdCluster(Cluster):
         return ""
 
     def _engine_launchers(self) -> list:
-        """The launchers of the ranks' engines (the standbys' are not ranks yet)."""
+        """The launchers of the ranks' engines, those that ended included."""
         found = []
-        for set_id, engine_set in self.engines.copy().items():  # (copies: see above)
-            if set_id == self.standby_set:
-                continue
+        for engine_set in self.engines.copy().values():  # (copies: see above)
             ended = getattr(engine_set, "ended", {}).copy()
             every = {**ended, **getattr(engine_set, "launchers", {}).copy()}
             found += [launcher for launcher in every.values() if launcher is not None]

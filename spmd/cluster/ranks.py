@@ -38,9 +38,6 @@ class Settings:
     where: remote.Placement = remote.Placement()
     gpus_per_process: int | None = None  # None: an equal share of each host's GPUs
     curve: bool = True  # encrypt (CurveZMQ) when ranks may run on other machines
-    # A second set of engines, ready for a restart: None means on where this machine has
-    # room for both sets, and on over ssh; False turns them off.
-    standby: bool | None = None
     # jax's persistent compilation cache: a folder named by the user (kept), or None for one
     # of the cluster's own (kept across restarts, emptied at stop).
     cache_dir: str | None = None

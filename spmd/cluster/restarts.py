@@ -1,5 +1,6 @@
-"""``%spmd restart`` with a rank server: the old ranks end, and the server forks new ones that
-register with the same controller; the notebook's connection stays."""
+"""``%spmd restart`` with rank servers: the old ranks end, and the servers (this machine's, or
+one per ssh host) fork new ones that register with the same controller; the notebook's
+connection stays. Without a server (mpi, slurm, --rank-server off) a restart starts afresh."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ class Restarts:
     """Session's restart (a mixin: the state is Session's, see session.py)."""
 
     def restart(self) -> bool:
-        """Start the ranks again, keeping the controller and the client: forked by the rank
-        server where there is one, else promoted from the standbys. False (nothing done)
-        where neither can: the caller then stops and starts afresh. Raises StartError if the
-        new ranks fail to join."""
+        """Start the ranks again, keeping the controller and the client, forked by the rank
+        servers. False (nothing done) where there are none, or they ended: the caller then
+        stops and starts afresh. Raises StartError if the new ranks fail to join."""
         if self._server is None:
-            return self._restart_from_standbys()
+            return False
         t0 = time.perf_counter()
         with self._life, interrupts.held("the restart"):
             if self.cluster is None or self._stopping.is_set() or not self._server.usable:
@@ -39,15 +39,19 @@ class Restarts:
         # (ipyparallel's own kill comes after a whole second), with what their cells started.
         started_in_ranks = processes.started_by_ranks(cluster)
         old = list(cluster.rank_launchers().values())
-        for launcher in old:
+        far = list(cluster.ssh_launchers().values())
+        for launcher in old + far:
             launcher.signal(signal.SIGTERM)
         processes.kill_now(old, after=0.2)
+        _kill_far(far, after=0.2)
         processes.end(started_in_ranks)
         # New engine ids (the controller never gives one twice), the same ranks, a new
-        # coordinator (the old one's port may linger).
+        # coordinator (the old one's port may linger). Over ssh, rank 0 proposes its own
+        # once it runs, as at the start.
         self._engine_sets += 1
         offset = self._engine_sets * n
-        coordinators = _loopback_ports(self.settings.backend)
+        local = self.settings.where.launcher == "local"
+        coordinators = _loopback_ports(self.settings.backend) if local else {}
         environment = dict(
             cluster.engine_environment(),
             **{
@@ -64,3 +68,15 @@ class Restarts:
             self._new_generation(engine_ids=list(range(offset, offset + n)))
             self._tell_coordinator(coordinators)
             self._init_distributed(coordinators=None)  # (given at the fork)
+
+
+def _kill_far(launchers, after: float) -> None:
+    """SIGKILL (with its process group) each rank on another host that has not ended
+    ``after`` seconds from now, as its rank server reported."""
+    deadline = time.monotonic() + after
+    for launcher in launchers:
+        if launcher.lost or launcher.state != "running":
+            continue
+        ended, _ = launcher.server.exit_code(launcher.pid, max(0.0, deadline - time.monotonic()))
+        if not ended:
+            launcher.kill_now()

@@ -1,6 +1,6 @@
 """A Session: one SPMD cluster's life, its rank table, and cells run on it in lockstep.
 
-The work is split by seam: starting (startup.py), the standby set (standby.py), deaths
+The work is split by seam: starting (startup.py), restarting (restarts.py), deaths
 (deaths.py) and cells (cells.py); Session holds the state they share and stops the cluster.
 
 Who may touch what:
@@ -17,9 +17,9 @@ Who may touch what:
   ipyparallel's event-loop thread owns the launchers and engine sets; this side reads them
   only through copies (see SpmdCluster). The client's IO thread hands over what ranks print
   after their cell through one deque (client.py), taken under ``_life`` (collect_late).
-- ``_server`` (this machine's rank server) is started and closed under ``_life`` with the
-  cluster; ipyparallel's event-loop thread asks it for forks, and its own reader thread is
-  the only writer of what it answered (forks.py).
+- ``_server`` (the rank server of this machine, or those of the ssh hosts) is started and
+  closed under ``_life`` with the cluster; ipyparallel's event-loop thread asks it for forks,
+  and each server's reader thread is the only writer of what it answered (servers.py).
 - A SIGINT on the main thread during a stop, a restart's promotion, a start's last steps or
   a cell's report is held until it has finished (interrupts.py).
 """
@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spmd.cluster import interrupts, processes, ssh
+from spmd.cluster import interrupts, processes, servers, ssh
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, Cells
 from spmd.cluster.deaths import Deaths
 from spmd.cluster.launch import LOOPBACK, SpmdCluster
@@ -41,13 +41,11 @@ from spmd.cluster.lockstep import CellRun
 from spmd.cluster.logs import RankLogs
 from spmd.cluster.ranks import Generation, OutOfStep, Rank, Settings, StartError
 from spmd.cluster.restarts import Restarts
-from spmd.cluster.standby import STANDBY_LAUNCHERS, Standbys
 from spmd.cluster.startup import Startup
 from spmd.cluster.watchdog import Death
 
 __all__ = [
     "AFTER_DEATH_SECONDS",
-    "STANDBY_LAUNCHERS",
     "OutOfStep",
     "Rank",
     "Session",
@@ -57,7 +55,7 @@ __all__ = [
 
 
 @dataclass(eq=False)
-class Session(Startup, Restarts, Standbys, Deaths, Cells):
+class Session(Startup, Restarts, Deaths, Cells):
     settings: Settings
     gen: Generation = field(default_factory=Generation)  # the ranks now (see above)
     start_seconds: float = 0.0
@@ -74,10 +72,9 @@ class Session(Startup, Restarts, Standbys, Deaths, Cells):
     _cache_dir: str | None = None  # the compilation cache the ranks share
     _engine_sets: int = 0  # engine sets started so far: their engine ids do not overlap
     _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
-    _settling: dict = field(default_factory=dict)  # standby engine id: its settle() call
-    _standby_start: object | None = None  # the standby set's start (a Future), while it runs
-    # This machine's rank server, which forks the local ranks (forks.py); it lives from the
-    # start to the stop, across restarts. None where there is none (other launchers).
+    # The rank server that forks the ranks (servers.RankServer on this machine, or
+    # servers.SSHRankServers, one per host); it lives from the start to the stop, across
+    # restarts. None where there is none (mpi, slurm, --rank-server off, a fallback).
     _server: object | None = None
     fell_back: str = ""  # why the ranks started without the rank server ('' if they did not)
     # Every engine id the cluster's ranks had, and its rank (ids change at a restart; a
@@ -113,7 +110,7 @@ class Session(Startup, Restarts, Standbys, Deaths, Cells):
 
     @property
     def running(self) -> bool:
-        """Whether the ranks run (after a death they do not, though standbys may)."""
+        """Whether the ranks run (after a death they do not, though the controller may)."""
         return self.cluster is not None and self.gen.death is None
 
     def stop(self, keep_cache: bool = False) -> None:
@@ -145,29 +142,20 @@ class Session(Startup, Restarts, Standbys, Deaths, Cells):
         if not keep_cache and self._cache_dir and self._cache_dir != self.settings.cache_dir:
             shutil.rmtree(self._cache_dir, ignore_errors=True)
             self._cache_dir = None
-        if cluster is not None:
-            # a standby set still starting (over ssh) is stopped once its engines run
-            self._standby_started(self.settings.start_timeout)
         if client is not None and cluster is not None:
-            self._end_far_ranks(standbys=True)
+            self._end_far_ranks()
             if end_loop:  # (with the lock: a rank's last words before the stop, into its log)
                 self.collect_late()
         self.client = self.cluster = None
         self.gen = self.gen.ended()
         if client is not None:
             client.close(linger=0)
+        server, self._server = self._server, None
+        removed: set[str] = set()
         if cluster is not None:
-            # Standbys hold nothing and run no cell; one still importing torch holds the GIL
-            # for long stretches and would take ipyparallel's 1 s kill timeout to end.
-            standbys = cluster.standby_launchers().values()
-            processes.kill_now(standbys)
-            ssh.kill_now(  # (on other hosts: those that did not end on their control channel)
-                ln for ln in standbys
-                if isinstance(ln, ssh.RankedSSHEngineLauncher) and not ln.ended_by_control
-            )
             started_in_ranks = processes.started_by_ranks(cluster)
-            far = [*cluster.ssh_launchers().values(), *standbys]
-            lost = {ln.location for ln in far if getattr(ln, "lost", False)}
+            far = list(cluster.ssh_launchers().values())
+            lost = {ln.location for ln in far if ln.lost}
             # (where the hosts keep it: relative to their home, when it is under ours)
             remote_dir = next(
                 (ln.remote_profile_dir for ln in far if getattr(ln, "remote_profile_dir", "")),
@@ -178,15 +166,22 @@ class Session(Startup, Restarts, Standbys, Deaths, Cells):
             cluster._in_thread(cluster.stop_cluster)
             processes.end(started_in_ranks)
             where = self.settings.where
+            # The rank servers kill any rank still there as they end; over ssh, each removes
+            # the cluster's files on its host.
+            if isinstance(server, servers.SSHRankServers):
+                lost |= {host for host in server.servers if server.lost(host)}
+                removed = server.close(remove=remote_dir)
+            elif server is not None:
+                server.close()
+            server = None
             if where.launcher == "ssh" and self._profile_dir:  # (their files, on their disks)
-                hosts = [h for h, _ in where.hosts if h not in lost]
+                hosts = [h for h, _ in where.hosts if h not in lost and h not in removed]
                 ssh.remove_folder(hosts, where.ssh_cmd, where.ssh_args, remote_dir)
             # ... and end that thread's loop: every restart makes a new Cluster.
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None and end_loop:
                 loop.add_callback(loop.stop)
-        server, self._server = self._server, None
-        if server is not None:  # (it kills any rank still there as it ends)
+        if server is not None:  # (a start that failed before its cluster)
             server.close()
         self.logs.close()
         self._remove_torch_file()

@@ -254,26 +254,61 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
             self._disconnect()
 
     def _connect(self) -> None:
+        self._masters = Masters(self.ssh_cmd, self.ssh_args, list(self.engines))
+        self._masters.connect()
+        self._use(self._masters)
+
+    def _use(self, masters: Masters) -> None:
+        """Every ssh and scp command of this set goes through these master connections."""
+        self.ssh_args = [*self.ssh_args, *masters.args]
+        self.scp_args = [*self.scp_args, *masters.args]
+
+    def _disconnect(self) -> None:
+        if getattr(self, "_masters", None) is not None:
+            self._masters.close()
+            self._masters = None
+
+    def _notice_engine_stopped(self, data) -> None:
+        # Kept for the death report, as RankedEngineSetLauncher does for local ranks.
+        self.__dict__.setdefault("ended", {})[data["identifier"]] = self.launchers.get(
+            data["identifier"]
+        )
+        super()._notice_engine_stopped(data)
+
+
+class Masters:
+    """One ssh master connection per host, started and ended by its own handle: every other
+    ssh command to that host goes through it (``args``) instead of logging in afresh."""
+
+    def __init__(self, ssh_cmd: list[str], ssh_args: list[str], hosts: list[str]) -> None:
+        self.ssh_cmd, self.ssh_args, self.hosts = ssh_cmd, ssh_args, hosts
+        self.folder = ""
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def args(self) -> list[str]:
+        """ssh's arguments that use the master connections."""
+        return ["-o", f"ControlPath={self.folder}/%C", "-o", "ControlMaster=no"]
+
+    def connect(self) -> None:
+        """Log in to every host. Raises CalledProcessError, with what ssh said, for a host
+        that cannot be reached within 30 s."""
         # A short folder: the control socket's path must fit in 108 bytes.
-        self._control_folder = owned_folder("spmd-ssh-")
-        shared = ["-o", f"ControlPath={self._control_folder}/%C"]
+        self.folder = owned_folder("spmd-ssh-")
+        path = ["-o", f"ControlPath={self.folder}/%C"]
         # (what a master says goes to a file: a pipe nobody reads fills up, with -v, and then
         # every command on that connection waits)
-        self._masters = []
-        for host in self.engines:
+        for host in self.hosts:
             with open(self._said(host), "wb") as said:
-                self._masters.append(
-                    subprocess.Popen(
-                        [*self.ssh_cmd, *self.ssh_args, *shared, "-o", "ControlMaster=yes",
-                         "-N", host],
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL,
-                        stderr=said,
-                        preexec_fn=_end_with_parent,
-                    )
+                self.processes[host] = subprocess.Popen(
+                    [*self.ssh_cmd, *self.ssh_args, *path, "-o", "ControlMaster=yes", "-N", host],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=said,
+                    preexec_fn=_end_with_parent,
                 )
-        for host, master in zip(self.engines, self._masters):
-            check = [*self.ssh_cmd, *self.ssh_args, *shared, "-O", "check", host]
+        for host, master in self.processes.items():
+            check = [*self.ssh_cmd, *self.ssh_args, *path, "-O", "check", host]
             deadline = time.monotonic() + 30
             while subprocess.run(check, capture_output=True).returncode != 0:
                 if master.poll() is not None:  # it could not connect: say why
@@ -286,26 +321,23 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
                         255, ["ssh", host], stderr=f"{host} did not answer within 30 s"
                     )
                 time.sleep(0.02)
-        self.ssh_args = [*self.ssh_args, *shared, "-o", "ControlMaster=no"]
-        self.scp_args = [*self.scp_args, *shared, "-o", "ControlMaster=no"]
+
+    def lost(self, host: str) -> bool:
+        """Whether the connection to ``host`` has ended (ssh gave the host up)."""
+        master = self.processes.get(host)
+        return master is not None and master.poll() is not None
 
     def _said(self, host: str) -> str:
-        return f"{self._control_folder}/{host.replace('/', '_')}.err"
+        return f"{self.folder}/{host.replace('/', '_')}.err"
 
-    def _disconnect(self) -> None:
-        for master in getattr(self, "_masters", []):
+    def close(self) -> None:
+        for master in self.processes.values():
             master.kill()
             master.wait()
-        self._masters = []
-        if getattr(self, "_control_folder", None):
-            shutil.rmtree(self._control_folder, ignore_errors=True)
-
-    def _notice_engine_stopped(self, data) -> None:
-        # Kept for the death report, as RankedEngineSetLauncher does for local ranks.
-        self.__dict__.setdefault("ended", {})[data["identifier"]] = self.launchers.get(
-            data["identifier"]
-        )
-        super()._notice_engine_stopped(data)
+        self.processes = {}
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = ""
 
 
 def kill_now(launchers) -> None:
@@ -339,7 +371,9 @@ def remove_folder(hosts, ssh_cmd: list[str], ssh_args: list[str], folder: str) -
 
 def _end_with_parent() -> None:
     """In a child, before exec: the kernel sends it SIGTERM when this process ends, even by
-    SIGKILL, so a connection never outlives the notebook (Linux; elsewhere a no-op)."""
+    SIGKILL, so a connection never outlives the notebook (Linux; elsewhere a no-op). Linux
+    sends it when the *thread* that started the child ends: start it from a thread that
+    lives as long as the connection should."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

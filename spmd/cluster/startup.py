@@ -13,15 +13,16 @@ import sys
 import time
 
 from spmd import internals
-from spmd.cluster import forks, processes, remote
+from spmd.cluster import forks, processes, remote, servers
 from spmd.cluster.controller import CURVE_ENV
-from spmd.cluster.launch import LOOPBACK, RankedEngineSetLauncher, SpmdCluster, cluster_config
+from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.lockstep import rank_words
 from spmd.cluster.profiles import new_profile_dir, owned_folder
 from spmd.cluster.ranks import Generation, Rank, StartError
 from spmd.cluster.watchdog import last_lines
 from spmd.engine import bootstrap as engine
 from spmd.engine.address import coordinator_addresses
+from spmd.engine.server import modules_for as server_modules
 
 
 def _loopback_ports(backend: str) -> dict[str, str]:
@@ -94,7 +95,6 @@ class Startup:
                     self._init_cluster()
                     self._init_client()
                     self._init_distributed()
-                    self._start_standby()
                     break
                 except StartError as exc:
                     # another program took the coordinator's port in the meantime: once more,
@@ -145,15 +145,24 @@ class Startup:
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
-        if placed.launcher == "local" and s.rank_server:
-            # One process imports what the ranks need, once, and forks them (forks.py).
+        if placed.launcher in ("local", "ssh") and s.rank_server:
+            # One process per host imports what the ranks need, once, and forks them.
             log_dir = os.path.join(self._profile_dir, "log")
             os.makedirs(log_dir, exist_ok=True)
-            self._server = forks.local_server(
-                placed.python or sys.executable, s.backend, list(s.preload),
-                os.path.join(log_dir, "rank-server.log"),
-            )
-            config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
+            modules = server_modules(s.backend, list(s.preload))
+            if placed.launcher == "local":
+                self._server = servers.local_server(
+                    placed.python or sys.executable, modules,
+                    os.path.join(log_dir, "rank-server.log"),
+                )
+                config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
+            else:  # (it logs in and starts them while the controller starts)
+                self._server = servers.SSHRankServers(
+                    [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
+                    placed.python or "python3", modules, log_dir,
+                )
+                self._server.start()
+                config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher
         if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
             config.SpmdSlurmEngineSetLauncher.batch_file_name = f"{self._profile_dir}/engines.sbatch"
         self.cluster = SpmdCluster(
@@ -180,7 +189,9 @@ class Startup:
             ) from None
         except subprocess.CalledProcessError as exc:  # ssh, sbatch or mpiexec said no
             raise StartError(remote.launch_failure(placed, exc)) from None
-        except forks.ServerUnavailable as exc:  # it was ready, then ended before a fork
+        except servers.ServerSlow:  # (as if no rank registered in time, which none did)
+            raise StartError(self._not_registered(list(range(s.n)))) from None
+        except servers.ServerUnavailable as exc:  # it was ready, then ended before a fork
             raise StartError(
                 f"The rank server failed while it forked the ranks ({exc}): start again, or "
                 "with --rank-server off."
@@ -199,8 +210,6 @@ class Startup:
             )
             self._server.close()
             self._server = self.cluster.rank_server = None
-            # (and so do the standbys, as they did before there was a rank server)
-            self.cluster.engine_launcher_class = RankedEngineSetLauncher
 
     def _torch_init(self) -> str:
         """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's
@@ -249,20 +258,24 @@ class Startup:
                 raise StartError(f"An engine process exited during start-up{exited}")
             if time.monotonic() > deadline:
                 missing = [engine_id - engine_ids.start for engine_id in missing]  # (ranks)
-                hosts = remote.hosts_of(s.where, missing)
-                where_ = f" (on {', '.join(hosts)})" if hosts else ""
-                raise StartError(
-                    f"Only {s.n - len(missing)} of {s.n} engines registered within "
-                    f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
-                    "engines' Python environment there, or give them more time with "
-                    "--start-timeout."
-                )
+                raise StartError(self._not_registered(missing))
             time.sleep(0.01)
         self._tell("registered", s.n, s.n)
 
+    def _not_registered(self, missing: list[int]) -> str:
+        """The start's error for these ranks, which did not register in time."""
+        s = self.settings
+        hosts = remote.hosts_of(s.where, missing)
+        where_ = f" (on {', '.join(hosts)})" if hosts else ""
+        return (
+            f"Only {s.n - len(missing)} of {s.n} engines registered within "
+            f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
+            "engines' Python environment there, or give them more time with --start-timeout."
+        )
+
     def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
         """Wait until every rank has joined; ``coordinators`` go to ranks that were not given
-        them at launch (promoted standbys; remote ranks get rank 0's proposal)."""
+        them at launch (remote ranks get rank 0's proposal)."""
         s = self.settings
         if coordinators is None and s.where.launcher != "local" and s.backend != "none":
             try:

@@ -35,9 +35,6 @@ TORCH_MASTER_ENV = "SPMD_TORCH_MASTER"  # torch's MASTER_ADDR:MASTER_PORT
 TORCH_BACKEND_ENV = "SPMD_TORCH_BACKEND"  # gloo, nccl or mpi
 TORCH_INIT_ENV = "SPMD_TORCH_INIT"  # tcp, env or file:///path
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
-# A standby engine: imports its backend at low priority, then waits (without a time limit)
-# until a restart promotes it and hands it the coordinators.
-STANDBY_ENV = "SPMD_STANDBY"
 # Engine ids of a later engine set start here (the controller lives across restarts, and
 # an id is never given twice); the rank still comes from SPMD_RANK.
 ENGINE_ID_OFFSET_ENV = "SPMD_ENGINE_ID_OFFSET"
@@ -79,11 +76,9 @@ class _Join:
         if self.coordinators:
             self._coordinator_given.set()
         self.timeout = int(env.get(INIT_TIMEOUT_ENV, "300"))
-        self.standby = env.get(STANDBY_ENV) == "1"
         self.cache_dir = env.get(CACHE_DIR_ENV, "")
         self.cpu_devices = int(env.get(CPU_DEVICES_ENV) or 0)
         self.error: BaseException | None = None
-        self.prepared = threading.Event()  # the backends are imported (or failed to be)
         self.facts: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="spmd-join", daemon=True)
 
@@ -136,12 +131,10 @@ class _Join:
             "global_devices": 0,
             "gpus": self._share_gpus(host),
         }
-        self._prepare()
-        # A standby waits as long as the cluster lives; a new rank, as long as a start may.
-        timeout = None if self.standby else self.timeout
-        if self.backends and not self._coordinator_given.wait(timeout):
+        self._import_backends()
+        if self.backends and not self._coordinator_given.wait(self.timeout):
             raise TimeoutError(f"no coordinator address came within {self.timeout} s")
-        TIMELINE["promoted"] = time.time()
+        TIMELINE["coordinators"] = time.time()
         if "jax" in self.backends:
             facts.update(self._join_jax())
         if "torch" in self.backends:
@@ -162,37 +155,8 @@ class _Join:
             facts.update(joined)
         return facts
 
-    def _prepare(self) -> None:
-        """Import the backends and apply the settings that must precede their first use.
-        A standby does it on a thread of low priority (nice 10; Linux counts niceness per
-        thread), so that the ranks' cells keep the CPU; the threads that compute later are
-        made by the join thread, at normal priority. ``prepared`` is set after, also on
-        failure (``settle`` waits for it)."""
-        try:
-            if self.standby:
-                self._import_at_low_priority()
-            else:
-                self._import_backends()
-        finally:
-            self.prepared.set()
-
-    def _import_at_low_priority(self) -> None:
-        errors: list[BaseException] = []
-
-        def nice_import() -> None:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-                self._import_backends()
-            except BaseException as exc:  # raised on the join thread below
-                errors.append(exc)
-
-        thread = threading.Thread(target=nice_import, name="spmd-standby-import", daemon=True)
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-
     def _import_backends(self) -> None:
+        """Import the backends and apply the settings that must precede their first use."""
         if "jax" in self.backends:
             jax = _import("jax")
             if self.cpu_devices:
@@ -278,29 +242,6 @@ def propose_coordinators(toward: str) -> dict[str, str]:
     return coordinator_addresses(address_toward(toward), _join.backends)
 
 
-def settle() -> dict:
-    """A standby, from the notebook once it registered: wait until its backends are
-    imported, and end at once on SIGTERM from now on (jax's import may have set a handler of
-    its own; only the main thread, where this runs, can set one). Returns its pid, when
-    its import ended, and its memory (bytes)."""
-    _join.prepared.wait()
-    signal.signal(signal.SIGTERM, _exit_now)
-    if _join.error is not None:
-        raise _join.error
-    # A standby on another host has no process handle here: a stop ends it on its control
-    # channel, as it does the ranks there.
-    from IPython import get_ipython
-
-    control.install(get_ipython().kernel, threading.main_thread().ident)
-    import psutil
-
-    return {
-        "pid": os.getpid(),
-        "imported": TIMELINE.get("imported"),
-        "memory": psutil.Process().memory_info().rss,
-    }
-
-
 def joined(coordinators: dict[str, str] | None = None) -> dict:
     """Wait until this rank has joined the distributed job; return this process's facts.
 
@@ -342,7 +283,7 @@ def main() -> None:
     if not any(arg.startswith("--IPEngine.id=") for arg in sys.argv):
         offset = int(os.environ.get(ENGINE_ID_OFFSET_ENV) or 0)
         sys.argv.append(f"--IPEngine.id={offset + _join.rank}")
-    # A standby never runs joined(); it must end at once at stop too (set again in joined,
+    # A rank that fails before joined() must end at once at stop too (set again in joined,
     # after jax, whose import may install its own handler).
     signal.signal(signal.SIGTERM, _exit_now)
     _join.start()

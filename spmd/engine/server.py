@@ -14,7 +14,15 @@ writes ``{"ready": pid}`` (or ``{"failed": "why"}`` and exits) on stdout, then r
 on stdin:
 
 - ``{"fork": id, "env": {...}, "argv": [...], "output": path, "cwd": path}``: fork a rank;
-  answered ``{"forked": id, "pid": pid}`` (or ``{"forked": id, "error": "why"}``);
+  answered ``{"forked": id, "pid": pid}`` (or ``{"forked": id, "error": "why"}``). The rank's
+  environment is ``env`` (this machine's notebook gives its whole own), or with
+  ``"keep_env": true`` the server's own plus ``env`` (another host's, where the login made
+  it); ``cwd`` '' stays in the server's folder; the output's folders are made private;
+- ``{"signal": pid, "sig": n}``: send a rank (with ``"group": true``, its process group)
+  a signal; not answered (its end is);
+- ``{"read": id, "path": path, "tail": n}``: the last ``n`` characters of a rank's output
+  file, answered ``{"read": id, "text": "..."}`` (on another host: no login to fetch it);
+- ``{"remove": path}``: remove this folder (the cluster's files there) when the server ends;
 - and for every child that ended, ``{"exited": pid, "code": code}`` (negative: the signal).
 
 Nothing of the user's runs here: no backend, device, socket or Python thread is started before
@@ -31,6 +39,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -56,6 +65,7 @@ class Server:
         self.replies = replies  # the protocol's stream (the process's stdout, set apart)
         self.children: set[int] = set()  # the ranks it forked that have not ended
         self.ending = False
+        self.remove: list[str] = []  # folders to remove at the end
         self._wake_read, self._wake_write = os.pipe()
         for fd in (self._wake_read, self._wake_write):
             os.set_blocking(fd, False)
@@ -95,7 +105,19 @@ class Server:
         self.ending = True
 
     def _handle(self, request: dict) -> None:
-        if "fork" in request:
+        if "signal" in request:
+            pid = request["signal"]
+            if pid in self.children:  # (only its own ranks: a pid may be reused once reaped)
+                try:
+                    kill = os.killpg if request.get("group") else os.kill
+                    kill(pid, request["sig"])
+                except OSError:
+                    pass
+        elif "read" in request:
+            self.say(read=request["read"], text=_tail(request["path"], request["tail"]))
+        elif "remove" in request:
+            self.remove.append(request["remove"])
+        elif "fork" in request:
             try:
                 pid = os.fork()
             except OSError as exc:
@@ -130,6 +152,8 @@ class Server:
             except ChildProcessError:
                 break
             self.children.discard(pid)
+        for folder in self.remove:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _run_rank(self, request: dict) -> None:
         """In the child: become the rank the request describes, run its engine, and exit."""
@@ -143,6 +167,7 @@ class Server:
             os.close(self._wake_read)
             os.close(self._wake_write)
             self.replies.close()
+            _private_folders(os.path.dirname(request["output"]))
             output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(output, 1)
             os.dup2(output, 2)
@@ -150,12 +175,14 @@ class Server:
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.close(devnull)
-            os.environ.clear()
+            if not request.get("keep_env"):
+                os.environ.clear()
             os.environ.update(request["env"])
             from spmd.engine.orphans import PARENT_ENV
 
             os.environ[PARENT_ENV] = str(os.getppid())  # (it watches this server)
-            os.chdir(request["cwd"])
+            if request.get("cwd"):
+                os.chdir(request["cwd"])
             _name_process(f"spmd-rank{os.environ.get('SPMD_RANK', '')}")
             sys.argv = list(request["argv"])
             _fresh_randomness()
@@ -187,6 +214,27 @@ def _drain(fd: int) -> bool:
         return bool(os.read(fd, 512))
     except BlockingIOError:
         return False
+
+
+def _tail(path: str, size: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _private_folders(path: str) -> None:
+    """Make ``path`` and the folders above it that are missing, readable by their owner only
+    (they will hold what the ranks print)."""
+    if not path or os.path.isdir(path):
+        return
+    _private_folders(os.path.dirname(path))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
 
 
 def _name_process(name: str) -> None:

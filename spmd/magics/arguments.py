@@ -16,7 +16,7 @@ from traitlets.config import Config
 
 from spmd import options
 from spmd.cluster import remote
-from spmd.cluster.session import STANDBY_LAUNCHERS, Settings
+from spmd.cluster.session import Settings
 from spmd.magics import arrays
 from spmd.options import count
 
@@ -88,7 +88,6 @@ def _start_parser() -> _Parser:
     p.add_argument("--python", default="")
     p.add_argument("--gpus-per-process", type=_gpus, default=None)
     p.add_argument("--no-curve", action="store_true")
-    p.add_argument("--standby", choices=("on", "off"), default=None)
     p.add_argument("--compilation-cache", default=None)
     p.add_argument("--preload", type=_modules, default=())
     p.add_argument("--rank-server", choices=("on", "off"), default="on")
@@ -154,22 +153,18 @@ def _cache_folder(path: str | None) -> str | None:
 
 
 def _options_checked(opts, where: remote.Placement) -> remote.Placement:
-    """``where``, once the torch, standby and preload options agree with the backend and
+    """``where``, once the torch and preload options agree with the backend and
     launcher."""
     if opts.preload and opts.rank_server == "off":
         raise UsageError(
             "%spmd start: --preload is what the rank server imports, and --rank-server off "
             "starts none: drop one of them."
         )
-    if opts.preload and where.launcher != "local":
+    if opts.preload and where.launcher not in ("local", "ssh"):
         raise UsageError(
-            f"%spmd start: --preload is for ranks forked on this machine ({where.launcher} "
-            "starts a Python per rank): drop it, or import the modules in a cell."
-        )
-    if opts.standby == "on" and where.launcher not in STANDBY_LAUNCHERS:
-        raise UsageError(
-            f"%spmd start: standby engines need the local or ssh launcher ({where.launcher} "
-            "starts all ranks as one job): drop --standby on."
+            f"%spmd start: --preload is for ranks forked by a rank server, on this machine or "
+            f"over ssh ({where.launcher} starts a Python per rank): drop it, or import the "
+            "modules in a cell."
         )
     torch_flag = "--torch-backend" if opts.torch_backend else "--init-method"
     if (opts.torch_backend or opts.init_method) and "torch" not in opts.backend:

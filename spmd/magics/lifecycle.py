@@ -61,7 +61,6 @@ class Lifecycle:
             gpus_per_process=opts.gpus_per_process,
             curve=not opts.no_curve,
             start_timeout=opts.start_timeout,
-            standby=None if opts.standby is None else opts.standby == "on",
             cache_dir=_cache_folder(opts.compilation_cache),
             max_output=opts.max_output,
             preload=opts.preload,
@@ -77,7 +76,7 @@ class Lifecycle:
                 "use %spmd stop or %spmd restart first."
             )
         if self.session is not None:
-            self.session.stop()  # (after a death, its controller and standbys)
+            self.session.stop()  # (after a death, its controller and rank server)
             self.session.logs.remove()  # (kept until now: a dead rank's lines matter)
         _warn_if_notebook_joined_jax()
         self._start(settings)
@@ -158,7 +157,7 @@ class Lifecycle:
                 "auto mode is off." if not self.always_on else "%spmd restart starts them again."
             )
             if not session.running:  # stopped already, after a rank died
-                session.stop()  # (its standbys and controller, where they were kept)
+                session.stop()  # (its rank server and controller, where they were kept)
                 say(
                     f"The cluster was already stopped after rank {session.death.rank} died; "
                     f"{after}"
@@ -174,13 +173,13 @@ class Lifecycle:
     def _cmd_restart(self, args: list[str]) -> None:
         self._no_args("restart", args)
         session = self._require_session(allow_stopped=True)
-        # (the wait for the standbys can be interrupted; from their promotion on, not)
+        # (the wait for the new ranks to register can be interrupted; before it, not)
         with interrupts.held("the restart"):
             try:
-                promoted = session.cluster is not None and session.restart()
+                forked = session.cluster is not None and session.restart()
             except StartError as exc:
                 raise UsageError(str(exc)) from None
-            if promoted:
+            if forked:
                 self.auto.on = True
                 say(summary(session, restarted=True))
                 return

@@ -71,7 +71,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
                         [--init-method tcp|env|file|file:///PATH] [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
-                        [--standby on|off] [--compilation-cache DIR] [--preload M1,M2]
+                        [--compilation-cache DIR] [--preload M1,M2]
                         [--rank-server on|off]
                         [--max-output N|all] [--panel] [--tabs] [--breakpoint lowest|all]
             %spmd stop | restart | status | interrupt | where | on | off
@@ -88,11 +88,11 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
         becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
-        On this machine one rank server imports IPython, ipyparallel, zmq and the backend once
-        and forks the ranks (``--preload flax,optax`` adds modules to what it imports; ``--rank-server off``
-        starts a Python per rank, each with its own string-hash salt, as a job's processes);
-        ``%spmd restart`` has it fork new ones in well under a second. Over ssh a set of
-        standby engines waits behind the ranks instead, which a restart promotes.
+        On this machine and on each ssh host, one rank server imports IPython, ipyparallel,
+        zmq and the backend once and forks the ranks (``--preload flax,optax`` adds modules to
+        what it imports; ``--rank-server off`` starts a Python per rank, each with its own
+        string-hash salt, as a job's processes); ``%spmd restart`` has it fork new ones in
+        well under a second.
         jax's compilation cache is shared by the ranks and kept across restarts.
         ``--backend torch`` runs ``torch.distributed.init_process_group`` instead (gloo by
         default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).

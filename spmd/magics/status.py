@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-
 from spmd.cluster.session import Session
 
 
@@ -17,28 +15,11 @@ def summary(session: Session, restarted: bool = False) -> str:
     )
     how = ""
     if restarted:
-        how = ", forked by the rank server" if session._server else ", from the standby engines"
+        how = ", forked by the rank server"
     fell_back = f"{session.fell_back}\n" if session.fell_back and not restarted else ""
     return (
         f"{fell_back}Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
         "Auto mode on: every cell now runs on all ranks."
-    )
-
-
-def standby_line(session: Session) -> str:
-    """One line on the standby engines: how many are ready, their pids and memory."""
-    standbys = session.standbys()
-    if not standbys:
-        why = "off (--standby off)" if session.settings.standby is False else "none"
-        return f"standby engines: {why}"
-    counts = collections.Counter(r.state for r in standbys)
-    # (as each measured itself once ready: standbys on other hosts have no handle here)
-    memory = sum(r.memory for r in standbys)
-    states = ", ".join(f"{n} {state}" for state, n in counts.items())
-    pids = ",".join(str(r.pid) for r in standbys)
-    return (
-        f"standby engines: {states} (for %spmd restart; pids {pids}), "
-        f"{memory / 2**20:.0f} MB in all"
     )
 
 
@@ -66,11 +47,11 @@ def status_table(session: Session, auto_on: bool) -> str:
     )
     if session._server is not None:
         lines.append(
-            f"rank server: pid {session._server.pid} (imported the ranks' modules once; forks "
-            "them at start and restart)"
+            f"{session._server.describe()} (imported the ranks' modules once; forks them at "
+            "start and restart)"
         )
     elif session.cluster is not None:
-        lines.append(standby_line(session))
+        lines.append("rank server: none (a Python per rank; %spmd restart starts afresh)")
     if session.out_of_step:
         lines.append(f"Cells are refused: {session.out_of_step}")
     return "\n".join(lines)

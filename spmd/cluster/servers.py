@@ -1,0 +1,336 @@
+"""Handles on rank servers (spmd/engine/server.py): the process per host that imports what
+ranks need once and forks them. This machine's is the notebook's child; another host's runs
+under one ssh command through the master connection to that host (ssh.Masters).
+
+Threads: the session's thread starts and closes the servers (they live from the start to the
+stop, across restarts); ipyparallel's event-loop thread asks them for forks and signals; one
+reader thread per server reads its replies and is the only writer of ``_replies`` and
+``_exits`` (each reply notifies ``_replied``, which the others wait on). ``_send`` is under a
+lock: requests come from the event-loop thread and, at the end, the session's. An ssh cluster's
+servers are opened on a thread of their own while the controller starts (``SSHRankServers``),
+which the engine set waits for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from spmd.cluster import ssh
+from spmd.cluster.watchdog import how_it_ended
+from spmd.engine.orphans import PARENT_ENV
+
+
+class ServerUnavailable(RuntimeError):
+    """The rank server cannot fork ranks; the text says why."""
+
+
+class ServerSlow(RuntimeError):
+    """A rank server was not ready within the start's timeout (its host is slow)."""
+
+
+class RankServer:
+    """One host's rank server, started by this notebook (``command`` runs it: here, or
+    through ssh on another host)."""
+
+    def __init__(self, command: list[str], log_path: str, kill=None) -> None:
+        self.command = command
+        self.log_path = log_path
+        # Over ssh: ends the server's process on its host by pid (for a server that does not
+        # read its stdin yet: still importing, or a Python that hangs); None here.
+        self.kill = kill
+        self.host_pid = 0  # its pid on its host, as soon as its shell said it
+        self.why_not = ""  # why it cannot be used ('' while it can)
+        self.pid = 0  # the server's own pid, on its host
+        self._ready = threading.Event()
+        self._replies: dict[str, dict] = {}
+        self._replied = threading.Condition()
+        self._exits: dict[int, int] = {}  # pid of a rank: its exit code (negative: signal)
+        self._send_lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the server (it imports on its own while the caller goes on)."""
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                # (its parent, for the ranks it forks: they watch it, and it watches us
+                # through its stdin)
+                env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
+                start_new_session=True,  # (the notebook's ^C is not for it)
+            )
+        threading.Thread(target=self._read, name="spmd-rank-server", daemon=True).start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the server is ready to fork (waiting up to ``timeout`` for its imports);
+        when it is not, ``why_not`` says why. Raises ServerSlow past the timeout (the start's:
+        ranks started without it would be too late as well)."""
+        if not self._ready.wait(timeout):
+            raise ServerSlow(f"its imports took more than {timeout:.0f} s")
+        return not self.why_not
+
+    def fork(self, key: str, env: dict[str, str], argv: list[str], output: str, cwd: str,
+             keep_env: bool = False, timeout: float = 30.0) -> int:
+        """Fork one rank; its pid. Raises ServerUnavailable (the start then fails)."""
+        self._send({"fork": key, "env": env, "argv": argv, "output": output, "cwd": cwd,
+                    "keep_env": keep_env})
+        deadline = time.monotonic() + timeout
+        with self._replied:
+            while key not in self._replies:
+                left = deadline - time.monotonic()
+                if self.why_not or left <= 0:
+                    raise ServerUnavailable(self.why_not or "it did not answer a fork")
+                self._replied.wait(min(left, 0.5))
+            reply = self._replies.pop(key)
+        if "error" in reply:
+            raise ServerUnavailable(f"it could not fork: {reply['error']}")
+        return reply["pid"]
+
+    def signal(self, pid: int, sig: int, group: bool = False) -> None:
+        """Send a rank (``group``: its process group) a signal; nothing if the server ended."""
+        try:
+            self._send({"signal": pid, "sig": int(sig), "group": group})
+        except ServerUnavailable:
+            pass
+
+    def read(self, path: str, tail: int = 1 << 16, timeout: float = 10.0) -> str:
+        """The end of a file on the server's host (a rank's output), '' if it cannot say."""
+        key = f"read/{path}/{time.monotonic()}"
+        try:
+            self._send({"read": key, "path": path, "tail": tail})
+        except ServerUnavailable:
+            return ""
+        deadline = time.monotonic() + timeout
+        with self._replied:
+            while key not in self._replies:
+                left = deadline - time.monotonic()
+                if self._gone() or left <= 0:
+                    return ""
+                self._replied.wait(min(left, 0.5))
+            return self._replies.pop(key)["text"]
+
+    def exit_code(self, pid: int, timeout: float) -> tuple[bool, int | None]:
+        """(whether the rank ``pid`` has ended, its exit code), waiting up to ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._replied:
+            while pid not in self._exits and not self._gone():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False, None
+                self._replied.wait(left)
+            return True, self._exits.get(pid)
+
+    def close(self, remove: str = "") -> bool:
+        """End the server and every rank it forked (it kills them when its stdin closes);
+        ``remove``: a folder on its host that it removes then. Whether it was asked to."""
+        process = self.process
+        if process is None:
+            return False
+        asked = False
+        if remove and self.usable:
+            try:
+                self._send({"remove": remove})
+                asked = True
+            except ServerUnavailable:
+                pass
+        with self._send_lock:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+        try:
+            process.wait(timeout=6 if self.kill is None else 2)
+        except subprocess.TimeoutExpired:
+            if self.kill is not None and self.host_pid:
+                self.kill(self.host_pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=3)
+            process.kill()
+            process.wait()
+        return asked
+
+    @property
+    def usable(self) -> bool:
+        """Whether it runs and can fork."""
+        return not self.why_not and not self._gone()
+
+    def describe(self) -> str:
+        return f"rank server: pid {self.pid}"
+
+    def ended_how(self) -> str:
+        """How the server ended, in words ('' while it runs)."""
+        return how_it_ended(self.process.returncode) if self._gone() else ""
+
+    def _gone(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def _send(self, message: dict) -> None:
+        with self._send_lock:
+            try:
+                self.process.stdin.write((json.dumps(message) + "\n").encode())
+                self.process.stdin.flush()
+            except (OSError, ValueError) as exc:  # (closed: the server ended)
+                raise ServerUnavailable(f"it has ended ({exc})") from None
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            with self._replied:
+                if "started" in message:
+                    self.host_pid = message["started"]
+                elif "ready" in message:
+                    self.pid = message["ready"]
+                    self._ready.set()
+                elif "failed" in message:
+                    self.why_not = message["failed"]
+                    self._ready.set()
+                elif "forked" in message:
+                    self._replies[message["forked"]] = message
+                elif "read" in message:
+                    self._replies[message["read"]] = message
+                elif "exited" in message:
+                    self._exits[message["exited"]] = message["code"]
+                self._replied.notify_all()
+        said = _last_line(self.log_path)
+        with self._replied:
+            self.why_not = self.why_not or ("it ended" + (f": {said}" if said else ""))
+            self._ready.set()
+            self._replied.notify_all()
+
+
+def _last_line(path: str) -> str:
+    """The last line a server wrote to its log (ssh's own complaint, over ssh)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    return next((ln for ln in reversed(lines) if ln), "")
+
+
+def local_server(python: str, modules: list[str], log_path: str) -> RankServer:
+    """This machine's rank server, importing ``modules``, started."""
+    server = RankServer([python, "-m", "spmd.engine.server", *modules], log_path)
+    server.start()
+    return server
+
+class SSHRankServers:
+    """One rank server per host, each under an ssh command through that host's master
+    connection, which this object also owns (the ranks' engine sets come and go at restarts;
+    the connections and servers stay until the stop)."""
+
+    def __init__(self, hosts: list[str], ssh_cmd: list[str], ssh_args: list[str], python: str,
+                 modules: list[str], log_dir: str) -> None:
+        self.masters = ssh.Masters(ssh_cmd, ssh_args, hosts)
+        self.python, self.modules, self.log_dir = python, modules, log_dir
+        self.servers: dict[str, RankServer] = {}
+        self.error: subprocess.CalledProcessError | None = None  # a host that refused us
+        self._opened = threading.Event()
+        self._closing = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # (the opening thread and a close, at a cancel)
+
+    def start(self) -> None:
+        """Log in and start the servers, on a thread: the caller goes on (the controller)."""
+        threading.Thread(target=self._open, name="spmd-ssh-rank-servers", daemon=True).start()
+
+    def _open(self) -> None:
+        try:
+            self._connect_and_start()
+        finally:
+            self._opened.set()
+        # The master connections end when the thread that started them ends (their
+        # parent-death signal is per thread, see ssh._end_with_parent): this one stays, idle,
+        # until the close.
+        self._closing.wait()
+
+    def _connect_and_start(self) -> None:
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                self.masters.connect()
+                # (its shell says its pid first, which the exec keeps: see RankServer.kill)
+                remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
+                    [self.python, "-m", "spmd.engine.server", *self.modules]
+                )
+                for host in self.masters.hosts:
+                    log = os.path.join(self.log_dir, f"rank-server-{host.replace('/', '_')}.log")
+                    self.servers[host] = RankServer(
+                        [*self._ssh(host), "-T", host, remote], log,
+                        kill=lambda pid, host=host: self._kill(host, pid),
+                    )
+                    self.servers[host].start()
+        except subprocess.CalledProcessError as exc:
+            self.error = exc
+
+    def _ssh(self, host: str) -> list[str]:
+        """ssh, for a command through the master connection to ``host``."""
+        return [*self.masters.ssh_cmd, *self.masters.ssh_args, *self.masters.args]
+
+    def _kill(self, host: str, pid: int) -> None:
+        if not self.lost(host):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run([*self._ssh(host), host, f"kill -KILL {int(pid)}"],
+                               capture_output=True, timeout=10)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether every host's server is ready to fork; ``why_not`` says why one is not.
+        Raises CalledProcessError for a host that could not be reached."""
+        deadline = time.monotonic() + timeout
+        self._opened.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        if not self._opened.is_set():
+            raise ServerSlow(f"logging in took more than {timeout:.0f} s")
+        for host, server in self.servers.items():
+            if not server.wait_ready(max(0.0, deadline - time.monotonic())):
+                self.why_not = f"on {host}, {server.why_not}"
+                return False
+        return True
+
+    why_not = ""
+
+    def of(self, host: str) -> RankServer:
+        return self.servers[host]
+
+    def lost(self, host: str) -> bool:
+        """Whether ``host`` stopped answering (its connection ended)."""
+        return self.masters.lost(host)
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.servers) and all(s.usable for s in self.servers.values())
+
+    def close(self, remove: str = "") -> set[str]:
+        """End every host's server (and the ranks they forked; each removes ``remove``
+        there), then the connections. The hosts whose server was asked to remove it."""
+        with self._lock:
+            self._closed = True
+            hosts = list(self.servers)
+            asked = []
+            if hosts:
+                with ThreadPoolExecutor(len(hosts)) as pool:
+                    asked = list(pool.map(lambda h: self.servers[h].close(remove), hosts))
+            self.masters.close()
+        self._closing.set()
+        return {host for host, yes in zip(hosts, asked) if yes}
+
+    def describe(self) -> str:
+        pids = ", ".join(f"{host} pid {s.pid}" for host, s in self.servers.items())
+        return f"rank servers: {pids}"
+
+
