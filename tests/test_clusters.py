@@ -77,10 +77,15 @@ def ssh_start(hosts: Hosts, n: int = 2, extra: str = "") -> str:
     )
 
 
-def nothing_left_on(hosts: Hosts) -> list[int]:
-    """Processes still running in the hosts' namespaces, other than their sshd."""
+def running_on(hosts: Hosts) -> list[int]:
+    """Processes running in the hosts' namespaces now, other than their sshd."""
     sshd = {p.pid for p in hosts._sshd}
-    left = [pid for pid in hosts.pids() if pid not in sshd]
+    return [pid for pid in hosts.pids() if pid not in sshd]
+
+
+def nothing_left_on(hosts: Hosts) -> list[int]:
+    """Processes still running in the hosts' namespaces after 10 s, other than their sshd."""
+    left = running_on(hosts)
     return [p.pid for p in wait_until_gone([psutil.Process(pid) for pid in left if
                                             psutil.pid_exists(pid)], timeout=10)]
 
@@ -155,6 +160,101 @@ def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):
     restart_psum_and_stop(fresh, hosts)
 
 
+def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
+    """Each host runs one rank server (which imported the ranks' modules, and --preload's)
+    and the ranks it forked there: no Python per rank."""
+    out = run(fresh, ssh_start(hosts, n=4, extra="--backend none --preload csv"))
+    assert out.error is None, out.stdout + out.stderr
+    servers = magics(fresh).session._server.servers
+    pids = {host: server.pid for host, server in servers.items()}
+    status = run(fresh, "%spmd status").stdout
+    assert f"rank servers: node1 pid {pids['node1']}, node2 pid {pids['node2']}" in status, status
+    out = run(
+        fresh,
+        "import os, socket, sys\n"
+        "print(socket.gethostname(), os.getppid(), open('/proc/self/comm').read().strip(),\n"
+        "      'csv' in sys.modules, os.getpgid(0) == os.getpid())",
+    )
+    assert out.stdout.splitlines() == [
+        f"[rank {r}] {host} {pids[host]} spmd-rank{r} True True"
+        for r, host in enumerate(["node1", "node1", "node2", "node2"])
+    ], out.stdout
+    pythons = [p for p in map(psutil.Process, hosts.pids()) if "python" in p.name().lower()
+               or p.name().startswith("spmd-rank")]
+    assert sorted(p.ppid() for p in pythons if p.pid not in pids.values()) == sorted(
+        [pids["node1"]] * 2 + [pids["node2"]] * 2
+    ), [(p.pid, p.ppid(), p.name()) for p in pythons]
+    assert run(fresh, "%spmd stop").error is None
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_a_rank_server_killed_on_its_host_is_named_and_restart_starts_afresh(fresh, hosts):
+    assert run(fresh, ssh_start(hosts)).error is None
+    assert run(fresh, SETUP).error is None
+    server = magics(fresh).session._server.of("node2")
+    hosts.ssh("node2", f"kill -KILL {server.pid}")
+    out = run(fresh, "time.sleep(3)\n" + PSUM)
+    text = report(out)
+    assert text.startswith(
+        f"Rank 1 on node2 died: its rank server (pid {server.pid} on node2) ended"
+    ), text
+    assert "every rank it forked ended with it" in text, text
+    restarted = run(fresh, "%spmd restart")  # (afresh: new servers)
+    assert restarted.error is None, restarted.stdout + restarted.stderr
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    assert run(fresh, "%spmd stop").error is None
+    assert nothing_left_on(hosts) == []
+
+
+def test_ssh_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh, hosts):
+    out = run(fresh, ssh_start(hosts, extra="--backend none --preload no_such_module_for_spmd"))
+    assert out.error is None, out.stdout + out.stderr
+    said = [line for line in out.stdout.split("\r")[-1].splitlines() if "rank server" in line]
+    assert said == [
+        "The rank server could not be used (on node1, ModuleNotFoundError: No module named "
+        "'no_such_module_for_spmd'): each rank started its own Python."
+    ], out.stdout
+    assert magics(fresh).session._server is None
+    out = run(fresh, "import socket\nprint(socket.gethostname())")
+    assert out.stdout == "[rank 0] node1\n[rank 1] node2\n", out.stdout
+    assert run(fresh, "%spmd stop").error is None
+    assert nothing_left_on(hosts) == []
+
+
+KILLED_NOTEBOOK = """
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "spmd")
+shell.run_cell(sys.argv[1])
+s = shell.magics_manager.registry["SpmdMagics"].session
+print("STARTED", s is not None and s.running, flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def test_ssh_a_notebook_killed_leaves_nothing_here_or_on_the_hosts(fresh, hosts, tmp_path):
+    script = tmp_path / "notebook.py"
+    script.write_text(KILLED_NOTEBOOK)
+    notebook = subprocess.Popen(
+        [sys.executable, str(script), ssh_start(hosts)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = next((ln for ln in notebook.stdout if ln.startswith("STARTED")), "")
+        assert line.strip() == "STARTED True", line
+        assert len(running_on(hosts)) >= 4  # (a server and a rank on each host)
+        here = psutil.Process(notebook.pid).children(recursive=True)
+        assert here  # (its controller, the ssh connections)
+    finally:
+        notebook.kill()  # no atexit, no stop
+        notebook.wait()
+        notebook.stdout.close()
+    assert not wait_until_gone(here, 15)
+    assert nothing_left_on(hosts) == []
+
+
 def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):
     assert run(fresh, ssh_start(hosts)).error is None
     assert run(fresh, SETUP).error is None
@@ -172,7 +272,7 @@ def test_ssh_processes_a_remote_cell_started_end_with_the_cluster(fresh, hosts):
     assert run(fresh, ssh_start(hosts, extra="--backend none")).error is None
     out = run(fresh, "import subprocess\nchild = subprocess.Popen(['sleep', '1000'])\nchild.pid")
     assert out.error is None
-    assert len(nothing_left_on(hosts)) >= 4  # two engines, two sleeps
+    assert len(running_on(hosts)) >= 4  # two engines, two sleeps
     assert run(fresh, "%spmd stop").error is None
     assert nothing_left_on(hosts) == []
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_dead_ranks_log_is_kept_and_named_in_the_report(fresh):
-    assert run(fresh, "%spmd start -n 2 --backend none --standby off").error is None
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
     assert run(fresh, "import os\nrank = int(os.environ['SPMD_RANK'])").error is None
     assert run(fresh, "print('before', rank)").error is None
     died = run(fresh, "if rank == 1:\n    os._exit(3)\nimport time; time.sleep(30)")
@@ -36,7 +36,7 @@ def test_a_dead_ranks_log_is_kept_and_named_in_the_report(fresh):
     assert "before 1" in both and "after 1" in both
     # a new start begins new logs, and the old folder is gone
     assert run(fresh, "%spmd stop").error is None
-    assert run(fresh, "%spmd start -n 2 --backend none --standby off").error is None
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
     assert not os.path.exists(path)
     assert run(fresh, "%spmd log 1").stdout.startswith("Rank 1 has printed nothing")
 
@@ -46,7 +46,7 @@ KILLED_NOTEBOOK = textwrap.dedent(
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "spmd")
-    shell.run_cell("%spmd start -n 2 --standby off")
+    shell.run_cell("%spmd start -n 2")
     shell.run_cell("print('a line for the log')")
     magics = shell.magics_manager.registry["SpmdMagics"]
     s = magics.session
@@ -80,7 +80,7 @@ def test_a_killed_notebooks_folders_are_removed_by_the_next_start(fresh, tmp_pat
     assert not wait_until_gone(spmd_processes(parent_pid=notebook.pid), 15)
     assert all(os.path.isdir(f) for f in folders)
     # ... until the next notebook starts a cluster
-    assert run(fresh, "%spmd start -n 2 --backend none --standby off").error is None
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
     assert not any(os.path.exists(f) for f in folders), folders
     mine = session(fresh)._profile_dir
     assert os.path.isdir(mine)  # (a live notebook's folders are not touched)

@@ -85,7 +85,7 @@ class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
 
 
 def rank_engines(procs) -> list:
-    """The engines among ``procs`` that are ranks (not standbys, nor the rank server that
+    """The engines among ``procs`` that are ranks (not the rank server that
     forks them and whose command line they keep; see %spmd status)."""
     return [
         p

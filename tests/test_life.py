@@ -141,8 +141,8 @@ def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, del
 
 
 def test_an_interrupt_during_a_fresh_restart_never_leaves_a_half_cluster(fresh):
-    # (ranks with no rank server and no standbys: the restart stops and starts afresh)
-    assert run(fresh, "%spmd start -n 2 --rank-server off --standby off").error is None
+    # (ranks with no rank server: the restart stops and starts afresh)
+    assert run(fresh, "%spmd start -n 2 --rank-server off").error is None
     with interrupt_inside("the stop", count=1) as sent:
         out = run(fresh, "%spmd restart")
     assert sent
@@ -216,7 +216,7 @@ def test_a_start_that_retries_keeps_its_compilation_cache(fresh, monkeypatch):
 
     monkeypatch.setattr(startup, "_loopback_ports", first_taken)
     try:
-        out = run(fresh, "%spmd start -n 2 --standby off")
+        out = run(fresh, "%spmd start -n 2")
     finally:
         taken.close()
     assert out.error is None, out.stdout + out.stderr

@@ -1,7 +1,8 @@
 """The rank server: one process on this machine that imported the ranks' modules and forks
 the ranks, at start and at every restart (after a plain restart, a divergence and a death);
-its fallback to a Python per rank (and standby engines) where it cannot be used; the
-compilation cache the ranks share across restarts."""
+its fallback to a Python per rank where it cannot be used (a restart then starts afresh);
+the compilation cache the ranks share across restarts. (Rank servers over ssh: in
+test_clusters.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 import psutil
 import pytest
-from conftest import report, run, session, spmd_processes, standbys_ready
+from conftest import report, run, session, spmd_processes
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,7 +65,6 @@ def test_the_rank_server_forks_the_ranks(fresh):
     forked_by_the_server(fresh)
     status = run(fresh, "%spmd status").stdout
     assert f"rank server: pid {server_of(fresh).pid} " in status, status
-    assert "standby" not in status
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
     # a forked rank draws its own random numbers, as a fresh process would
@@ -145,7 +145,8 @@ def test_a_rank_server_whose_imports_start_a_thread_does_not_fork(fresh, tmp_pat
 
 
 def test_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh):
-    """The ranks then start as a Python each, with standby engines behind them as before."""
+    """The ranks then start as a Python each; a restart starts them afresh (a new
+    controller, and a new try at a rank server, which fails the same way)."""
     out = run(fresh, "%spmd start -n 2 --preload no_such_module_for_spmd")
     assert out.error is None, out.stderr
     said = [line for line in out.stdout.split("\r")[-1].splitlines() if "rank server" in line]
@@ -158,11 +159,10 @@ def test_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh):
         assert psutil.Process(row.pid).ppid() == os.getpid()
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    standby_pids = [r.pid for r in standbys_ready(fresh)]
+    controller = session(fresh).cluster.controller.process.pid
     out = run(fresh, "%spmd restart")
-    assert out.error is None and "from the standby engines" in out.stdout, out.stdout
-    assert "rank server" not in out.stdout  # (said once, at the start)
-    assert [r.pid for r in session(fresh).ranks] == standby_pids
+    assert out.error is None and "forked" not in out.stdout, out.stdout
+    assert session(fresh).cluster.controller.process.pid != controller
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
 
@@ -210,14 +210,11 @@ def test_a_named_compilation_cache_outlives_stop(fresh, tmp_path):
 @pytest.mark.parametrize(
     "line, says",
     [
-        (
-            "%spmd start -n 2 --standby on --launcher mpi",
-            "standby engines need the local or ssh launcher (mpi starts all ranks as one job)",
-        ),
-        ("%spmd start -n 2 --standby maybe", "invalid choice: 'maybe'"),
+        ("%spmd start -n 2 --rank-server maybe", "invalid choice: 'maybe'"),
         (
             "%spmd start -n 2 --preload flax --launcher mpi",
-            "--preload is for ranks forked on this machine (mpi starts a Python per rank)",
+            "--preload is for ranks forked by a rank server, on this machine or over ssh (mpi "
+            "starts a Python per rank)",
         ),
         ("%spmd start -n 2 --preload 'a b'", "--preload takes module names separated by"),
         ("%spmd start -n 2 --compilation-cache /dev/null/cache", "--compilation-cache "
