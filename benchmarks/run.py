@@ -125,17 +125,6 @@ class Bench:
         self.record("memory_pss_mb/ranks", own)
         self.record("memory_pss_mb/cluster", own + pss(others))
 
-    def _standbys_ready(self) -> float:
-        """Seconds until every standby engine is ready (over ssh they start behind the
-        ranks)."""
-        t0 = time.perf_counter()
-        session = self.magics.session
-        while not (rows := session.standbys()) or any(r.state != "ready" for r in rows):
-            if time.perf_counter() - t0 > 120:
-                raise RuntimeError(f"standbys not ready: {rows}")
-            time.sleep(0.05)
-        return time.perf_counter() - t0
-
     def many_ranks(self, n: int, backend: str) -> None:
         """``n`` ranks on this machine: start until a cell returns on every rank, restart
         until the same, stop."""
@@ -182,8 +171,8 @@ class Bench:
 
     def remote_lifecycle(self, hosts) -> None:
         """4 ranks over SSH into two hosts (network namespaces on this machine), and 4 ranks
-        through mpiexec: start until a psum returns, a restart from the standbys on the
-        hosts (ssh), and stop."""
+        through mpiexec: start until a psum returns, a restart (ssh: forked by the hosts'
+        rank servers), and stop."""
         for name, start in (
             (
                 "ssh",
@@ -198,8 +187,7 @@ class Bench:
             self.cell(start)
             self.cell(PSUM)
             self.record(f"start_to_ready/{name}", time.perf_counter() - t0)
-            if name == "ssh":  # standby engines on the hosts, promoted by a restart
-                self._standbys_ready()
+            if name == "ssh":  # forked by each host's rank server
                 t0 = time.perf_counter()
                 self.cell("%spmd restart")
                 self.cell(PSUM)
@@ -258,7 +246,7 @@ class Bench:
         """A trivial cell, %px and a bare zmq round trip, alternated on the same n engines."""
         self.cell(f"%spmd start -n {n} --backend jax")
         session = self.magics.session
-        view = session.client[[r.engine_id for r in session.ranks]]  # (not the standbys)
+        view = session.client[[r.engine_id for r in session.ranks]]
         view.block = True
         view.activate()  # %px on the very same engines
         echo = EchoServers(n)
@@ -309,7 +297,7 @@ class Bench:
     def output(self, lines: int, rounds: int) -> None:
         self.cell("%spmd start -n 4 --backend none")
         session = self.magics.session
-        view = session.client[[r.engine_id for r in session.ranks]]  # (not the standbys)
+        view = session.client[[r.engine_id for r in session.ranks]]
         view.block = True
         view.activate()
         code = f"import os\nr = os.environ['SPMD_RANK']\nfor i in range({lines}): print(r, i)"

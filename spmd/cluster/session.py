@@ -20,8 +20,8 @@ Who may touch what:
 - ``_server`` (the rank server of this machine, or those of the ssh hosts) is started and
   closed under ``_life`` with the cluster; ipyparallel's event-loop thread asks it for forks,
   and each server's reader thread is the only writer of what it answered (servers.py).
-- A SIGINT on the main thread during a stop, a restart's promotion, a start's last steps or
-  a cell's report is held until it has finished (interrupts.py).
+- A SIGINT on the main thread during a stop, a restart's end of the old ranks, a start's
+  last steps or a cell's report is held until it has finished (interrupts.py).
 """
 
 from __future__ import annotations

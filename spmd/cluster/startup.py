@@ -290,7 +290,7 @@ class Startup:
         if coordinators:
             # Rank 0 first, until its coordinator listens: a rank that connects earlier is
             # refused and retries after gRPC's back-off (about a second, seen in 1 of 2
-            # promotions), which is most of a restart from standbys. (Rank 0 proposed an
+            # restarts over ssh), which would be most of the restart. (Rank 0 proposed an
             # address that this machine reaches.)
             _wait_listening(next(iter(coordinators.values())), pending[0], seconds=5.0)
         pending.update(
