@@ -253,6 +253,9 @@ def test_ssh_a_notebook_killed_leaves_nothing_here_or_on_the_hosts(fresh, hosts,
         notebook.stdout.close()
     assert not wait_until_gone(here, 15)
     assert nothing_left_on(hosts) == []
+    for name in hosts.names:  # (each host's server removed the cluster's folder there)
+        left = [e for e in hosts.ssh(name, "ls -A /tmp").split() if e.startswith("spmd-")]
+        assert left == [os.path.basename(hosts.folder)], (name, left)
 
 
 def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):

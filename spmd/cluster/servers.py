@@ -129,34 +129,37 @@ class RankServer:
                 self._replied.wait(left)
             return True, self._exits.get(pid)
 
-    def close(self, remove: str = "") -> bool:
-        """End the server and every rank it forked (it kills them when its stdin closes);
-        ``remove``: a folder on its host that it removes then. Whether it was asked to."""
+    def remove_at_end(self, folder: str) -> None:
+        """Have the server remove ``folder`` on its host when it ends, however the notebook
+        ended (sent at once: it reads it once its imports are done)."""
+        try:
+            self._send({"remove": folder})
+        except ServerUnavailable:
+            pass
+
+    def close(self) -> bool:
+        """End the server and every rank it forked (it kills them when its stdin closes).
+        Whether it ended by itself (so did what it was asked to do at its end)."""
         process = self.process
         if process is None:
             return False
-        asked = False
-        if remove and self.usable:
-            try:
-                self._send({"remove": remove})
-                asked = True
-            except ServerUnavailable:
-                pass
+        by_itself = process.poll() is None
         with self._send_lock:
             try:
                 process.stdin.close()
             except OSError:
                 pass
         try:
-            process.wait(timeout=6 if self.kill is None else 2)
+            process.wait(timeout=6 if self.kill is None else 4)
         except subprocess.TimeoutExpired:
+            by_itself = False
             if self.kill is not None and self.host_pid:
                 self.kill(self.host_pid)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=3)
             process.kill()
             process.wait()
-        return asked
+        return by_itself
 
     @property
     def usable(self) -> bool:
@@ -233,8 +236,9 @@ class SSHRankServers:
     the connections and servers stay until the stop)."""
 
     def __init__(self, hosts: list[str], ssh_cmd: list[str], ssh_args: list[str], python: str,
-                 modules: list[str], log_dir: str) -> None:
+                 modules: list[str], log_dir: str, folder: str) -> None:
         self.masters = ssh.Masters(ssh_cmd, ssh_args, hosts)
+        self.folder = folder  # the cluster's folder on the hosts, removed as each server ends
         self.python, self.modules, self.log_dir = python, modules, log_dir
         self.servers: dict[str, RankServer] = {}
         self.error: subprocess.CalledProcessError | None = None  # a host that refused us
@@ -274,6 +278,7 @@ class SSHRankServers:
                         kill=lambda pid, host=host: self._kill(host, pid),
                     )
                     self.servers[host].start()
+                    self.servers[host].remove_at_end(self.folder)
         except subprocess.CalledProcessError as exc:
             self.error = exc
 
@@ -315,16 +320,16 @@ class SSHRankServers:
     def usable(self) -> bool:
         return bool(self.servers) and all(s.usable for s in self.servers.values())
 
-    def close(self, remove: str = "") -> set[str]:
-        """End every host's server (and the ranks they forked; each removes ``remove``
-        there), then the connections. The hosts whose server was asked to remove it."""
+    def close(self) -> set[str]:
+        """End every host's server (and the ranks they forked), then the connections. The
+        hosts whose server ended by itself, removing the cluster's folder there."""
         with self._lock:
             self._closed = True
             hosts = list(self.servers)
             asked = []
             if hosts:
                 with ThreadPoolExecutor(len(hosts)) as pool:
-                    asked = list(pool.map(lambda h: self.servers[h].close(remove), hosts))
+                    asked = list(pool.map(lambda h: self.servers[h].close(), hosts))
             self.masters.close()
         self._closing.set()
         return {host for host, yes in zip(hosts, asked) if yes}

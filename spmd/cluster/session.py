@@ -170,7 +170,7 @@ class Session(Startup, Restarts, Deaths, Cells):
             # the cluster's files on its host.
             if isinstance(server, servers.SSHRankServers):
                 lost |= {host for host in server.servers if server.lost(host)}
-                removed = server.close(remove=remote_dir)
+                removed = server.close()
             elif server is not None:
                 server.close()
             server = None

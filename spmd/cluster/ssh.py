@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import shlex
 import shutil
 import signal
@@ -112,15 +113,6 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
             return
         # (its wait, in ``join``, polls the host until the process has ended)
         self.parent.in_parallel(super().signal, sig)
-
-    def kill_now(self) -> None:
-        """SIGKILL at once, with the host's own ``kill`` (ipyparallel's signal runs a Python
-        on the host: seconds, on a host busy starting engines)."""
-        if self.lost or self.state != "running" or self.pid is None or self.pid <= 0:
-            return
-        kill = [*self.ssh_cmd, *self.ssh_args, self.location, "kill", "-KILL", str(self.pid)]
-        if subprocess.run(kill, capture_output=True, timeout=30).returncode != 0:
-            self.signal(signal.SIGKILL)
 
     exit_code: int | None = None
     exited_at: float | None = None  # time.monotonic(), as RankedEngineLauncher has them
@@ -340,14 +332,11 @@ class Masters:
             self.folder = ""
 
 
-def kill_now(launchers) -> None:
-    """SIGKILL these engines on their hosts, all at once (for standbys: they hold nothing)."""
-    with ThreadPoolExecutor(max_workers=32, thread_name_prefix="spmd-ssh-kill") as pool:
-        for future in [pool.submit(launcher.kill_now) for launcher in launchers]:
-            try:
-                future.result()
-            except Exception:  # the host is gone: so is what ran there
-                continue
+def host_folder(profile_dir: str) -> str:
+    """Where the hosts keep the cluster's files (the ranks' output): as ipyparallel's ssh
+    launchers place them, relative to the login's home where ``profile_dir`` is under ours."""
+    home = os.path.expanduser("~").rstrip("/") + "/"
+    return profile_dir[len(home):] if profile_dir.startswith(home) else profile_dir
 
 
 def remove_folder(hosts, ssh_cmd: list[str], ssh_args: list[str], folder: str) -> None:

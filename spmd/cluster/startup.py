@@ -13,7 +13,7 @@ import sys
 import time
 
 from spmd import internals
-from spmd.cluster import forks, processes, remote, servers
+from spmd.cluster import forks, processes, remote, servers, ssh
 from spmd.cluster.controller import CURVE_ENV
 from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.lockstep import rank_words
@@ -160,6 +160,7 @@ class Startup:
                 self._server = servers.SSHRankServers(
                     [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
                     placed.python or "python3", modules, log_dir,
+                    folder=ssh.host_folder(self._profile_dir),
                 )
                 self._server.start()
                 config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher
