@@ -29,8 +29,12 @@ from spmd.engine.stacks import STACK_FILE_ENV
 LOOPBACK = remote.LOOPBACK
 
 # ipyparallel's default heartbeat (3 s) dominates start-up: engines are only "registered"
-# after a beat. 300 ms brings a 4-engine start from ~6.6 s to ~2.7 s on 2 cores.
-HEARTBEAT_MS = 300
+# after a beat. 300 ms brought a 4-engine start from ~6.6 s to ~2.7 s on 2 cores; 100 ms
+# takes another ~0.1 s off a restart by fork. An engine that misses beats for 3 s is
+# unregistered, as ipyparallel's 10 misses of 300 ms did (its heart answers from a C thread,
+# even while a cell holds the GIL).
+HEARTBEAT_MS = 100
+HEARTBEAT_MISSES = 3000 // HEARTBEAT_MS
 
 
 class RankedEngineLauncher(LocalEngineLauncher):
@@ -127,6 +131,7 @@ def cluster_config(
     c.LocalControllerLauncher.environment = {PARENT_ENV: str(os.getpid())}
     c.Cluster.controller_args = [
         f"--HeartMonitor.period={HEARTBEAT_MS}",
+        f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
         # Schedulers as threads, not processes: on 2 cores every process costs start-up time.
         "--IPController.use_threads=True",
         "--log-level=WARN",

@@ -7,7 +7,6 @@ import atexit
 import contextlib
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,18 +27,6 @@ from spmd.engine.server import modules_for as server_modules
 def _loopback_ports(backend: str) -> dict[str, str]:
     """A free port on 127.0.0.1 for each backend's coordinator (jax's and torch's differ)."""
     return coordinator_addresses(LOOPBACK, [b for b in backend.split(",") if b != "none"])
-
-
-def _wait_listening(address: str, rank0, seconds: float) -> None:
-    """Until something listens at ``address`` (host:port), rank 0's join ended, or
-    ``seconds`` passed."""
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not rank0.ready():
-        with socket.socket() as probe:
-            if probe.connect_ex((host, int(port))) == 0:
-                return
-        time.sleep(0.005)
 
 
 def _cluster_log() -> logging.Logger:
@@ -287,19 +274,12 @@ class Startup:
                 raise _init_failure(0, exc) from None
         self._tell_coordinator(coordinators or {})
         self._tell("joined", 0, s.n)
-        pending = {0: self.client[self.ranks[0].engine_id].apply_async(engine.joined, coordinators)}
-        if coordinators:
-            # Rank 0 first, until its coordinator listens: a rank that connects earlier is
-            # refused and retries after gRPC's back-off (about a second, seen in 1 of 2
-            # restarts over ssh), which would be most of the restart. (Rank 0 proposed an
-            # address that this machine reaches.)
-            _wait_listening(next(iter(coordinators.values())), pending[0], seconds=5.0)
-        pending.update(
-            {
-                r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
-                for r in self.ranks[1:]
-            }
-        )
+        # (every rank at once: the others wait for rank 0's coordinator to listen on their
+        # side, see bootstrap._join_jax)
+        pending = {
+            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
+            for r in self.ranks
+        }
         deadline = time.monotonic() + s.start_timeout
         while pending:
             self._check_cancelled()

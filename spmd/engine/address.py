@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 
 # The coordinator's port is chosen now and bound a second later, by rank 0, after its jax
 # import. In between, the controller binds random ports (zmq: 49152-65535) and every
@@ -48,3 +49,16 @@ def address_toward(peer: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((peer, 9))
         return s.getsockname()[0]
+
+
+def wait_listening(address: str, seconds: float) -> bool:
+    """Until something listens at ``address`` (host:port), or ``seconds`` passed; whether it
+    does."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex((host.strip("[]"), int(port))) == 0:
+                return True
+        time.sleep(0.005)
+    return False

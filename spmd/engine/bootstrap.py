@@ -22,7 +22,7 @@ from typing import Any
 
 from spmd import internals
 from spmd.engine import commands, control, jit_cache, placement, prompts, torch_group
-from spmd.engine.address import address_toward, coordinator_addresses
+from spmd.engine.address import address_toward, coordinator_addresses, wait_listening
 from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
 
@@ -172,6 +172,11 @@ class _Join:
         import jax
 
         coordinator = self.coordinators["jax"]
+        if self.rank != 0:
+            # Until rank 0's coordinator listens: a rank that connects earlier is refused and
+            # retries after gRPC's back-off (about a second, seen in 1 of 2 restarts), which
+            # would be most of a restart.
+            wait_listening(coordinator, self.timeout)
         INITIALIZE_ARGS.update(
             coordinator_address=coordinator,
             num_processes=self.num_processes,
