@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -118,6 +119,20 @@ def browser_page(width: int = 1200, height: int = 1000):
             yield page
         finally:
             browser.close()
+
+
+def kernel_stacks(lab: Lab) -> str:
+    """Every thread's stack in each of the Lab's kernels (``kill -USR2``: spmd.kernel.app),
+    as they wrote them to the Lab's log: for a test whose kernel seems stuck."""
+    import psutil
+
+    for kernel in psutil.Process(lab.process.pid).children():
+        with contextlib.suppress(psutil.Error):
+            kernel.send_signal(signal.SIGUSR2)
+    time.sleep(1.0)
+    lab.log.flush()
+    with open(lab.log.name, errors="replace") as f:
+        return f.read()[-12000:]
 
 
 def save_shot(page, folder: str, name: str, show=None) -> str:

@@ -8,6 +8,8 @@ change) say the same; otherwise it cancels it and starts its own.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 
 # The kernelspec's settings (``--SpmdKernel.NAME=VALUE``, see kernelspec.kernel_dict) and
@@ -38,6 +40,9 @@ def settings_from_argv(argv: list[str]):
 
 
 def main() -> None:
+    # ``kill -USR2 PID`` writes every thread's stack to the kernel's log (its stderr): for a
+    # kernel that seems stuck, what it is waiting for.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     from spmd.magics.background import BackgroundStart
 
     settings = settings_from_argv(sys.argv[1:])
