@@ -28,13 +28,14 @@ from spmd.engine.stacks import STACK_FILE_ENV
 
 LOOPBACK = remote.LOOPBACK
 
-# ipyparallel's default heartbeat (3 s) dominates start-up: engines are only "registered"
-# after a beat. 300 ms brought a 4-engine start from ~6.6 s to ~2.7 s on 2 cores; 100 ms
-# takes another ~0.1 s off a restart by fork. An engine that misses beats for 3 s is
-# unregistered, as ipyparallel's 10 misses of 300 ms did (its heart answers from a C thread,
-# even while a cell holds the GIL).
-HEARTBEAT_MS = 100
-HEARTBEAT_MISSES = 3000 // HEARTBEAT_MS
+
+def heartbeat_ms(n: int) -> int:
+    """The controller's heartbeat for ``n`` engines. ipyparallel's default (3 s) dominates
+    start-up: engines are only "registered" after a beat. 300 ms brought a 4-engine start
+    from ~6.6 s to ~2.7 s on 2 cores; 100 ms takes another ~0.1 s off a restart by fork. The
+    controller answers every engine's beat in Python, so many engines get a slower one (at
+    100 ms, 64 engines starting on 2 cores starved it, and registrations stalled)."""
+    return min(300, max(100, 17 * n))
 
 
 class RankedEngineLauncher(LocalEngineLauncher):
@@ -130,8 +131,13 @@ def cluster_config(
     c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.cluster.controller"]
     c.LocalControllerLauncher.environment = {PARENT_ENV: str(os.getpid())}
     c.Cluster.controller_args = [
-        f"--HeartMonitor.period={HEARTBEAT_MS}",
-        f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+        f"--HeartMonitor.period={heartbeat_ms(n)}",
+        # An engine that misses beats for 3 s is unregistered, as ipyparallel's 10 misses of
+        # 300 ms did (its heart answers from a C thread, even while a cell holds the GIL).
+        f"--HeartMonitor.max_heartmonitor_misses={3000 // heartbeat_ms(n)}",
+        # A registration waits for the engine's first beat; on a busy machine that can
+        # take longer than ipyparallel's 30 s, and a purged one never completes.
+        f"--IPController.registration_timeout={max(30, init_timeout)}",
         # Schedulers as threads, not processes: on 2 cores every process costs start-up time.
         "--IPController.use_threads=True",
         "--log-level=WARN",

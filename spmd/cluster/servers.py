@@ -5,7 +5,8 @@ under one ssh command through the master connection to that host (ssh.Masters).
 Threads: the session's thread starts and closes the servers (they live from the start to the
 stop, across restarts); ipyparallel's event-loop thread asks them for forks and signals; one
 reader thread per server reads its replies and is the only writer of ``_replies`` and
-``_exits`` (each reply notifies ``_replied``, which the others wait on). ``_send`` is under a
+``_exits`` (each reply notifies ``_replied``, which the others wait on; a rank's end sets
+that rank's Event). ``_send`` is under a
 lock: requests come from the event-loop thread and, at the end, the session's. An ssh cluster's
 servers are opened on a thread of their own while the controller starts (``SSHRankServers``),
 which the engine set waits for.
@@ -52,6 +53,11 @@ class RankServer:
         self._replies: dict[str, dict] = {}
         self._replied = threading.Condition()
         self._exits: dict[int, int] = {}  # pid of a rank: its exit code (negative: signal)
+        # One Event per rank whose end someone waits for (its wait thread): a reply wakes
+        # only the thread it is for, not every rank's (with 64 ranks, each fork's reply
+        # woke 64 threads).
+        self._exit_events: dict[int, threading.Event] = {}
+        self._said_all = False  # its replies ended (the server, or its connection, ended)
         self._send_lock = threading.Lock()
         self.process: subprocess.Popen | None = None
 
@@ -120,13 +126,13 @@ class RankServer:
 
     def exit_code(self, pid: int, timeout: float) -> tuple[bool, int | None]:
         """(whether the rank ``pid`` has ended, its exit code), waiting up to ``timeout``."""
-        deadline = time.monotonic() + timeout
         with self._replied:
-            while pid not in self._exits and not self._gone():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False, None
-                self._replied.wait(left)
+            if pid in self._exits or self._said_all:
+                return True, self._exits.get(pid)
+            event = self._exit_events.setdefault(pid, threading.Event())
+        if not event.wait(timeout):
+            return False, None
+        with self._replied:
             return True, self._exits.get(pid)
 
     def remove_at_end(self, folder: str) -> None:
@@ -205,11 +211,16 @@ class RankServer:
                     self._replies[message["read"]] = message
                 elif "exited" in message:
                     self._exits[message["exited"]] = message["code"]
+                    self._exit_events.pop(message["exited"], threading.Event()).set()
+                    continue
                 self._replied.notify_all()
         said = _last_line(self.log_path)
         with self._replied:
             self.why_not = self.why_not or ("it ended" + (f": {said}" if said else ""))
+            self._said_all = True
             self._ready.set()
+            for event in self._exit_events.values():
+                event.set()
             self._replied.notify_all()
 
 

@@ -257,6 +257,17 @@ def _fresh_randomness() -> None:
         numpy.random.seed()
 
 
+def _check_internals() -> None:
+    """What every rank checks when it joins, done here once for the ranks to inherit. One
+    that moved is left for each rank to report in its own words."""
+    from spmd import internals
+
+    try:
+        internals.check("rank")
+    except internals.InternalsChanged:
+        pass
+
+
 def main(modules: list[str]) -> None:
     # The protocol gets stdout to itself; anything an import prints goes to stderr (the
     # server's log).
@@ -269,6 +280,7 @@ def main(modules: list[str]) -> None:
             raise OSError("this system cannot fork")
         for name in modules:
             importlib.import_module(name)
+        _check_internals()
         if threading.active_count() > 1:
             # a fork keeps only the forking thread: a lock another one held stays held
             names = ", ".join(t.name for t in threading.enumerate()[1:])
