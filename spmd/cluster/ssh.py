@@ -212,7 +212,7 @@ class RankedSSHEngineSetLauncher(SSHEngineSetLauncher):
     def start(self, n):
         # An awaitable (ipyparallel awaits it): logging in and each engine's ssh commands
         # run on threads, so the cluster's event loop stays free meanwhile, for the
-        # controller's start beside it, and for a standby set starting behind the ranks.
+        # controller's start beside it.
         return self._start(n)
 
     async def _start(self, n):
