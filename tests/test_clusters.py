@@ -4,6 +4,7 @@ checks that nothing is left on any host after it."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -309,7 +310,12 @@ def test_torch_over_ssh_all_reduces_with_gloo_on_the_hosts_own_interface(fresh, 
 
 
 def test_ssh_four_ranks_fill_the_hosts_in_order(fresh, hosts):
-    assert run(fresh, ssh_start(hosts, n=4, extra="--backend none")).error is None
+    # (a host named with its login, user@host, is the same host)
+    start = ssh_start(hosts, n=4, extra="--backend none").replace(
+        "--hosts node1,node2 ", f"--hosts {getpass.getuser()}@node1:2,node2:2 "
+    )
+    out = run(fresh, start)
+    assert out.error is None, out.stdout + out.stderr
     status = run(fresh, "%spmd status").stdout
     placed = re.findall(r"^(\d)\s+(node\d)\s", status, re.M)
     assert placed == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")]

@@ -169,7 +169,10 @@ class Deaths:
             for d in deaths:
                 self.ranks[d.rank].state = "died"
                 far = self.gen.ssh.get(d.rank)
-                if far is not None and d.exit_code is None and far.exited_at is None:
+                if (
+                    far is not None and d.exit_code is None and far.exited_at is None
+                    and not isinstance(far, ForkedSSHEngineLauncher)  # (its server knows)
+                ):
                     # it stopped answering the controller, and its host's wait saw no end:
                     # the host is cut off, and the stop sends it no command (each would
                     # wait for ssh's connect timeout)

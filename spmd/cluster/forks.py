@@ -16,7 +16,7 @@ import psutil
 
 from spmd.cluster import ssh
 from spmd.cluster.launch import RankedEngineLauncher, RankedEngineSetLauncher
-from spmd.cluster.servers import RankServer, SSHRankServers
+from spmd.cluster.servers import RankServer, ServerUnavailable, SSHRankServers
 
 
 class ForkedEngineLauncher(RankedEngineLauncher):
@@ -62,6 +62,8 @@ class ForkedEngineSetLauncher(RankedEngineSetLauncher):
         server = self.server
         loop = asyncio.get_running_loop()
         ready = await loop.run_in_executor(None, server.wait_ready, self.parent.engine_timeout)
+        if server.closed:  # (the cluster was stopped meanwhile: start nothing)
+            raise ServerUnavailable("the cluster was stopped during its start")
         if not ready:
             self.fell_back = server.why_not
             self.launcher_class = RankedEngineLauncher
@@ -84,6 +86,8 @@ class ForkedSSHEngineLauncher(ssh.RankedSSHEngineLauncher):
     def start(self, hostname=None, user=None, port=None) -> None:
         if hostname is not None:
             self.hostname = hostname
+        if user is not None:  # (--hosts alice@node1: the server is that login's)
+            self.user = user
         self.loop  # noqa: B018 (bound here, on the loop's thread, where the wait thread reports)
         key = f"{self.parent.engine_set_id}/{self.identifier}"
         # (its environment: the host's own, as a login gives it, and the rank's)
@@ -125,7 +129,7 @@ class ForkedSSHEngineLauncher(ssh.RankedSSHEngineLauncher):
         self.loop.add_callback(lambda: self.notify_stop(stop_data))
 
     async def join(self, timeout=None) -> None:
-        if self.state != "running":
+        if self.state != "running" or self.lost:  # (a lost host says nothing more)
             return
         ended, _ = await asyncio.get_running_loop().run_in_executor(
             None, self.server.exit_code, self.pid, 5.0 if timeout is None else timeout
@@ -155,7 +159,10 @@ class ForkedSSHEngineSetLauncher(ssh.RankedSSHEngineSetLauncher):
     async def _start(self, n):
         servers = self.servers
         loop = asyncio.get_running_loop()
-        if not await loop.run_in_executor(None, servers.wait_ready, self.parent.engine_timeout):
+        ready = await loop.run_in_executor(None, servers.wait_ready, self.parent.engine_timeout)
+        if servers.closed:  # (the cluster was stopped meanwhile: start nothing)
+            raise ServerUnavailable("the cluster was stopped during its start")
+        if not ready:
             self.fell_back = servers.why_not
             self.launcher_class = ssh.RankedSSHEngineLauncher
             await loop.run_in_executor(None, servers.close)

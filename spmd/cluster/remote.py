@@ -75,7 +75,7 @@ class Placement:
             return True
         if self.launcher == "mpi" and not self.hosts and mpi_spreads(self.launcher_args):
             return True
-        return any(not _is_this_machine(host) for host, _ in self.hosts)
+        return any(not ssh.is_this_machine(host) for host, _ in self.hosts)
 
 
 # mpiexec's flags (MPICH's and Open MPI's) that place ranks on other machines.
@@ -140,10 +140,6 @@ def hosts_of(where: Placement, ranks: list[int]) -> list[str]:
             found.append(host)
         first += count
     return found
-
-
-def _is_this_machine(host: str) -> bool:
-    return host.rsplit("@", 1)[-1] in ("localhost", LOOPBACK, "::1")
 
 
 def ssh_address(host: str, ssh_args: list[str], ssh_cmd: list[str] | None = None) -> str:

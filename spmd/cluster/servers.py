@@ -60,6 +60,7 @@ class RankServer:
         self._said_all = False  # its replies ended (the server, or its connection, ended)
         self._send_lock = threading.Lock()
         self.process: subprocess.Popen | None = None
+        self.closed = False  # (close() was called: a start waiting on it starts nothing)
 
     def start(self) -> None:
         """Start the server (it imports on its own while the caller goes on)."""
@@ -146,15 +147,16 @@ class RankServer:
     def close(self) -> bool:
         """End the server and every rank it forked (it kills them when its stdin closes).
         Whether it ended by itself (so did what it was asked to do at its end)."""
+        self.closed = True
         process = self.process
         if process is None:
             return False
-        by_itself = process.poll() is None
         with self._send_lock:
             try:
                 process.stdin.close()
             except OSError:
                 pass
+        by_itself = True
         try:
             process.wait(timeout=6 if self.kill is None else 4)
         except subprocess.TimeoutExpired:
@@ -165,7 +167,7 @@ class RankServer:
                     process.wait(timeout=3)
             process.kill()
             process.wait()
-        return by_itself
+        return process.returncode == 0 and by_itself
 
     @property
     def usable(self) -> bool:
@@ -207,6 +209,9 @@ class RankServer:
                     self._ready.set()
                 elif "forked" in message:
                     self._replies[message["forked"]] = message
+                    # (a pid the system gave again: an earlier rank's end is not this one's)
+                    self._exits.pop(message.get("pid"), None)
+                    self._exit_events.pop(message.get("pid"), None)
                 elif "read" in message:
                     self._replies[message["read"]] = message
                 elif "exited" in message:
@@ -265,42 +270,42 @@ class SSHRankServers:
     def _open(self) -> None:
         try:
             self._connect_and_start()
+        except BaseException as exc:  # (said by wait_ready, in the start's own words)
+            self.error = exc
         finally:
             self._opened.set()
-        # The master connections end when the thread that started them ends (their
-        # parent-death signal is per thread, see ssh._end_with_parent): this one stays, idle,
-        # until the close.
-        self._closing.wait()
+            # The master connections end when the thread that started them ends (their
+            # parent-death signal is per thread, see ssh._end_with_parent): this one stays,
+            # idle, until the close.
+            self._closing.wait()
 
     def _connect_and_start(self) -> None:
-        try:
-            with self._lock:
-                if self._closed:
-                    return
-                self.masters.connect()
-                # (its shell says its pid first, which the exec keeps: see RankServer.kill)
-                remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
-                    [self.python, "-m", "spmd.engine.server", *self.modules]
+        with self._lock:
+            if self._closed:
+                return
+            self.masters.connect()
+            # (its shell says its pid first, which the exec keeps: see RankServer.kill)
+            remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
+                [self.python, "-m", "spmd.engine.server", *self.modules]
+            )
+            for host in self.masters.hosts:
+                log = os.path.join(self.log_dir, f"rank-server-{host.replace('/', '_')}.log")
+                self.servers[host] = RankServer(
+                    [*self._ssh(), "-T", host, remote], log,
+                    kill=lambda pid, host=host: self._kill(host, pid),
                 )
-                for host in self.masters.hosts:
-                    log = os.path.join(self.log_dir, f"rank-server-{host.replace('/', '_')}.log")
-                    self.servers[host] = RankServer(
-                        [*self._ssh(host), "-T", host, remote], log,
-                        kill=lambda pid, host=host: self._kill(host, pid),
-                    )
-                    self.servers[host].start()
+                self.servers[host].start()
+                if not ssh.is_this_machine(host):  # (here, the folder is the notebook's own)
                     self.servers[host].remove_at_end(self.folder)
-        except subprocess.CalledProcessError as exc:
-            self.error = exc
 
-    def _ssh(self, host: str) -> list[str]:
-        """ssh, for a command through the master connection to ``host``."""
+    def _ssh(self) -> list[str]:
+        """ssh, for a command through a master connection."""
         return [*self.masters.ssh_cmd, *self.masters.ssh_args, *self.masters.args]
 
     def _kill(self, host: str, pid: int) -> None:
         if not self.lost(host):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                subprocess.run([*self._ssh(host), host, f"kill -KILL {int(pid)}"],
+                subprocess.run([*self._ssh(), host, f"kill -KILL {int(pid)}"],
                                capture_output=True, timeout=10)
 
     def wait_ready(self, timeout: float) -> bool:
@@ -308,8 +313,12 @@ class SSHRankServers:
         Raises CalledProcessError for a host that could not be reached."""
         deadline = time.monotonic() + timeout
         self._opened.wait(timeout)
-        if self.error is not None:
+        if isinstance(self.error, subprocess.CalledProcessError):
             raise self.error
+        if self.error is not None:
+            raise ServerUnavailable(f"{type(self.error).__name__}: {self.error}")
+        if self._closed or len(self.servers) < len(self.masters.hosts):
+            raise ServerUnavailable("the cluster was stopped during its start")
         if not self._opened.is_set():
             raise ServerSlow(f"logging in took more than {timeout:.0f} s")
         for host, server in self.servers.items():
@@ -326,6 +335,10 @@ class SSHRankServers:
     def lost(self, host: str) -> bool:
         """Whether ``host`` stopped answering (its connection ended)."""
         return self.masters.lost(host)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def usable(self) -> bool:

@@ -161,22 +161,24 @@ class Session(Startup, Restarts, Deaths, Cells):
                 (ln.remote_profile_dir for ln in far if getattr(ln, "remote_profile_dir", "")),
                 self._profile_dir,
             )
-            # Engines exit on SIGTERM at once (engine.initialize installs that); one that is
-            # stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
-            cluster._in_thread(cluster.stop_cluster)
-            processes.end(started_in_ranks)
-            where = self.settings.where
-            # The rank servers kill any rank still there as they end; over ssh, each removes
-            # the cluster's files on its host.
-            if isinstance(server, servers.SSHRankServers):
-                lost |= {host for host in server.servers if server.lost(host)}
-                removed = server.close()
-            elif server is not None:
-                server.close()
-            server = None
-            if where.launcher == "ssh" and self._profile_dir:  # (their files, on their disks)
-                hosts = [h for h, _ in where.hosts if h not in lost and h not in removed]
-                ssh.remove_folder(hosts, where.ssh_cmd, where.ssh_args, remote_dir)
+            try:
+                # Engines exit on SIGTERM at once (engine.initialize installs that); one that
+                # is stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
+                cluster._in_thread(cluster.stop_cluster)
+            finally:  # (whatever ipyparallel's stop raised, the rest ends all the same)
+                processes.end(started_in_ranks)
+                where = self.settings.where
+                # The rank servers kill any rank still there as they end; over ssh, each
+                # removes the cluster's files on its host.
+                if isinstance(server, servers.SSHRankServers):
+                    lost |= {host for host in server.servers if server.lost(host)}
+                    removed = server.close()
+                elif server is not None:
+                    server.close()
+                server = None
+                if where.launcher == "ssh" and self._profile_dir:  # (their files, their disks)
+                    hosts = [h for h, _ in where.hosts if h not in lost and h not in removed]
+                    ssh.remove_folder(hosts, where.ssh_cmd, where.ssh_args, remote_dir)
             # ... and end that thread's loop: every restart makes a new Cluster.
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None and end_loop:

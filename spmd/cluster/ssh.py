@@ -332,6 +332,11 @@ class Masters:
             self.folder = ""
 
 
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` (``user@name``) names this machine itself."""
+    return host.rsplit("@", 1)[-1] in ("localhost", "127.0.0.1", "::1")
+
+
 def host_folder(profile_dir: str) -> str:
     """Where the hosts keep the cluster's files (the ranks' output): as ipyparallel's ssh
     launchers place them, relative to the login's home where ``profile_dir`` is under ours."""

@@ -71,8 +71,11 @@ class Server:
             os.set_blocking(fd, False)
 
     def say(self, **message) -> None:
-        self.replies.write(json.dumps(message) + "\n")
-        self.replies.flush()
+        try:
+            self.replies.write(json.dumps(message) + "\n")
+            self.replies.flush()
+        except OSError:  # nobody reads us any more (the notebook, or its connection, ended)
+            self.ending = True
 
     def serve(self) -> None:
         # A signal only wakes the loop (its byte in the pipe); the loop reaps and ends.
@@ -80,6 +83,12 @@ class Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, self._asked_to_end)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the notebook's ^C is not for us)
+        try:
+            self._loop()
+        finally:  # (however the loop ended: its ranks and the cluster's folder go with it)
+            self._end_children()
+
+    def _loop(self) -> None:
         pending = b""
         while not self.ending:
             try:
@@ -99,7 +108,6 @@ class Server:
                 for line in lines:
                     if line.strip():
                         self._handle(json.loads(line))
-        self._end_children()
 
     def _asked_to_end(self, *_) -> None:
         self.ending = True
@@ -143,14 +151,19 @@ class Server:
         for pid in list(self.children):
             try:
                 os.killpg(pid, signal.SIGKILL)  # (its group: what the rank's cells started)
-            except OSError:
-                continue
+            except OSError:  # (one forked a moment ago may not lead its group yet)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    continue
         deadline = time.monotonic() + 5
         while self.children and time.monotonic() < deadline:
             try:
-                pid, _ = os.waitpid(-1, 0)
+                pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
+            if pid == 0:
+                time.sleep(0.01)
             self.children.discard(pid)
         for folder in self.remove:
             shutil.rmtree(folder, ignore_errors=True)
