@@ -18,8 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import (
+    kernel_stream,
     report,
     run,
+    spmd_kernel,
     spmd_processes,
     started_since,
     wait_until_gone,
@@ -257,6 +259,26 @@ def test_ssh_a_notebook_killed_leaves_nothing_here_or_on_the_hosts(fresh, hosts,
     for name in hosts.names:  # (each host's server removed the cluster's folder there)
         left = [e for e in hosts.ssh(name, "ls -A /tmp").split() if e.startswith("spmd-")]
         assert left == [os.path.basename(hosts.folder)], (name, left)
+
+
+def test_ssh_a_kernelspec_for_the_hosts_starts_its_ranks_there(hosts):
+    """A kernel made with --launcher ssh --hosts ... (what a person picks from the launcher)
+    starts its ranks on those hosts, driven here through jupyter_client."""
+    from spmd.kernel.kernelspec import install, remove
+
+    install(
+        "spmd-hosts-test", user=True, processes=2,
+        cluster=f"--launcher ssh --hosts {','.join(hosts.names)} --python {hosts.python} "
+                f"--launcher-arg 'ssh_args=-F {hosts.ssh_config}'",
+    )
+    try:
+        with spmd_kernel("spmd-hosts-test") as (km, kc):
+            reply, shown = kernel_stream(kc, "import socket\nprint(socket.gethostname())")
+            assert reply["content"]["status"] == "ok", shown
+            assert shown.endswith("[rank 0] node1\n[rank 1] node2\n"), shown
+    finally:
+        remove("spmd-hosts-test")
+    assert nothing_left_on(hosts) == []
 
 
 def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):

@@ -264,6 +264,29 @@ def test_install_list_and_remove_a_kernelspec(tmp_path):
     assert "spmd-8" not in spmd_kernel_cli("list", env=env).stdout
 
 
+def test_a_cluster_kernelspec_says_where_its_ranks_run(tmp_path):
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(tmp_path), JUPYTER_PATH=str(tmp_path))
+    done = spmd_kernel_cli(
+        "install", "--user", "--name", "slurm-8", "-n", "8", "--launcher", "slurm",
+        "--launcher-arg", "partition=gpu", "--launcher-arg", "time=10", "--start-timeout", "600",
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "kernels/slurm-8/kernel.json").read_text())
+    cluster = "--launcher slurm --launcher-arg partition=gpu --launcher-arg time=10 --start-timeout 600"
+    assert f"--SpmdKernel.cluster={cluster}" in spec["argv"]
+    assert spec["display_name"] == "Python 3 (SPMD, 8 ranks on Slurm)"
+    listed = spmd_kernel_cli("list", env=env).stdout.splitlines()
+    assert listed[0].startswith("slurm-8  Python 3 (SPMD, 8 ranks on Slurm)"), listed
+    assert listed[1].strip() == cluster, listed
+    # the kernel reads its cluster back as %spmd start would (the early start adopts it)
+    from spmd.kernel.app import settings_from_argv
+
+    settings = settings_from_argv(spec["argv"])
+    assert settings.n == 8 and settings.where.launcher == "slurm" and settings.start_timeout == 600
+    assert dict(settings.where.launcher_args) == {"partition": "gpu", "time": "10"}
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -274,6 +297,11 @@ def test_install_list_and_remove_a_kernelspec(tmp_path):
         (["remove", "python3"], "there is no SPMD kernelspec named 'python3'"),
         (["install", "--prefix", "/dev/null/nowhere"], "cannot write /dev/null"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        # the cluster's options, refused as %spmd start refuses them, in its words
+        (["install", "--launcher", "ssh"], "--launcher ssh needs --hosts, like --hosts node1,node2"),
+        (["install", "-n", "2", "--hosts", "a:1,b:2"], "the counts in --hosts a:1,b:2 add up to 3"),
+        (["install", "--launcher-arg", "partition=gpu"], "--launcher-arg is for ranks on other hosts"),
+        (["install", "--launcher", "slurm", "--launcher-arg", "nonsense"], "--launcher-arg takes KEY=VALUE"),
     ],
 )
 def test_bad_kernelspec_arguments_are_one_sentence_and_exit_2(args, says, tmp_path):
@@ -282,6 +310,31 @@ def test_bad_kernelspec_arguments_are_one_sentence_and_exit_2(args, says, tmp_pa
     assert done.returncode == 2
     assert says in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_kernel_whose_cluster_options_cannot_be_used_says_why_and_starts_another(tmp_path):
+    # (written by hand: an install refuses these options; a config file could give them)
+    from spmd.kernel.kernelspec import write_kernel_spec
+
+    spec = write_kernel_spec(tmp_path / "spmd-refused", processes=2)
+    kernel_json = json.loads((spec / "kernel.json").read_text())
+    kernel_json["argv"].append("--SpmdKernel.cluster=--launcher ssh")
+    (spec / "kernel.json").write_text(json.dumps(kernel_json))
+    KernelSpecManager().install_kernel_spec(str(spec), "spmd-refused", user=True)
+    with spmd_kernel("spmd-refused") as (km, kc):
+        kernel_pid = km.provisioner.process.pid
+        reply, text = kernel_stream(kc, "print('hello')")
+        assert reply["content"]["status"] == "error"
+        assert (
+            "The kernel's cluster options cannot be used (--launcher ssh needs --hosts, like "
+            "--hosts node1,node2): %spmd start with other options starts a cluster here."
+        ) in text, text
+        assert not spmd_processes(kernel_pid)  # (nothing was started)
+        reply, text = kernel_stream(kc, "%spmd start -n 2 --backend none")
+        assert reply["content"]["status"] == "ok", text
+        reply, text = kernel_stream(kc, "print('hello')")
+        assert text == "[ranks 0-1] hello\n"
+    KernelSpecManager().remove_kernel_spec("spmd-refused")
 
 
 def test_a_kernel_whose_cluster_cannot_start_says_why_in_the_first_cell(tmp_path):

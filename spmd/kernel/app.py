@@ -9,34 +9,43 @@ change) say the same; otherwise it cancels it and starts its own.
 from __future__ import annotations
 
 import faulthandler
+import shlex
 import signal
 import sys
 
-# The kernelspec's settings (``--SpmdKernel.NAME=VALUE``, see kernelspec.kernel_dict) and
-# the Settings field each one is.
-_FIELDS = {
-    "processes": ("n", int),
-    "devices_per_process": ("cpu_devices", lambda text: int(text) or None),
-    "backend": ("backend", str),
-    "torch_backend": ("torch_backend", str),
-}
+# The kernelspec's settings (``--SpmdKernel.NAME=VALUE``, see kernelspec.kernel_dict), with
+# the kernel's defaults for those it does not give.
+_DEFAULTS = {"processes": "4", "devices_per_process": "0", "backend": "jax",
+             "torch_backend": "gloo", "cluster": ""}
+
+
+def start_args(processes, devices_per_process, backend, torch_backend, cluster) -> list[str]:
+    """The ``%spmd start`` arguments of a kernel with these settings (its cluster: the
+    kernelspec's --hosts, --launcher... options, as one string)."""
+    args = ["-n", str(processes), "--backend", str(backend)]
+    if int(devices_per_process or 0):
+        args += ["-d", str(devices_per_process)]
+    if "torch" in str(backend):
+        args += ["--torch-backend", str(torch_backend)]
+    return args + shlex.split(cluster or "")
 
 
 def settings_from_argv(argv: list[str]):
-    """The cluster's Settings as the kernelspec's argv gives them (the kernel's defaults for
-    the rest), or None when an argument cannot be read (the kernel then says why)."""
-    from spmd.cluster.session import Settings
+    """The cluster's Settings as the kernelspec's argv gives them, or None when they cannot
+    be used (the kernel then says why, in its first cell)."""
+    from IPython.core.error import UsageError
 
-    given = {"n": 4}  # (SpmdKernel.processes's default)
+    from spmd.magics.arguments import start_settings
+
+    given = dict(_DEFAULTS)
     for arg in argv:
         name, _, value = arg.removeprefix("--SpmdKernel.").partition("=")
-        if arg.startswith("--SpmdKernel.") and name in _FIELDS:
-            field, convert = _FIELDS[name]
-            try:
-                given[field] = convert(value)
-            except ValueError:
-                return None
-    return Settings(**given)
+        if arg.startswith("--SpmdKernel.") and name in given:
+            given[name] = value
+    try:
+        return start_settings(start_args(**given))[1]
+    except (UsageError, ValueError):
+        return None
 
 
 def main() -> None:

@@ -16,11 +16,14 @@ same report as with the magic.
 from __future__ import annotations
 
 from ipykernel.ipkernel import IPythonKernel
-from traitlets import Enum, Float, Integer
+from IPython.core.error import UsageError
+from traitlets import Enum, Float, Integer, Unicode
 
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
+from spmd.kernel.app import start_args
+from spmd.magics.arguments import start_settings
 from spmd.options import BACKENDS, TORCH_BACKENDS
 
 
@@ -37,6 +40,11 @@ class SpmdKernel(IPythonKernel):
     torch_backend = Enum(TORCH_BACKENDS, "gloo", help="torch.distributed's backend.").tag(
         config=True
     )
+    cluster = Unicode(
+        "",
+        help="Where the ranks run: %spmd start's cluster options (--hosts, --launcher, "
+        "--launcher-arg, --python, --gpus-per-process, --start-timeout), as one string.",
+    ).tag(config=True)
     answer_seconds = Float(
         2.0,
         help="How long completion and inspection wait for rank 0 before the notebook answers "
@@ -52,17 +60,19 @@ class SpmdKernel(IPythonKernel):
 
         self.shell.extension_manager.load_extension("spmd")
         self.spmd = register(self.shell)  # the magics the extension registered
-        settings = Settings(
-            n=self.processes,
-            cpu_devices=self.devices_per_process or None,
-            backend=self.backend,
-            torch_backend=self.torch_backend,
-        )
+        args = start_args(self.processes, self.devices_per_process, self.backend,
+                          self.torch_backend, self.cluster)
         early, type(self).early_start = type(self).early_start, None
-        if early is not None and early.settings != settings:  # a config file said otherwise
-            early.cancel()
+        try:
+            settings = start_settings(args)[1]
+        except UsageError as exc:  # (the first cell says why; %spmd start still works)
+            settings, refused = Settings(n=self.processes, backend=self.backend), str(exc)
+        else:
+            refused = ""
+        if early is not None and (refused or early.settings != settings):
+            early.cancel()  # a config file said otherwise
             early = None
-        self.spmd.start_in_background(settings, started=early)
+        self.spmd.start_in_background(settings, started=early, refused=refused)
 
     # -- answered by rank 0 ----------------------------------------------------------------
 

@@ -3,11 +3,16 @@
     python -m spmd.kernel install [--user | --sys-prefix | --prefix P] [--name NAME]
                                   [--display-name TEXT] [-n N] [-d K] [--backend jax|torch|jax,torch|none]
                                   [--torch-backend gloo|nccl|mpi]
+                                  [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
+                                  [--launcher-arg KEY=VALUE ...] [--python PATH]
+                                  [--gpus-per-process K] [--start-timeout S]
     python -m spmd.kernel list
     python -m spmd.kernel remove NAME
 
 The spec's argv carries the cluster's settings as the kernel's traitlets
-(``--SpmdKernel.processes=4``); its resources (logos) are ipykernel's.
+(``--SpmdKernel.processes=4``; where the ranks run, as ``%spmd start``'s own options in one
+``--SpmdKernel.cluster=...``); its resources (logos) are ipykernel's. An install checks the
+options as ``%spmd start`` does, and refuses what it would refuse, in the same words.
 """
 
 from __future__ import annotations
@@ -26,8 +31,57 @@ KERNEL_NAME = "spmd"
 APP_MODULE = "spmd.kernel.app"
 
 
-def display_name_for(processes: int) -> str:
-    return f"Python 3 (SPMD, {processes} process{'es' if processes != 1 else ''})"
+def display_name_for(processes: int, cluster: str = "") -> str:
+    """"Python 3 (SPMD, 4 processes)", or where the ranks run: "Python 3 (SPMD, 8 ranks on
+    Slurm)", "... on node1, node2", "... with mpiexec"."""
+    if not cluster:
+        return f"Python 3 (SPMD, {processes} process{'es' if processes != 1 else ''})"
+    where = cluster_settings(processes, cluster).where
+    if where.launcher == "slurm":
+        place = "on Slurm"
+    elif where.launcher == "mpi":
+        place = "with mpiexec" + (f" on {_hosts(where)}" if where.hosts else "")
+    else:
+        place = f"on {_hosts(where)}"
+    return f"Python 3 (SPMD, {processes} rank{'s' if processes != 1 else ''} {place})"
+
+
+def _hosts(where) -> str:
+    return ", ".join(host.rsplit("@", 1)[-1] for host, _ in where.hosts)
+
+
+def cluster_settings(processes: int, cluster: str, **settings):
+    """The Settings a kernel with this ``cluster`` would start (UsageError, in %spmd start's
+    words, for options it cannot use)."""
+    from spmd.kernel.app import start_args
+    from spmd.magics.arguments import start_settings
+
+    args = start_args(processes, settings.get("devices_per_process"),
+                      settings.get("backend", "jax"), settings.get("torch_backend", "gloo"),
+                      cluster)
+    return start_settings(args, make_folders=False)[1]
+
+
+def cluster_options(hosts: str = "", launcher: str | None = None,
+                    launcher_args: list[str] = (), python: str = "",
+                    gpus_per_process: int | None = None, start_timeout: float | None = None) -> str:
+    """The kernel's cluster as one string of %spmd start options."""
+    import shlex
+
+    words = []
+    if hosts:
+        words += ["--hosts", hosts]
+    if launcher:
+        words += ["--launcher", launcher]
+    for arg in launcher_args:
+        words += ["--launcher-arg", arg]
+    if python:
+        words += ["--python", python]
+    if gpus_per_process is not None:
+        words += ["--gpus-per-process", str(gpus_per_process)]
+    if start_timeout is not None:
+        words += ["--start-timeout", f"{start_timeout:g}"]
+    return shlex.join(words)
 
 
 def kernel_dict(
@@ -36,23 +90,33 @@ def kernel_dict(
     backend: str = "jax",
     display_name: str | None = None,
     torch_backend: str = "gloo",
+    cluster: str = "",
 ) -> dict:
-    """The contents of kernel.json."""
+    """The contents of kernel.json (``cluster``: %spmd start's options for where the ranks
+    run, checked here: UsageError)."""
     from ipykernel.kernelspec import make_ipkernel_cmd
 
+    if cluster:
+        cluster_settings(processes, cluster, devices_per_process=devices_per_process,
+                         backend=backend, torch_backend=torch_backend)
     settings = [f"--SpmdKernel.processes={processes}", f"--SpmdKernel.backend={backend}"]
     if "torch" in backend:
         settings.append(f"--SpmdKernel.torch_backend={torch_backend}")
     if devices_per_process:
         settings.append(f"--SpmdKernel.devices_per_process={devices_per_process}")
+    if cluster:
+        settings.append(f"--SpmdKernel.cluster={cluster}")
     return {
         "argv": make_ipkernel_cmd(mod=APP_MODULE, extra_arguments=settings),
-        "display_name": display_name or display_name_for(processes),
+        "display_name": display_name or display_name_for(processes, cluster),
         "language": "python",
         # Jupyter's interrupt is SIGINT to the kernel, which the cell's wait turns into the
         # interrupt report; the debugger (debugpy) would attach to this process, not the ranks.
         "interrupt_mode": "signal",
-        "metadata": {"debugger": False, "spmd": {"processes": processes, "backend": backend}},
+        "metadata": {
+            "debugger": False,
+            "spmd": {"processes": processes, "backend": backend, "cluster": cluster},
+        },
     }
 
 
@@ -127,6 +191,14 @@ def _parser() -> _Parser:
     )
     inst.add_argument("--backend", type=backend_type, default="jax")
     inst.add_argument("--torch-backend", choices=TORCH_BACKENDS, default="gloo")
+    # where the ranks run: %spmd start's own options (checked, and refused, in its words)
+    inst.add_argument("--hosts", default="", help="ranks over ssh on these hosts: h1,h2 or h1:2,h2:6")
+    inst.add_argument("--launcher", help="local, ssh, mpi or slurm")
+    inst.add_argument("--launcher-arg", action="append", default=[], metavar="KEY=VALUE",
+                      help="a setting of the launcher (repeatable), like partition=gpu")
+    inst.add_argument("--python", default="", help="the ranks' Python on the hosts")
+    inst.add_argument("--gpus-per-process", type=int, help="GPUs per rank (0 hides them)")
+    inst.add_argument("--start-timeout", type=float, help="seconds the ranks may take to start")
     commands.add_parser("list", help="list the SPMD kernelspecs")
     rm = commands.add_parser("remove", help="remove an SPMD kernelspec")
     rm.add_argument("name")
@@ -144,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         prefix = sys.prefix if args.sys_prefix else args.prefix
+        cluster = cluster_options(
+            args.hosts, args.launcher, args.launcher_arg, args.python, args.gpus_per_process,
+            args.start_timeout,
+        )
+        from IPython.core.error import UsageError
+
         try:
             path = install(
                 args.name,
@@ -154,7 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend,
                 torch_backend=args.torch_backend,
                 display_name=args.display_name,
+                cluster=cluster,
             )
+        except UsageError as exc:  # (%spmd start's own sentence, for the same options)
+            print(f"python -m spmd.kernel install: {str(exc).removeprefix('%spmd start: ')}",
+                  file=sys.stderr)
+            return 2
         except OSError as exc:  # no permission, or a file where a folder should be
             print(
                 f"python -m spmd.kernel install: cannot write {exc.filename} "
@@ -169,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             print("No SPMD kernelspec is installed: python -m spmd.kernel install adds one.")
         width = max((len(n) for n in specs), default=0)
         for name, found in sorted(specs.items()):
-            print(f"{name.ljust(width)}  {found['spec']['display_name']}  {found['resource_dir']}")
+            cluster = found["spec"].get("metadata", {}).get("spmd", {}).get("cluster", "")
+            print(f"{name.ljust(width)}  {found['spec']['display_name']}  {found['resource_dir']}"
+                  + (f"\n{' ' * width}  {cluster}" if cluster else ""))
     else:
         try:
             path = remove(args.name)

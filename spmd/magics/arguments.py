@@ -103,6 +103,31 @@ def _start_parser() -> _Parser:
 BREAKPOINTS = ("lowest", "all")
 
 
+def start_settings(args: list[str], make_folders: bool = True):
+    """(the parsed options, the cluster's Settings) of ``%spmd start ARGS``; UsageError, in
+    one sentence, for options that cannot be used. ``make_folders`` False: a
+    --compilation-cache folder is named, not made (a kernelspec's install)."""
+    opts = _start_parser().parse_args(args)
+    cache_dir = opts.compilation_cache
+    return opts, Settings(
+        n=opts.processes,
+        cpu_devices=opts.devices_per_process,
+        backend=opts.backend,
+        torch_backend=opts.torch_backend or Settings.torch_backend,
+        init_method=opts.init_method or Settings.init_method,
+        cell_timeout=opts.timeout,
+        grace=opts.grace or None,
+        where=_options_checked(opts, _placement(opts)),
+        gpus_per_process=opts.gpus_per_process,
+        curve=not opts.no_curve,
+        start_timeout=opts.start_timeout,
+        cache_dir=_cache_folder(cache_dir) if make_folders else cache_dir,
+        max_output=opts.max_output,
+        preload=opts.preload,
+        rank_server=opts.rank_server == "on",
+    )
+
+
 def _max_output(text: str) -> int | None:
     """Lines per rank and cell, or 'all'."""
     if text.lower() == "all":

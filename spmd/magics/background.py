@@ -20,13 +20,21 @@ from spmd.magics.status import summary
 class BackgroundStart:
     """One ``Session.start`` running on a thread of its own."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, refused: str = "") -> None:
         self.session = Session(settings)
         self.error: StartError | None = None
         self.progress = ""  # how the start goes, in a few words (set on the start's thread)
         self.session.progress = self._tell
         self._thread = threading.Thread(target=self._run, name="spmd-start", daemon=True)
-        self._thread.start()
+        self.refused = bool(refused)
+        if refused:  # (the kernelspec's options: nothing starts, the first cell says why)
+            why = refused.removeprefix("%spmd start: ").rstrip(".")
+            self.error = StartError(
+                f"The kernel's cluster options cannot be used ({why}): %spmd start with other "
+                "options starts a cluster here."
+            )
+        else:
+            self._thread.start()
 
     def _run(self) -> None:
         try:

@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 from spmd.cluster import interrupts
 from spmd.cluster.logs import RankLogs
 from spmd.cluster.session import Session, Settings, StartError
-from spmd.magics.arguments import _cache_folder, _options_checked, _placement, _start_parser
+from spmd.magics.arguments import start_settings
 from spmd.magics.background import BackgroundStart
 from spmd.magics.progress import StartProgress
 from spmd.magics.say import say
@@ -22,12 +22,13 @@ class Lifecycle:
     """SpmdMagics' life commands (a mixin: the state is SpmdMagics', see magics.py)."""
 
     def start_in_background(
-        self, settings: Settings, started: BackgroundStart | None = None
+        self, settings: Settings, started: BackgroundStart | None = None, refused: str = ""
     ) -> None:
         """Start the kernel's cluster on a thread (or take one ``started`` already); the
-        first use of the cluster waits for it."""
+        first use of the cluster waits for it. ``refused``: why its options cannot be used
+        (nothing starts; the first cell says so)."""
         self.always_on = self.auto.on = True
-        self.pending = started or BackgroundStart(settings)
+        self.pending = started or BackgroundStart(settings, refused=refused)
 
     def _take_pending(self) -> str:
         """Wait for the kernel's cluster (one progress line) and make it this notebook's;
@@ -42,30 +43,14 @@ class Lifecycle:
         self.session = pending.session
         self.pending = None
         if pending.error is not None:
-            raise UsageError(f"{pending.error} (%spmd restart tries again)")
+            again = "" if pending.refused else " (%spmd restart tries again)"
+            raise UsageError(f"{pending.error}{again}")
         self._fresh = True
         return shown
 
 
     def _cmd_start(self, args: list[str]) -> None:
-        opts = _start_parser().parse_args(args)
-        settings = Settings(
-            n=opts.processes,
-            cpu_devices=opts.devices_per_process,
-            backend=opts.backend,
-            torch_backend=opts.torch_backend or Settings.torch_backend,
-            init_method=opts.init_method or Settings.init_method,
-            cell_timeout=opts.timeout,
-            grace=opts.grace or None,
-            where=_options_checked(opts, _placement(opts)),
-            gpus_per_process=opts.gpus_per_process,
-            curve=not opts.no_curve,
-            start_timeout=opts.start_timeout,
-            cache_dir=_cache_folder(opts.compilation_cache),
-            max_output=opts.max_output,
-            preload=opts.preload,
-            rank_server=opts.rank_server == "on",
-        )
+        opts, settings = start_settings(args)
         if self._kernel_cluster_is(settings):
             self._show_as(opts)
             say(summary(self.session))
