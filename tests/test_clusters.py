@@ -595,3 +595,41 @@ def test_slurm_psum_with_ranks_from_srun_and_sbatch_options(fresh, slurm):
     while slurm.jobs() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert slurm.jobs() == ""
+
+
+def test_slurm_inside_an_allocation_runs_the_ranks_as_steps_of_it(fresh, slurm, monkeypatch):
+    """JupyterLab inside an allocation (salloc, then jupyter lab): the ranks are srun steps of
+    that job, with no batch job and no queue; a restart is a new step; stop ends the step and
+    leaves the allocation (it is the person's)."""
+    env = dict(os.environ, **slurm.env)
+    granted = subprocess.run(["salloc", "--no-shell", "-n", "2", "--immediate=30"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    job = re.search(r"Granted job allocation (\d+)", granted.stderr)
+    assert job, granted.stderr
+    job = job.group(1)
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        out = run(fresh, "%spmd start -n 2 --launcher slurm")
+        assert out.error is None, out.stdout + out.stderr
+        assert len(slurm.jobs().splitlines()) == 1  # (the allocation: nothing was queued)
+        assert run(fresh, SETUP).error is None
+        where = "print(os.environ['SLURM_JOB_ID'], os.environ['SLURM_PROCID'], rank)"
+        out = run(fresh, where)
+        assert out.stdout == f"[rank 0] {job} 0 0\n[rank 1] {job} 1 1\n", out.stdout
+        assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+        step = run(fresh, "print(os.environ['SLURM_STEP_ID'])").stdout
+        assert run(fresh, "%spmd restart").error is None  # (a new step of the same job)
+        assert run(fresh, SETUP).error is None
+        assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+        assert run(fresh, "print(os.environ['SLURM_STEP_ID'])").stdout != step
+        assert run(fresh, "%spmd stop").error is None
+        steps = lambda: subprocess.run(  # noqa: E731
+            ["squeue", "-h", "-s", "-j", job], capture_output=True, text=True, env=env
+        ).stdout.strip()
+        deadline = time.monotonic() + 30
+        while steps() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert steps() == ""
+        assert len(slurm.jobs().splitlines()) == 1  # (the allocation stays the person's)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, env=env)

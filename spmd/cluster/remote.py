@@ -194,6 +194,19 @@ class SpmdSlurmEngineSetLauncher(SlurmEngineSetLauncher):
             self.batch_template = "\n".join([first, *self.sbatch_lines, rest])
 
 
+class SrunEngineSetLauncher(MPIEngineSetLauncher):
+    """The ranks as one ``srun`` step of the Slurm allocation the notebook runs in
+    (``salloc`` then ``jupyter lab``, or a batch-spawned JupyterLab): no batch job and no
+    queue. ipyparallel's MPI engine set runs ``mpi_cmd -n N mpi_args engine``, which is also
+    srun's form; Slurm places the ranks and gives each its SLURM_PROCID, SLURM_LOCALID and
+    SLURM_NODEID. ``--launcher-arg KEY=VALUE`` becomes ``--KEY=VALUE`` on srun's line."""
+
+
+def in_allocation() -> str:
+    """The Slurm job this process runs in ('' outside one)."""
+    return os.environ.get("SLURM_JOB_ID", "")
+
+
 _SET_LAUNCHERS = {
     "ssh": ssh.RankedSSHEngineSetLauncher,
     "mpi": MPIEngineSetLauncher,
@@ -224,6 +237,8 @@ def _value(launcher_cls, key: str, text: str):
 def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: list[str],
               env: dict[str, str]) -> type:
     """Set the config of ``where.launcher``'s engine set launcher; return its class."""
+    if where.launcher == "slurm" and in_allocation():
+        return _configure_srun(c, where, engine_cmd, engine_args, env)
     cls = _SET_LAUNCHERS[where.launcher]
     section = c[cls.__name__]
     section.engine_cmd = engine_cmd
@@ -258,6 +273,25 @@ def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: l
     if options:
         section.sbatch_lines = options
     return cls
+
+
+def _configure_srun(c: Config, where: Placement, engine_cmd: list[str],
+                    engine_args: list[str], env: dict[str, str]) -> type:
+    """The ranks as a step of the allocation this notebook runs in (see SrunEngineSetLauncher)."""
+    section = c[SrunEngineSetLauncher.__name__]
+    section.engine_cmd = engine_cmd
+    section.engine_args = engine_args
+    section.environment = env
+    section.mpi_cmd = ["srun", f"--jobid={in_allocation()}"]
+    args = []
+    for key, text in where.launcher_args:
+        if not re.fullmatch(r"[A-Za-z][\w-]*", key):
+            raise HostsError(f"--launcher-arg {key}={text} is not an srun option name")
+        args.append(f"--{key}={text}" if text else f"--{key}")
+    # (every rank's output, and a rank that fails does not end the others: the notebook
+    # reports which died and stops the rest itself)
+    section.mpi_args = [*args, "--kill-on-bad-exit=0"]
+    return SrunEngineSetLauncher
 
 
 def _mpi_args(hosts) -> list[str]:
