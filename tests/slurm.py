@@ -1,4 +1,5 @@
-"""A real single-node Slurm for the tests: munged, slurmctld and slurmd on this machine.
+"""A real Slurm for the tests: a single node on this machine (``Slurm``), or the network
+namespace hosts of hosts.py as two compute nodes (``HostsSlurm``).
 
 Its own config, ports, state folder and munge socket, so it touches no Slurm the machine may
 already run; every daemon is started here and ended by its handle. Jobs run as root.
@@ -129,3 +130,73 @@ class Slurm:
                 daemon.kill()
                 daemon.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class HostsSlurm(Slurm):
+    """``with HostsSlurm(hosts) as slurm:`` the hosts (node1, node2, ... in network namespaces)
+    as Slurm's compute nodes, a slurmd in each with its own node name and address, and
+    slurmctld and munged on this machine, on the hosts' bridge. Jobs see the hosts' network
+    and host name, and this machine's file system (the checkout, its Python)."""
+
+    def __init__(self, hosts) -> None:
+        super().__init__()
+        self.hosts = hosts
+        self.slurmd: list[subprocess.Popen] = []
+
+    def _start(self) -> None:
+        f, hosts = self.folder, self.hosts
+        os.makedirs(f"{f}/state")
+        for name in hosts.names:
+            os.makedirs(f"{f}/spool-{name}")
+        bridge = hosts.addresses[0].rsplit(".", 1)[0] + ".1"
+        nodes = "".join(
+            f"NodeName={name} NodeAddr={address} CPUs=4 State=UNKNOWN\n"
+            for name, address in zip(hosts.names, hosts.addresses)
+        )
+        with open(self.conf, "w") as conf:
+            conf.write(
+                f"ClusterName=spmdnodes\nSlurmctldHost={socket.gethostname()}({bridge})\n"
+                "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nCredType=cred/munge\n"
+                f"AuthInfo=socket={f}/munge.sock\n"
+                f"SlurmctldPort={_free_port()}\nSlurmdPort={_free_port()}\n"
+                f"StateSaveLocation={f}/state\nSlurmdSpoolDir={f}/spool-%n\n"
+                f"SlurmctldPidFile={f}/slurmctld.pid\nSlurmdPidFile={f}/slurmd-%n.pid\n"
+                f"SlurmctldLogFile={f}/slurmctld.log\nSlurmdLogFile={f}/slurmd-%n.log\n"
+                "SlurmdParameters=config_overrides\n"
+                "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+                "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
+                "SchedulerType=sched/builtin\nReturnToService=2\nMpiDefault=none\nKillWait=2\n"
+                "JobAcctGatherType=jobacct_gather/none\n"
+                "AccountingStorageType=accounting_storage/none\n" + nodes +
+                f"PartitionName=debug Nodes={','.join(hosts.names)} Default=YES "
+                "MaxTime=INFINITE State=UP\n"
+            )
+        env = dict(os.environ, **self.env)
+        quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
+                 "stderr": subprocess.DEVNULL, "env": env}
+        self._daemons.append(subprocess.Popen(
+            ["munged", "--force", "-F", f"--socket={f}/munge.sock",
+             f"--pid-file={f}/munged.pid", f"--seed-file={f}/munge.seed",
+             f"--log-file={f}/munged.log"], **quiet))
+        self._wait_for(lambda: os.path.exists(f"{f}/munge.sock"), "munged")
+        self._daemons.append(subprocess.Popen(["slurmctld", "-D", "-i"], **quiet))
+        for name, ns in zip(hosts.names, hosts._namespaces):
+            # (nsenter, not ip netns exec, which mounts a /sys of its own without the
+            # cgroups slurmd needs; the node's own host name, in a UTS namespace, and the
+            # hosts' names, as ip netns exec gives them: gloo looks its own up)
+            self.slurmd.append(subprocess.Popen(
+                ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+                 f"mount --bind /etc/netns/{ns}/hosts /etc/hosts && hostname {name} "
+                 f"&& exec slurmd -D -N {name}"], **quiet))
+        self._daemons += self.slurmd
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True,
+                                 text=True, env=env).stdout.split()
+            return out == ["idle"] * len(hosts.names)
+
+        self._wait_for(idle, "the Slurm nodes")
+
+    def daemon_pids(self) -> set[int]:
+        """The slurmd in each host's namespace (nsenter, unshare and sh exec into it)."""
+        return {d.pid for d in self.slurmd}

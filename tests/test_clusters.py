@@ -633,3 +633,93 @@ def test_slurm_inside_an_allocation_runs_the_ranks_as_steps_of_it(fresh, slurm, 
         assert len(slurm.jobs().splitlines()) == 1  # (the allocation stays the person's)
     finally:
         subprocess.run(["scancel", job], capture_output=True, env=env)
+
+
+# -- Slurm on two nodes: the namespace hosts as compute nodes --------------------------------
+
+
+@pytest.fixture
+def nodes(hosts):
+    from slurm import HostsSlurm
+    from slurm import why_not as slurm_why_not
+
+    reason = slurm_why_not() or (None if shutil.which("nsenter") else "nsenter is missing")
+    if reason:
+        pytest.skip(f"no Slurm here: {reason}")
+    with HostsSlurm(hosts) as made:
+        before = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = made.conf
+        try:
+            yield made
+        finally:
+            if before is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = before
+
+
+PLACED = "print(socket.gethostname(), os.environ['SLURM_NODEID'], os.environ['SLURM_PROCID'], rank)"
+ON_TWO_NODES = (
+    "[rank 0] node1 0 0 0\n[rank 1] node1 0 1 1\n[rank 2] node2 1 2 2\n[rank 3] node2 1 3 3\n"
+)
+
+
+def left_on_nodes(hosts: Hosts, slurm) -> list[int]:
+    """What still runs on the hosts after 10 s, but their sshd and slurmd."""
+    keep = slurm.daemon_pids()
+    left = [pid for pid in running_on(hosts) if pid not in keep]
+    return [p.pid for p in wait_until_gone([psutil.Process(pid) for pid in left if
+                                            psutil.pid_exists(pid)], timeout=10)]
+
+
+def test_slurm_on_two_nodes_by_sbatch_places_reports_and_restarts(nodes, hosts, fresh):
+    start = ("%spmd start -n 4 --launcher slurm --launcher-arg nodes=2 "
+             f"--launcher-arg ntasks-per-node=2 --python {hosts.python}")
+    out = run(fresh, start)
+    assert out.error is None, out.stdout + out.stderr
+    # the controller listens on the bridge, where the nodes reach it
+    assert magics(fresh).session._address.rsplit(".", 1)[0] in hosts.addresses[0]
+    assert run(fresh, SETUP).error is None
+    out = run(fresh, PLACED)
+    assert out.stdout == ON_TWO_NODES, out.stdout + out.stderr
+    assert run(fresh, PSUM).stdout == "[ranks 0-3] [4.]\n"
+    # (outside a collective: in one, gloo's error on the rank beside it comes first, and the
+    # report says that; srun's ranks have no handle here, so their end is the heartbeat's)
+    out = run(fresh, "if rank == 3:\n    os.kill(os.getpid(), 9)\ntime.sleep(8)")
+    text = report(out)
+    assert text.startswith("Rank 3 on node2 died"), text
+    restarted = run(fresh, "%spmd restart")  # (afresh: a new batch job)
+    assert restarted.error is None, restarted.stdout + restarted.stderr
+    assert run(fresh, SETUP).error is None
+    assert run(fresh, PSUM).stdout == "[ranks 0-3] [4.]\n"
+    assert run(fresh, "%spmd stop").error is None
+    deadline = time.monotonic() + 30
+    while nodes.jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert nodes.jobs() == ""
+    assert left_on_nodes(hosts, nodes) == []
+
+
+def test_slurm_on_two_nodes_inside_an_allocation(nodes, hosts, fresh, monkeypatch):
+    env = dict(os.environ, **nodes.env)
+    granted = subprocess.run(["salloc", "--no-shell", "-N", "2", "-n", "4", "--ntasks-per-node=2",
+                              "--immediate=30"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    job = re.search(r"Granted job allocation (\d+)", granted.stderr)
+    assert job, granted.stderr
+    job = job.group(1)
+    try:
+        # (what a shell in the allocation has: salloc --no-shell gives none)
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+        out = run(fresh, f"%spmd start -n 4 --launcher slurm --python {hosts.python}")
+        assert out.error is None, out.stdout + out.stderr
+        assert len(nodes.jobs().splitlines()) == 1  # (the allocation: nothing queued)
+        assert run(fresh, SETUP).error is None
+        out = run(fresh, PLACED)
+        assert out.stdout == ON_TWO_NODES, out.stdout + out.stderr
+        assert run(fresh, PSUM).stdout == "[ranks 0-3] [4.]\n"
+        assert run(fresh, "%spmd stop").error is None
+        assert left_on_nodes(hosts, nodes) == []
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, env=env)

@@ -170,8 +170,13 @@ def controller_address(where: Placement, ssh_args: list[str]) -> str:
     if where.hosts:
         first = ssh_address(where.hosts[0][0], ssh_args, where.ssh_cmd)
         return address_toward(first)
-    # Slurm, or mpiexec over an allocation, without hosts: the nodes are not known yet; they
-    # reach this machine by the interface of its default route, or else by its name.
+    # Slurm: the interface toward the nodes the ranks will run on (the allocation's, or the
+    # partition's), as Slurm knows their addresses.
+    node = slurm_node_address(where) if where.launcher == "slurm" else ""
+    if node:
+        return address_toward(node)
+    # mpiexec over an allocation, without hosts, or a Slurm that does not say: they reach
+    # this machine by the interface of its default route, or else by its name.
     try:
         return address_toward("192.0.2.1")  # (a documentation address: nothing is sent)
     except OSError:
@@ -205,6 +210,30 @@ class SrunEngineSetLauncher(MPIEngineSetLauncher):
 def in_allocation() -> str:
     """The Slurm job this process runs in ('' outside one)."""
     return os.environ.get("SLURM_JOB_ID", "")
+
+
+def slurm_node_address(where: Placement) -> str:
+    """The address of a node the ranks will run on: the allocation's first node, or the
+    first of the partition's (``--launcher-arg partition=...``, else Slurm's default); ''
+    where Slurm does not say."""
+    command = ["sinfo", "-h", "-N", "-o", "%o"]
+    nodes = os.environ.get("SLURM_JOB_NODELIST", "") if in_allocation() else ""
+    partition = dict(where.launcher_args).get("partition", "")
+    if nodes:
+        command += ["-n", nodes]
+    elif partition:
+        command += ["-p", partition]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    addresses = out.split()
+    if not addresses:
+        return ""
+    try:
+        return socket.gethostbyname(addresses[0])
+    except OSError:
+        return ""
 
 
 _SET_LAUNCHERS = {
