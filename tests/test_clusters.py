@@ -597,6 +597,30 @@ def test_slurm_psum_with_ranks_from_srun_and_sbatch_options(fresh, slurm):
     assert slurm.jobs() == ""
 
 
+def test_slurm_a_notebook_killed_leaves_no_batch_job(slurm, tmp_path):
+    """The notebook killed with SIGKILL (no stop runs): its controller ends with it, the ranks
+    miss its heartbeat and exit, and with them the batch job, which frees its nodes."""
+    script = tmp_path / "notebook.py"
+    script.write_text(KILLED_NOTEBOOK)
+    notebook = subprocess.Popen(
+        [sys.executable, str(script), "%spmd start -n 2 --launcher slurm --backend none"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        line = next((ln for ln in notebook.stdout if ln.startswith("STARTED")), "")
+        assert line.strip() == "STARTED True", line
+        assert len(slurm.jobs().splitlines()) == 1
+    finally:
+        notebook.kill()
+        notebook.wait()
+        notebook.stdout.close()
+    killed = time.monotonic()
+    while slurm.jobs() and time.monotonic() < killed + 90:
+        time.sleep(0.5)
+    assert slurm.jobs() == "", "the batch job outlived the notebook"
+    assert time.monotonic() - killed < 45  # (~15 s: 20 missed checks of the heartbeat)
+
+
 def test_slurm_inside_an_allocation_runs_the_ranks_as_steps_of_it(fresh, slurm, monkeypatch):
     """JupyterLab inside an allocation (salloc, then jupyter lab): the ranks are srun steps of
     that job, with no batch job and no queue; a restart is a new step; stop ends the step and

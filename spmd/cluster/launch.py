@@ -164,6 +164,10 @@ def cluster_config(
         # The nanny is one more process per engine, for signals sent through the controller;
         # ranks take signals on their own control channel instead (spmd.engine.control).
         "--IPEngine.enable_nanny=False",
+        # A rank whose controller is gone (the notebook was killed: its controller ends with
+        # it) exits after 20 missed checks (~12-16 s), not ipyparallel's 50: a batch job or
+        # an mpiexec whose ranks nothing watches then ends instead of holding its nodes.
+        "--IPEngine.max_heartbeat_misses=20",
         "--IPEngine.out_stream_factory=spmd.engine.streams.OutStream",
     ]
     python = where.python or sys.executable
