@@ -747,3 +747,40 @@ def test_slurm_on_two_nodes_inside_an_allocation(nodes, hosts, fresh, monkeypatc
         assert left_on_nodes(hosts, nodes) == []
     finally:
         subprocess.run(["scancel", job], capture_output=True, env=env)
+
+
+def test_slurm_a_node_cut_off_inside_an_allocation_is_reported_and_stop_returns(fresh, monkeypatch):
+    from slurm import HostsSlurm
+    from slurm import why_not as slurm_why_not
+
+    reason = slurm_why_not() or why_not()
+    if reason:
+        pytest.skip(f"no Slurm on namespace hosts here: {reason}")
+    with Hosts(2) as cut, HostsSlurm(cut) as nodes:  # (its own: one node loses its link)
+        env = dict(os.environ, **nodes.env)
+        monkeypatch.setenv("SLURM_CONF", nodes.conf)
+        granted = subprocess.run(
+            ["salloc", "--no-shell", "-N", "2", "-n", "2", "--ntasks-per-node=1",
+             "--immediate=30"], capture_output=True, text=True, env=env, timeout=60,
+        )
+        job = re.search(r"Granted job allocation (\d+)", granted.stderr)
+        assert job, granted.stderr
+        monkeypatch.setenv("SLURM_JOB_ID", job.group(1))
+        monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+        out = run(fresh, f"%spmd start -n 2 --launcher slurm --python {cut.python}")
+        assert out.error is None, out.stdout + out.stderr
+        assert run(fresh, SETUP).error is None
+        assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+        timer = threading.Timer(1.0, cut.cut, ("node2",))
+        timer.start()
+        t0 = time.monotonic()
+        out = run(fresh, "time.sleep(2)\n" + PSUM)
+        reported = time.monotonic() - t0
+        timer.join()
+        text = report(out)
+        assert text.startswith("Rank 1 on node2 died"), text
+        assert reported < 20, reported  # the link went down 1 s in
+        t0 = time.monotonic()
+        assert run(fresh, "%spmd stop").error is None
+        assert time.monotonic() - t0 < 10
+        subprocess.run(["scancel", job.group(1)], capture_output=True, env=env)
