@@ -633,7 +633,8 @@ def test_slurm_inside_an_allocation_runs_the_ranks_as_steps_of_it(fresh, slurm, 
     job = job.group(1)
     try:
         monkeypatch.setenv("SLURM_JOB_ID", job)
-        out = run(fresh, "%spmd start -n 2 --launcher slurm")
+        monkeypatch.setenv("SLURM_NTASKS", "2")  # (what salloc -n 2 tells the shell)
+        out = run(fresh, "%spmd start --launcher slurm")  # (-n: the allocation's tasks)
         assert out.error is None, out.stdout + out.stderr
         assert len(slurm.jobs().splitlines()) == 1  # (the allocation: nothing was queued)
         assert run(fresh, SETUP).error is None

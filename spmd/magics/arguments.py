@@ -74,7 +74,8 @@ class _Parser(MagicArgumentParser):
 @functools.cache
 def _start_parser() -> _Parser:
     p = _Parser(prog="%spmd start", add_help=False)
-    p.add_argument("-n", "--processes", type=count("-n", "-n 4"), required=True)
+    # (required, but inside a Slurm allocation: see start_settings)
+    p.add_argument("-n", "--processes", type=count("-n", "-n 4"), default=None)
     p.add_argument("-d", "--devices-per-process", type=count("--devices-per-process", "-d 2"))
     p.add_argument("--backend", type=options.backend, default="jax")
     p.add_argument("--torch-backend", choices=options.TORCH_BACKENDS, default=None)
@@ -108,6 +109,18 @@ def start_settings(args: list[str], make_folders: bool = True):
     one sentence, for options that cannot be used. ``make_folders`` False: a
     --compilation-cache folder is named, not made (a kernelspec's install)."""
     opts = _start_parser().parse_args(args)
+    if opts.processes is None:
+        # inside a Slurm allocation, --launcher slurm takes its task count
+        tasks = os.environ.get("SLURM_NTASKS", "") if (
+            opts.launcher == "slurm" and remote.in_allocation()
+        ) else ""
+        if not tasks.isdigit() or int(tasks) < 1:
+            raise UsageError(
+                "%spmd start: the following arguments are required: -n, like -n 4 (inside a "
+                "Slurm allocation, --launcher slurm takes its task count). See %spmd? for "
+                "the options."
+            )
+        opts.processes = int(tasks)
     cache_dir = opts.compilation_cache
     return opts, Settings(
         n=opts.processes,
