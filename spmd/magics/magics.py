@@ -87,7 +87,8 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         runs on every rank, in lockstep. ``-d K`` gives each process K CPU devices.
         ``--hosts`` starts them over ssh on other hosts (filled in order), ``--launcher mpi``
         through mpiexec, ``--launcher slurm`` as one sbatch job (``--launcher-arg time=10``
-        becomes ``#SBATCH --time=10``). Each rank gets an equal share of its host's GPUs.
+        becomes ``#SBATCH --time=10``), or, from inside a Slurm allocation, as an srun step
+        of it (``-n``: its task count). Each rank gets an equal share of its host's GPUs.
         On this machine and on each ssh host, one rank server imports IPython, ipyparallel,
         zmq and the backend once and forks the ranks (``--preload flax,optax`` adds modules to
         what it imports; ``--rank-server off`` starts a Python per rank, each with its own
