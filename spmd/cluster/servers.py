@@ -246,6 +246,7 @@ def local_server(python: str, modules: list[str], log_path: str) -> RankServer:
     server.start()
     return server
 
+
 class SSHRankServers:
     """One rank server per host, each under an ssh command through that host's master
     connection, which this object also owns (the ranks' engine sets come and go at restarts;
@@ -257,7 +258,8 @@ class SSHRankServers:
         self.folder = folder  # the cluster's folder on the hosts, removed as each server ends
         self.python, self.modules, self.log_dir = python, modules, log_dir
         self.servers: dict[str, RankServer] = {}
-        self.error: subprocess.CalledProcessError | None = None  # a host that refused us
+        # why the opening failed: a host that refused us (CalledProcessError), or another
+        self.error: BaseException | None = None
         self._opened = threading.Event()
         self._closing = threading.Event()
         self._closed = False
@@ -317,10 +319,10 @@ class SSHRankServers:
             raise self.error
         if self.error is not None:
             raise ServerUnavailable(f"{type(self.error).__name__}: {self.error}")
-        if self._closed or len(self.servers) < len(self.masters.hosts):
-            raise ServerUnavailable("the cluster was stopped during its start")
         if not self._opened.is_set():
             raise ServerSlow(f"logging in took more than {timeout:.0f} s")
+        if self._closed or len(self.servers) < len(self.masters.hosts):
+            raise ServerUnavailable("the cluster was stopped during its start")
         for host, server in self.servers.items():
             if not server.wait_ready(max(0.0, deadline - time.monotonic())):
                 self.why_not = f"on {host}, {server.why_not}"
