@@ -42,6 +42,7 @@ class Slurm:
         self.conf = os.path.join(self.folder, "slurm.conf")
         self.env = {"SLURM_CONF": self.conf}
         self._daemons: list[subprocess.Popen] = []
+        self.slurmd: list[subprocess.Popen] = []  # (one per node)
 
     def __enter__(self) -> Slurm:
         try:
@@ -55,19 +56,27 @@ class Slurm:
         self.close()
 
     def _start(self) -> None:
-        f, node = self.folder, socket.gethostname()
+        node = socket.gethostname()
+        # 8 CPUs on a 2-core machine: 4 ranks of 1 CPU each fit, as on a real node
+        self._configure(f"{node}(127.0.0.1)", [(node, "127.0.0.1")], cpus=8)
+        self._start_daemons({node: ["slurmd", "-D"]})
+
+    def _configure(self, controller: str, nodes: list[tuple[str, str]], cpus: int) -> None:
+        """Write slurm.conf: slurmctld on ``controller`` ("host(address)"), and ``nodes``
+        (name, address) of ``cpus`` CPUs each, in one partition."""
+        f = self.folder
         os.makedirs(f"{f}/state")
-        os.makedirs(f"{f}/spool")
+        for name, _ in nodes:
+            os.makedirs(f"{f}/spool-{name}")
         with open(self.conf, "w") as conf:
             conf.write(
-                f"ClusterName=spmdtest\nSlurmctldHost={node}(127.0.0.1)\n"
+                f"ClusterName=spmdtest\nSlurmctldHost={controller}\n"
                 "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nCredType=cred/munge\n"
                 f"AuthInfo=socket={f}/munge.sock\n"
                 f"SlurmctldPort={_free_port()}\nSlurmdPort={_free_port()}\n"
-                f"StateSaveLocation={f}/state\nSlurmdSpoolDir={f}/spool\n"
-                f"SlurmctldPidFile={f}/slurmctld.pid\nSlurmdPidFile={f}/slurmd.pid\n"
-                f"SlurmctldLogFile={f}/slurmctld.log\nSlurmdLogFile={f}/slurmd.log\n"
-                # 8 CPUs on a 2-core machine: 4 ranks of 1 CPU each fit, as on a real node
+                f"StateSaveLocation={f}/state\nSlurmdSpoolDir={f}/spool-%n\n"
+                f"SlurmctldPidFile={f}/slurmctld.pid\nSlurmdPidFile={f}/slurmd-%n.pid\n"
+                f"SlurmctldLogFile={f}/slurmctld.log\nSlurmdLogFile={f}/slurmd-%n.log\n"
                 "SlurmdParameters=config_overrides\n"
                 "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
                 "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
@@ -76,10 +85,16 @@ class Slurm:
                 "KillWait=2\n"
                 "JobAcctGatherType=jobacct_gather/none\n"
                 "AccountingStorageType=accounting_storage/none\n"
-                f"NodeName={node} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n"
-                f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP\n"
+                + "".join(f"NodeName={name} NodeAddr={address} CPUs={cpus} State=UNKNOWN\n"
+                          for name, address in nodes)
+                + f"PartitionName=debug Nodes={','.join(n for n, _ in nodes)} Default=YES "
+                "MaxTime=INFINITE State=UP\n"
             )
-        env = dict(os.environ, **self.env)
+
+    def _start_daemons(self, slurmd: dict[str, list[str]]) -> None:
+        """munged and slurmctld here, then each node's slurmd command; until every node is
+        idle."""
+        f, env = self.folder, dict(os.environ, **self.env)
         quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
                  "stderr": subprocess.DEVNULL, "env": env}
         self._daemons.append(subprocess.Popen(
@@ -88,17 +103,20 @@ class Slurm:
              f"--log-file={f}/munged.log"], **quiet))
         self._wait_for(lambda: os.path.exists(f"{f}/munge.sock"), "munged")
         self._daemons.append(subprocess.Popen(["slurmctld", "-D", "-i"], **quiet))
-        self._daemons.append(subprocess.Popen(["slurmd", "-D"], **quiet))
+        self.slurmd = [subprocess.Popen(command, **quiet) for command in slurmd.values()]
+        self._daemons += self.slurmd
 
         def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True,
-                                 text=True, env=env).stdout.strip()
-            if "drain" in out:  # a state left from a start with other settings
-                subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"],
-                               capture_output=True, env=env)
-            return out == "idle"
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
+                                 text=True, env=env).stdout
+            states = dict(line.split() for line in out.splitlines() if line.strip())
+            for name, state in states.items():
+                if "drain" in state:  # a state left from a start with other settings
+                    subprocess.run(["scontrol", "update", f"nodename={name}", "state=resume"],
+                                   capture_output=True, env=env)
+            return states == {name: "idle" for name in slurmd}
 
-        self._wait_for(idle, "the Slurm node")
+        self._wait_for(idle, "the Slurm nodes")
 
     def _wait_for(self, ready, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -141,61 +159,21 @@ class HostsSlurm(Slurm):
     def __init__(self, hosts) -> None:
         super().__init__()
         self.hosts = hosts
-        self.slurmd: list[subprocess.Popen] = []
 
     def _start(self) -> None:
-        f, hosts = self.folder, self.hosts
-        os.makedirs(f"{f}/state")
-        for name in hosts.names:
-            os.makedirs(f"{f}/spool-{name}")
+        hosts = self.hosts
         bridge = hosts.addresses[0].rsplit(".", 1)[0] + ".1"
-        nodes = "".join(
-            f"NodeName={name} NodeAddr={address} CPUs=4 State=UNKNOWN\n"
-            for name, address in zip(hosts.names, hosts.addresses)
-        )
-        with open(self.conf, "w") as conf:
-            conf.write(
-                f"ClusterName=spmdnodes\nSlurmctldHost={socket.gethostname()}({bridge})\n"
-                "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nCredType=cred/munge\n"
-                f"AuthInfo=socket={f}/munge.sock\n"
-                f"SlurmctldPort={_free_port()}\nSlurmdPort={_free_port()}\n"
-                f"StateSaveLocation={f}/state\nSlurmdSpoolDir={f}/spool-%n\n"
-                f"SlurmctldPidFile={f}/slurmctld.pid\nSlurmdPidFile={f}/slurmd-%n.pid\n"
-                f"SlurmctldLogFile={f}/slurmctld.log\nSlurmdLogFile={f}/slurmd-%n.log\n"
-                "SlurmdParameters=config_overrides\n"
-                "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
-                "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
-                "SchedulerType=sched/builtin\nReturnToService=2\nMpiDefault=none\nKillWait=2\n"
-                "JobAcctGatherType=jobacct_gather/none\n"
-                "AccountingStorageType=accounting_storage/none\n" + nodes +
-                f"PartitionName=debug Nodes={','.join(hosts.names)} Default=YES "
-                "MaxTime=INFINITE State=UP\n"
-            )
-        env = dict(os.environ, **self.env)
-        quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
-                 "stderr": subprocess.DEVNULL, "env": env}
-        self._daemons.append(subprocess.Popen(
-            ["munged", "--force", "-F", f"--socket={f}/munge.sock",
-             f"--pid-file={f}/munged.pid", f"--seed-file={f}/munge.seed",
-             f"--log-file={f}/munged.log"], **quiet))
-        self._wait_for(lambda: os.path.exists(f"{f}/munge.sock"), "munged")
-        self._daemons.append(subprocess.Popen(["slurmctld", "-D", "-i"], **quiet))
-        for name, ns in zip(hosts.names, hosts._namespaces):
-            # (nsenter, not ip netns exec, which mounts a /sys of its own without the
-            # cgroups slurmd needs; the node's own host name, in a UTS namespace, and the
-            # hosts' names, as ip netns exec gives them: gloo looks its own up)
-            self.slurmd.append(subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
-                 f"mount --bind /etc/netns/{ns}/hosts /etc/hosts && hostname {name} "
-                 f"&& exec slurmd -D -N {name}"], **quiet))
-        self._daemons += self.slurmd
-
-        def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True,
-                                 text=True, env=env).stdout.split()
-            return out == ["idle"] * len(hosts.names)
-
-        self._wait_for(idle, "the Slurm nodes")
+        self._configure(f"{socket.gethostname()}({bridge})",
+                        list(zip(hosts.names, hosts.addresses)), cpus=4)
+        # (nsenter, not ip netns exec, which mounts a /sys of its own without the cgroups
+        # slurmd needs; the node's own host name, in a UTS namespace, and the hosts' names,
+        # as ip netns exec gives them: gloo looks its own up)
+        self._start_daemons({
+            name: ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh",
+                   "-c", f"mount --bind /etc/netns/{ns}/hosts /etc/hosts && hostname {name} "
+                   f"&& exec slurmd -D -N {name}"]
+            for name, ns in zip(hosts.names, hosts._namespaces)
+        })
 
     def daemon_pids(self) -> set[int]:
         """The slurmd in each host's namespace (nsenter, unshare and sh exec into it)."""

@@ -464,24 +464,31 @@ def test_ssh_every_command_goes_through_the_ssh_command_given(fresh, hosts):
     assert nothing_left_on(hosts) == []
 
 
+def node2_cut_off(shell, cut: Hosts, start: str) -> str:
+    """Start 2 ranks on node1 and node2 with ``start``, then take node2's link down in the
+    middle of a cell: the report comes within seconds (its text is returned), and the stop
+    returns within seconds."""
+    out = run(shell, start)
+    assert out.error is None, out.stdout + out.stderr
+    assert run(shell, SETUP).error is None
+    assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    timer = threading.Timer(1.0, cut.cut, ("node2",))
+    timer.start()
+    t0 = time.monotonic()
+    out = run(shell, "time.sleep(2)\n" + PSUM)
+    reported = time.monotonic() - t0
+    timer.join()
+    assert reported < 20, reported  # the link went down 1 s in
+    t0 = time.monotonic()
+    assert run(shell, "%spmd stop").error is None
+    assert time.monotonic() - t0 < 10
+    return report(out)
+
+
 def test_ssh_a_host_cut_off_is_reported_within_seconds_and_stop_returns(fresh):
     with Hosts(2) as cut:  # (hosts of its own: one of them loses its link)
-        out = run(fresh, ssh_start(cut, extra=""))
-        assert out.error is None, out.stdout + out.stderr
-        assert run(fresh, SETUP).error is None
-        assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-        timer = threading.Timer(1.0, cut.cut, ("node2",))
-        timer.start()
-        t0 = time.monotonic()
-        out = run(fresh, "time.sleep(2)\n" + PSUM)
-        reported = time.monotonic() - t0
-        timer.join()
-        text = report(out)
+        text = node2_cut_off(fresh, cut, ssh_start(cut))
         assert re.match(r"Rank 1 on node2 died: it(s host)? stopped answering", text), text
-        assert reported < 20, reported  # the link went down 1 s in
-        t0 = time.monotonic()
-        assert run(fresh, "%spmd stop").error is None
-        assert time.monotonic() - t0 < 10
         # node1 still answers: nothing is left there
         sshd = {p.pid for p in cut._sshd}
         node1 = cut._namespaces[0]
@@ -768,20 +775,7 @@ def test_slurm_a_node_cut_off_inside_an_allocation_is_reported_and_stop_returns(
         assert job, granted.stderr
         monkeypatch.setenv("SLURM_JOB_ID", job.group(1))
         monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
-        out = run(fresh, f"%spmd start -n 2 --launcher slurm --python {cut.python}")
-        assert out.error is None, out.stdout + out.stderr
-        assert run(fresh, SETUP).error is None
-        assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-        timer = threading.Timer(1.0, cut.cut, ("node2",))
-        timer.start()
-        t0 = time.monotonic()
-        out = run(fresh, "time.sleep(2)\n" + PSUM)
-        reported = time.monotonic() - t0
-        timer.join()
-        text = report(out)
+        start = f"%spmd start -n 2 --launcher slurm --python {cut.python}"
+        text = node2_cut_off(fresh, cut, start)
         assert text.startswith("Rank 1 on node2 died"), text
-        assert reported < 20, reported  # the link went down 1 s in
-        t0 = time.monotonic()
-        assert run(fresh, "%spmd stop").error is None
-        assert time.monotonic() - t0 < 10
         subprocess.run(["scancel", job.group(1)], capture_output=True, env=env)

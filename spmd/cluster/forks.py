@@ -60,14 +60,20 @@ class ForkedEngineSetLauncher(RankedEngineSetLauncher):
 
     async def start(self, n: int):
         server = self.server
-        loop = asyncio.get_running_loop()
-        ready = await loop.run_in_executor(None, server.wait_ready, self.parent.engine_timeout)
-        if server.closed:  # (the cluster was stopped meanwhile: start nothing)
-            raise ServerUnavailable("the cluster was stopped during its start")
-        if not ready:
+        if not await _ready(server, self.parent.engine_timeout):
             self.fell_back = server.why_not
             self.launcher_class = RankedEngineLauncher
         return super().start(n)
+
+
+async def _ready(server: RankServer | SSHRankServers, timeout: float) -> bool:
+    """Whether the server(s) can fork, waited for on a thread (their imports, logins), so
+    the event loop starts the controller meanwhile. ServerUnavailable when the cluster was
+    stopped in the meantime: nothing starts then."""
+    ready = await asyncio.get_running_loop().run_in_executor(None, server.wait_ready, timeout)
+    if server.closed:
+        raise ServerUnavailable("the cluster was stopped during its start")
+    return ready
 
 
 def _engine_argv(args: list[str]) -> list[str]:
@@ -158,14 +164,10 @@ class ForkedSSHEngineSetLauncher(ssh.RankedSSHEngineSetLauncher):
 
     async def _start(self, n):
         servers = self.servers
-        loop = asyncio.get_running_loop()
-        ready = await loop.run_in_executor(None, servers.wait_ready, self.parent.engine_timeout)
-        if servers.closed:  # (the cluster was stopped meanwhile: start nothing)
-            raise ServerUnavailable("the cluster was stopped during its start")
-        if not ready:
+        if not await _ready(servers, self.parent.engine_timeout):
             self.fell_back = servers.why_not
             self.launcher_class = ssh.RankedSSHEngineLauncher
-            await loop.run_in_executor(None, servers.close)
+            await asyncio.get_running_loop().run_in_executor(None, servers.close)
         return await super()._start(n)
 
     def _connect(self) -> None:

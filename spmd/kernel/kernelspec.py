@@ -24,6 +24,7 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
+from spmd.cluster.remote import LAUNCHERS
 from spmd.options import TORCH_BACKENDS, count
 from spmd.options import backend as backend_type
 
@@ -193,7 +194,7 @@ def _parser() -> _Parser:
     inst.add_argument("--torch-backend", choices=TORCH_BACKENDS, default="gloo")
     # where the ranks run: %spmd start's own options (checked, and refused, in its words)
     inst.add_argument("--hosts", default="", help="ranks over ssh on these hosts: h1,h2 or h1:2,h2:6")
-    inst.add_argument("--launcher", help="local, ssh, mpi or slurm")
+    inst.add_argument("--launcher", choices=LAUNCHERS)
     inst.add_argument("--launcher-arg", action="append", default=[], metavar="KEY=VALUE",
                       help="a setting of the launcher (repeatable), like partition=gpu")
     inst.add_argument("--python", default="", help="the ranks' Python on the hosts")

@@ -17,7 +17,6 @@ from traitlets.config import Config
 from spmd import options
 from spmd.cluster import remote
 from spmd.cluster.session import Settings
-from spmd.magics import arrays
 from spmd.options import count
 
 
@@ -284,6 +283,8 @@ def _rank(text: str) -> int:
 def _gather_options(text: str) -> tuple[str, str | None, int]:
     """'x[0] -o first --max-bytes 1e6' -> ('x[0]', 'first', 1000000)."""
     name = None
+    from spmd.magics import arrays  # (numpy: not for %spmd start, nor a kernel's early start)
+
     max_bytes = arrays.DEFAULT_MAX_BYTES
     if re.search(r"(?:^|\s)-o\s*$", text):
         raise UsageError("-o takes a variable name, like %spmd gather x -o full.")
