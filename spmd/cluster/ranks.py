@@ -70,6 +70,18 @@ class Rank:
 
 
 
+@dataclass(frozen=True)
+class Ran:
+    """A cell since the start or the last restart, as ``%spmd export`` writes it out."""
+
+    code: str  # as the person typed it (a %spmd command: its line)
+    count: int | None = None  # the notebook's execution count (In [N]), where it has one
+    ranks: tuple[int, ...] | None = None  # where it ran (None: on every rank)
+    where: str = "ranks"  # ranks | notebook (%%local) | push (%spmd push) | debug
+    failed: str = ""  # how it failed, in a few words ('' if it did not)
+    showed_value: bool = False  # the ranks returned a value, shown as the cell's result
+
+
 @dataclass
 class Generation:
     """The ranks of one start or restart and what became of them. Session replaces it whole,

@@ -63,6 +63,7 @@ class Restarts:
         )
         cluster._in_thread(cluster.replace_ranks, n, environment)
         self._cells.clear()
+        self.ran.clear()  # (what the new ranks have not run, an export leaves out)
         with interrupts.interruptible():  # (a ^C here gives up the restart: the stop follows)
             self._wait_registered(range(offset, offset + n))
             self._new_generation(engine_ids=list(range(offset, offset + n)))

@@ -39,7 +39,7 @@ from spmd.cluster.deaths import Deaths
 from spmd.cluster.launch import LOOPBACK, SpmdCluster
 from spmd.cluster.lockstep import CellRun
 from spmd.cluster.logs import RankLogs
-from spmd.cluster.ranks import Generation, OutOfStep, Rank, Settings, StartError
+from spmd.cluster.ranks import Generation, OutOfStep, Ran, Rank, Settings, StartError
 from spmd.cluster.restarts import Restarts
 from spmd.cluster.startup import Startup
 from spmd.cluster.watchdog import Death
@@ -47,6 +47,7 @@ from spmd.cluster.watchdog import Death
 __all__ = [
     "AFTER_DEATH_SECONDS",
     "OutOfStep",
+    "Ran",
     "Rank",
     "Session",
     "Settings",
@@ -84,6 +85,9 @@ class Session(Startup, Restarts, Deaths, Cells):
     # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
     _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     logs: RankLogs = field(default_factory=RankLogs)  # every line each rank printed
+    # The cells since the start or the last restart, in the order they ran, and how each went
+    # (ranks.Ran), for %spmd export. The main thread only: it runs cells and restarts.
+    ran: list = field(default_factory=list)
     # Told how a start goes: ("registered" | "joined", how many so far, of how many, the
     # coordinator's address or '').
     progress: Callable[[str, int, int, str], None] | None = None

@@ -13,10 +13,10 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.display import display
 
-from spmd.cluster.lockstep import rank_set
-from spmd.cluster.session import OutOfStep, Session
-from spmd.cluster.watchdog import stack_section
-from spmd.magics import arrays, widgets
+from spmd.cluster.lockstep import rank_set, rank_words
+from spmd.cluster.session import OutOfStep, Ran, Session
+from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
+from spmd.magics import arrays, export, widgets
 from spmd.magics.arguments import _cell_parser, _gather_options, _words
 from spmd.magics.automode import AutoMode, is_exit
 from spmd.magics.background import BackgroundStart
@@ -81,6 +81,8 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             %spmd sharding EXPR          one picture: which process and device holds what
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
             %spmd push NAME [NAME ...]   notebook variables to every rank
+            %spmd export PATH.py [--launcher local|ssh|mpi|slurm|torchrun] [--cells ok|all]
+                                         the cells the ranks ran, as a script and its launch
 
         ``start`` launches N engine processes on 127.0.0.1, joins them into one distributed
         job (``jax.distributed.initialize``) and turns auto mode on: from then on every cell
@@ -127,7 +129,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         if handler is None:
             raise UsageError(
                 f"%spmd has no command {command!r}: use start, stop, restart, status, panel, "
-                "log, debug, interrupt, where, sharding, gather, push, on or off."
+                "log, debug, interrupt, where, sharding, gather, push, export, on or off."
             )
         # Python expressions keep their quotes and spaces; other commands take shell words.
         return handler(
@@ -144,6 +146,8 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             %%local
             results = []   # a notebook variable, not on the ranks
         """
+        if self.session is not None:  # (an export says it was left out)
+            self.session.ran.append(Ran(cell, self.shell.displayhook.prompt_count, where="notebook"))
         with self.auto.paused():
             code = self.shell.transform_cell(cell)
         tree = ast.parse(code)
@@ -192,12 +196,24 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         say(f"{name} = {what}, from {expr} on the ranks.")
         return None
 
+    def _cmd_export(self, args: list[str]) -> None:
+        self._take_pending()
+        if self.session is None:
+            raise UsageError(
+                "No cluster has run a cell here yet: %spmd start -n 4, run the cells, then "
+                "%spmd export train.py writes them as a job."
+            )
+        say(export.export(self.session, args))
+
     def _cmd_push(self, names: list[str]) -> None:
         if not names or not all(n.isidentifier() for n in names):
             raise UsageError(
                 "Say which notebook variables: %spmd push x y sends x and y to every rank."
             )
-        say(arrays.push(self._require_session(), names, self.shell.user_ns))
+        session = self._require_session()
+        say(arrays.push(session, names, self.shell.user_ns))
+        session.ran.append(Ran(export.pushed(names, self.shell.user_ns), self.shell.displayhook.prompt_count,
+                               where="push"))
 
     def _no_args(self, command: str, args: list[str]) -> None:
         if args:
@@ -280,6 +296,14 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         if not debugging:
             self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
         results = group_results(run.cells)
+        session.ran.append(Ran(
+            cell if not debugging else f"%spmd debug {ranks[0]}",
+            self.shell.displayhook.prompt_count,
+            tuple(ranks) if ranks is not None and len(ranks) < n else None,
+            "debug" if debugging else "ranks",
+            failed=_how_it_failed(stall, errors),
+            showed_value=bool(results),
+        ))
         if not (errors or stall is not None):
             return RankResults.of(results)
         for group in results:  # the cell fails: what did return is shown, not returned
@@ -307,6 +331,15 @@ def _show_late(live: LiveView, late: list) -> None:
             live.note("stderr", labelled(label, "\n".join(out.traceback) or out.evalue))
         elif out.kind == "display":
             show_group([rank], out)
+
+
+def _how_it_failed(stall, errors) -> str:
+    """In a few words, for an export's comment: 'ZeroDivisionError on rank 1', 'the ranks
+    diverged' ('' when the cell did not fail)."""
+    if stall is not None:
+        return {DIED: "a rank died", DIVERGED: "the ranks diverged",
+                INTERRUPTED: "it was interrupted"}.get(stall.reason, "it timed out")
+    return "; ".join(f"{error.ename} on {rank_words(ranks)}" for ranks, error in errors)
 
 
 def _interrupted_by_us(stall) -> set[int]:
@@ -339,6 +372,7 @@ _COMMANDS = {
     "sharding": SpmdMagics._cmd_sharding,
     "gather": SpmdMagics._cmd_gather,
     "push": SpmdMagics._cmd_push,
+    "export": SpmdMagics._cmd_export,
 }
 
 

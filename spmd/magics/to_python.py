@@ -1,0 +1,309 @@
+"""A cell as plain Python, for a script that runs without IPython (``%spmd export``).
+
+IPython's own ``TransformerManager`` finds the magics and shell escapes (the same parser the
+ranks ran the cell with); each one it turned into a ``get_ipython()`` call becomes the Python it
+stands for (``!cmd`` -> ``subprocess.run``, ``%cd`` -> ``os.chdir``, ``%%writefile`` -> a file
+write), or a comment that says what to do where there is none. Lines without magics are kept
+exactly as written, comments included. Also: what in a cell needs a person (``input()``,
+``breakpoint()``, widgets), which a job cannot give.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+import shlex
+import textwrap
+from dataclasses import dataclass, field
+
+from IPython.core.inputtransformer2 import TransformerManager
+
+# Cell magics that only show something: nothing for a job to do.
+_DISPLAY_MAGICS = ("html", "markdown", "latex", "javascript", "js", "svg")
+# Line magics that set up the notebook, not the program.
+_NOTEBOOK_MAGICS = {
+    "matplotlib": "figures shown in the notebook: a job saves them (plt.savefig)",
+    "config": "a notebook setting, nothing for a job to do",
+    "load_ext": "a notebook extension, nothing for a job to do",
+    "reload_ext": "a notebook extension, nothing for a job to do",
+    "autoreload": "a notebook setting, nothing for a job to do",
+    "aimport": "a notebook setting, nothing for a job to do",
+    "xmode": "how the notebook shows errors, nothing for a job to do",
+    "precision": "how the notebook shows numbers, nothing for a job to do",
+    "pinfo": "help in the notebook, nothing for a job to do",
+    "pinfo2": "help in the notebook, nothing for a job to do",
+    "who": "a look at the notebook's variables, nothing for a job to do",
+    "whos": "a look at the notebook's variables, nothing for a job to do",
+    "history": "the notebook's history, nothing for a job to do",
+}
+_INSTALLERS = ("pip", "conda", "mamba", "uv")
+
+# Calls that wait for a person at a keyboard or screen, and what a job does instead.
+_PERSON_CALLS = {
+    "input": "input() waits for an answer: in a job, read it from an argument or a file",
+    "getpass": "getpass waits for an answer: in a job, read it from the environment",
+    "breakpoint": "breakpoint() stops for pdb: a job has no one at its prompt",
+    "set_trace": "pdb.set_trace() stops for pdb: a job has no one at its prompt",
+    "interact": "a widget waits for a person: in a job, set the values in code",
+    "interactive": "a widget waits for a person: in a job, set the values in code",
+}
+_WIDGET_MODULES = ("ipywidgets",)
+_WIDGETS_NOTE = "ipywidgets wait for a person: in a job, set the values in code"
+
+
+@dataclass
+class PlainCell:
+    """A cell as plain Python: its code, the modules that code now needs (``subprocess``, ...),
+    and what in it needs a person ('' if nothing)."""
+
+    code: str
+    imports: set[str] = field(default_factory=set)
+    person: str = ""
+
+
+def plain(cell: str) -> PlainCell:
+    """``cell`` (as a person typed it) as Python a script can run without IPython."""
+    out = PlainCell("")
+    first, _, body = cell.lstrip("\n").partition("\n")
+    if first.startswith("%%"):
+        code = _cell_magic(first[2:], body, out)
+    else:
+        code = _lines(cell, out)
+    out.code = code.rstrip("\n") + "\n"
+    out.person = needs_person(out.code)
+    return out
+
+
+def needs_person(code: str) -> str:
+    """What in ``code`` waits for a person, in one sentence ('' if nothing does)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name in _PERSON_CALLS:
+                return _PERSON_CALLS[name]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names
+            ]
+            if any(n.split(".")[0] in _WIDGET_MODULES for n in names):
+                return _WIDGETS_NOTE
+    return ""
+
+
+def _cell_magic(line: str, body: str, out: PlainCell) -> str:
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("time", "capture", "prun"):
+        return _lines(body, out)
+    if name == "timeit":
+        return f"# (%%timeit: the cell runs once here)\n{_lines(body, out)}"
+    if name == "spmd":  # (its options say how the notebook waits; --ranks is kept apart)
+        return _lines(body, out)
+    if name == "writefile":
+        words = shlex.split(arg)
+        append = words and words[0] in ("-a", "--append")
+        path = words[-1] if words else ""
+        if append:
+            return f"with open({path!r}, 'a') as f:\n    f.write({body!r})\n"
+        out.imports.add("pathlib")
+        return f"pathlib.Path({path!r}).write_text({body!r})\n"
+    if name in ("bash", "sh") or (name == "script" and arg in ("bash", "sh")):
+        out.imports.add("subprocess")
+        shell = name if name != "script" else arg
+        return f"subprocess.run([{shell!r}, '-c', {body!r}])\n"
+    if name in _DISPLAY_MAGICS:
+        return f"# (a %%{name} cell: it only shows something in the notebook)\n"
+    return _commented(
+        f"%%{line.strip()}", body, "an IPython cell magic with no plain-Python form: rewrite "
+        "the cell in Python, or run the script with ipython"
+    )
+
+
+def _lines(code: str, out: PlainCell) -> str:
+    """Line magics and shell escapes turned into Python; every other line as written."""
+    try:
+        python = TransformerManager().transform_cell(code)
+    except SyntaxError:  # (IPython could not read it either: the rank raised, so did we)
+        return code
+    before, after = code.splitlines(), python.splitlines()
+    lines: list[str] = []
+    for op, b0, b1, a0, a1 in difflib.SequenceMatcher(None, before, after,
+                                                      autojunk=False).get_opcodes():
+        if op == "equal":
+            lines += before[b0:b1]
+            continue
+        for line in after[a0:a1]:
+            lines += _line(line, out)
+    return "\n".join(lines) + "\n"
+
+
+def _line(line: str, out: PlainCell) -> list[str]:
+    """One line of IPython's translation: as written unless it calls get_ipython()."""
+    indent = line[: len(line) - len(line.lstrip())]
+    text = line.strip()
+    if "get_ipython()" not in text:
+        return [line]
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return [line]
+    statement = _statement_magic(tree, out)
+    if statement is not None:
+        return [indent + part for part in statement.splitlines()]
+    try:
+        tree = _Escapes(out).visit(tree)
+    except _NoPython as exc:
+        return [f"{indent}# {exc.magic}: {exc.why}"]
+    return [indent + part for part in ast.unparse(tree).splitlines()]
+
+
+def _statement_magic(tree: ast.Module, out: PlainCell) -> str | None:
+    """A line that is one magic standing for a statement: ``%time x = f()`` -> ``x = f()``,
+    ``%env A=1`` -> ``os.environ["A"] = "1"`` (None: not one of those)."""
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return None
+    call = tree.body[0].value
+    if not _is_ipython_call(call, "run_line_magic"):
+        return None
+    name, arg = (a.value if isinstance(a, ast.Constant) else "" for a in call.args[:2])
+    if name in ("time", "timeit"):
+        try:
+            ast.parse(arg)
+        except SyntaxError:
+            return None
+        return arg if name == "time" else f"{arg}  # (%timeit: once here)"
+    if name == "env" and ("=" in arg or " " in arg.strip()):
+        out.imports.add("os")
+        key, _, value = arg.strip().replace("=", " ", 1).partition(" ")
+        return f"os.environ[{key!r}] = {value.strip()!r}"
+    return None
+
+
+class _NoPython(Exception):
+    def __init__(self, magic: str, why: str) -> None:
+        self.magic, self.why = magic, why
+
+
+def _is_ipython_call(node: ast.AST, method: str) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == method
+        and isinstance(node.func.value, ast.Call)
+        and getattr(node.func.value.func, "id", "") == "get_ipython"
+    )
+
+
+def _command(node: ast.expr) -> ast.expr:
+    """A shell command with IPython's expansion of Python values written out: ``{expr}`` and
+    ``$name`` become an f-string's fields, ``$$`` a ``$``. ``$NAME`` in capitals and
+    ``${NAME}`` stay for the shell (an environment variable, by convention: IPython would try a
+    Python variable of that name first, which an export cannot know of). Where a ``{...}`` is
+    not Python (awk's ``'{print $1}'``), IPython runs the command as written, and so does this."""
+    text = node.value if isinstance(node, ast.Constant) else None
+    if not isinstance(text, str) or ("{" not in text and "$" not in text):
+        return node
+    out, i, expanded = [], 0, False
+    while i < len(text):
+        c = text[i]
+        shell_var = re.match(r"\$(\{[^}]*\}|[A-Z_][A-Z0-9_]*\b)", text[i:])
+        name = re.match(r"\$([A-Za-z_]\w*)", text[i:])
+        if text.startswith("$$", i):
+            out.append("$")
+            i, expanded = i + 2, True
+        elif shell_var:
+            out.append(shell_var.group(0).replace("{", "{{").replace("}", "}}"))
+            i += len(shell_var.group(0))
+        elif name:
+            out.append("{" + name.group(1) + "}")
+            i, expanded = i + len(name.group(0)), True
+        elif c == "{":
+            end = text.find("}", i)
+            if end < 0:
+                return node
+            try:
+                ast.parse(text[i + 1:end], mode="eval")
+            except SyntaxError:
+                return node
+            out.append(text[i:end + 1])
+            i, expanded = end + 1, True
+        else:
+            out.append("}}" if c == "}" else c)
+            i += 1
+    if not expanded:
+        return node
+    try:
+        return ast.parse("f" + repr("".join(out)), mode="eval").body
+    except SyntaxError:
+        return node
+
+
+class _Escapes(ast.NodeTransformer):
+    """``get_ipython().system/getoutput/run_line_magic(...)`` -> plain Python."""
+
+    def __init__(self, out: PlainCell) -> None:
+        self.out = out
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if _is_ipython_call(node, "system"):
+            self.out.imports.add("subprocess")
+            return _call("subprocess.run({}, shell=True)", _command(node.args[0]))
+        if _is_ipython_call(node, "getoutput"):
+            self.out.imports.add("subprocess")
+            return _call(
+                "subprocess.run({}, shell=True, capture_output=True, text=True)"
+                ".stdout.splitlines()",
+                _command(node.args[0]),
+            )
+        if _is_ipython_call(node, "run_line_magic"):
+            name, arg = (a.value if isinstance(a, ast.Constant) else "" for a in node.args[:2])
+            return self._line_magic(name, arg)
+        if _is_ipython_call(node, "run_cell_magic"):
+            raise _NoPython("%%" + str(getattr(node.args[0], "value", "")),
+                            "a cell magic inside a cell: rewrite it in Python")
+        return node
+
+    def _line_magic(self, name: str, arg: str) -> ast.AST:
+        magic = f"%{name} {arg}".strip()
+        if name in ("time", "timeit"):  # (in an expression: x = %time f(y))
+            try:
+                return ast.parse(arg, mode="eval").body
+            except SyntaxError:
+                raise _NoPython(magic, "not Python: rewrite it") from None
+        if name == "env" and arg:  # (the value of one variable)
+            self.out.imports.add("os")
+            return _call("os.environ[{}]", ast.Constant(arg.strip()))
+        if name == "cd" and arg:
+            self.out.imports.add("os")
+            if arg.startswith("~"):
+                return _call("os.chdir(os.path.expanduser({}))", ast.Constant(arg))
+            return _call("os.chdir({})", ast.Constant(arg))
+        if name == "pwd":
+            self.out.imports.add("os")
+            return _call("os.getcwd()")
+        if name == "run" and arg and len(shlex.split(arg)) == 1:
+            self.out.imports.add("runpy")
+            return _call("runpy.run_path({}, run_name='__main__')", ast.Constant(arg))
+        if name in _INSTALLERS:
+            raise _NoPython(magic, f"install it in the job's environment before the run "
+                            f"({name} {arg})")
+        if name in _NOTEBOOK_MAGICS:
+            raise _NoPython(magic, _NOTEBOOK_MAGICS[name])
+        raise _NoPython(magic, "an IPython magic with no plain-Python form: rewrite it, or run "
+                        "the script with ipython")
+
+
+def _call(template: str, *args: ast.expr) -> ast.expr:
+    """An expression from ``template`` with ``{}`` filled by ``args`` (as source)."""
+    return ast.parse(template.format(*(ast.unparse(a) for a in args)), mode="eval").body
+
+
+def _commented(first: str, body: str, why: str) -> str:
+    return f"# {first}: {why}\n" + textwrap.indent(body, "# ", lambda _: True)

@@ -1,0 +1,274 @@
+"""%spmd export: the cells 4 ranks ran, written as a script and its launch, then run for real as
+a job: 4 local processes, MPICH's mpiexec, an sbatch job on the test suite's Slurm, and torchrun
+for torch. Each job prints what the notebook's ranks printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import slurm as test_slurm
+from conftest import ready_cluster, run, session
+from IPython.core.error import UsageError
+
+pytestmark = pytest.mark.timeout(300)
+
+# Every line the notebook's cells print carries this, so the job's lines can be told apart
+# from jax's and torch's own (and from what earlier tests' ranks printed).
+TAG = f"export-check-{os.getpid()}"
+
+JAX_CELLS = [
+    "import jax, jax.numpy as jnp, numpy as np\n"
+    "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+    "mesh = jax.make_mesh((8,), ('x',))",
+    # a sharded array: each process prints the shards it holds
+    "x = jax.make_array_from_callback(\n"
+    "    (16,), NamedSharding(mesh, P('x')), lambda i: np.arange(16, dtype=np.float32)[i])\n"
+    f"print('{TAG} shards', jax.process_index(), [s.data.tolist() for s in x.addressable_shards])",
+    # a jitted step over the global array
+    "@jax.jit\ndef step(x):\n    return x * 2 + 1\n"
+    f"y = step(x)\nprint('{TAG} step', jax.process_index(), float(jnp.sum(y)))",
+    "z = 1",
+    "z = z + 10",
+    "z = z + 10",  # (run twice: the export has it twice, in the order it ran)
+    "if jax.process_index() == 1:\n    1 / 0",  # fails on rank 1: left out
+    "%%local\nnotebook_only = 1",  # the notebook only: left out
+    f"!echo {TAG} shell z={{z}}\nnb = z  # (kept as written)",
+    "if z < 0:\n    name = input('name? ')",  # needs a person: flagged, never reached
+    f"'{TAG} value z=%d devices=%d' % (z, jax.device_count())",  # the cell's result
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tagged(text: str) -> list[str]:
+    return sorted(line.strip() for line in text.splitlines()
+                  if TAG in line and not line.startswith("--- cell"))
+
+
+def printed_by_ranks(shell, n: int) -> list[str]:
+    """The tagged lines the ranks printed in the notebook (each rank's log)."""
+    return sorted(
+        line for rank in range(n) for line in tagged(session(shell).logs.read(rank)[0])
+    )
+
+
+def run_job(command: list[str], cwd: str, env: dict | None = None, timeout: float = 180):
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="",
+                                   **(env or {})))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def folder():
+    path = tempfile.mkdtemp(prefix="spmd-export-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def jax_notebook(module_shell, folder):
+    """4 ranks ran JAX_CELLS since a restart; exported for every launcher. (what the ranks
+    printed, the cells' results, the export cell's output)"""
+    shell = ready_cluster(module_shell, "start -n 4 -d 2")
+    assert run(shell, "%spmd restart").error is None
+    results = []
+    for cell in JAX_CELLS:
+        out = run(shell, cell)
+        results += [t.split("] ", 1)[1] for t in out.texts if TAG in t]
+    assert len(results) == 1, results  # (one result, the same on every rank)
+    said = {}
+    for launcher in ("local", "mpi", "slurm"):
+        out = run(shell, f"%spmd export {folder}/train_{launcher}.py --launcher {launcher}")
+        assert out.error is None, out.stderr
+        said[launcher] = out.stdout
+    printed = sorted(printed_by_ranks(shell, 4) + [results[0]] * 4)
+    assert len(printed) == 16, printed  # (shards, step, shell, value: on each rank)
+    return printed, said
+
+
+def test_export_runs_as_4_local_processes_printing_what_the_ranks_printed(jax_notebook, folder):
+    printed, said = jax_notebook
+    assert "Run it with: bash train_local.sh" in said["local"]
+    assert "python \"$(dirname \"$0\")\"/train_local.py &" in said["local"]  # (the launch, shown)
+    out = run_job(["bash", "train_local.sh"], cwd=folder)
+    assert tagged(out) == printed
+    # the three runs of z's cells, in the order they ran, and !echo's expansion of {z}
+    assert f"{TAG} shell z=21" in out
+
+
+def test_export_runs_with_mpich_mpiexec(jax_notebook, folder):
+    if shutil.which("mpiexec") is None:
+        pytest.skip("mpiexec is not installed (apt-get install mpich)")
+    printed, said = jax_notebook
+    assert "mpiexec -n 4 -genv MASTER_ADDR 127.0.0.1" in said["mpi"]
+    assert tagged(run_job(["bash", "train_mpi.sh"], cwd=folder)) == printed
+
+
+@pytest.fixture
+def slurm():
+    why = test_slurm.why_not()
+    if why:
+        pytest.skip(f"no Slurm here: {why}")
+    with test_slurm.Slurm() as made:
+        yield made
+
+
+def test_export_runs_as_an_sbatch_job_on_slurm(jax_notebook, folder, slurm):
+    printed, said = jax_notebook
+    assert "Run it with: sbatch train_slurm.sbatch" in said["slurm"]
+    with open(f"{folder}/train_slurm.sbatch") as f:
+        batch = f.read()
+    assert "#SBATCH --ntasks=4" in batch and "srun python" in batch
+    submitted = run_job(["sbatch", "--wait", "--parsable", "train_slurm.sbatch"], cwd=folder,
+                        env=slurm.env)
+    job = submitted.strip().split(";")[0]
+    with open(f"{folder}/train_slurm-{job}.out") as f:
+        assert tagged(f.read()) == printed
+    assert not slurm.jobs()
+
+
+def test_export_leaves_out_failed_and_local_cells_and_flags_input(jax_notebook, folder):
+    _, said = jax_notebook
+    with open(f"{folder}/train_local.py") as f:
+        script = f.read()
+    compile(script, "train_local.py", "exec")
+    assert "import spmd" not in script and "get_ipython" not in script
+    assert "jax.config.update(\"jax_num_cpu_devices\", 2)" in script
+    assert "jax.distributed.initialize(coordinator, num_processes=world_size, " in script
+    # run order, each run once: z = z + 10 twice
+    assert script.count("z = z + 10") == 2
+    assert script.index("z = 1") < script.index("z = z + 10")
+    failed = re.search(r"# -- In \[\d+\]: left out, it failed in the notebook: "
+                       r"ZeroDivisionError on rank 1\n", script)
+    assert failed, script
+    assert "1 / 0" not in script
+    assert re.search(r"# -- In \[\d+\]: left out, a %%local cell", script)
+    assert "notebook_only" not in script
+    assert "subprocess.run(f'echo " in script and "nb = z  # (kept as written)" in script
+    flag = "# needs a person: input() waits for an answer"
+    assert script.count(flag) == 1 and script.index(flag) < script.index("input('name? ')")
+    assert "print(repr('" in script  # (the cell's result, printed as the notebook showed it)
+    # the cell says what it wrote, what it left out and why, and what needs a person
+    assert re.search(r"Wrote \S+train_local.py \(\d+ cells the ranks ran", said["local"])
+    assert re.search(r"Left out: In \[\d+\] \(ZeroDivisionError on rank 1\), In \[\d+\] "
+                     r"\(%%local\)", said["local"]), said["local"]
+    assert re.search(r"1 cell needs a person, flagged in the script: In \[\d+\] \(input\(\)",
+                     said["local"])
+
+
+def test_export_all_cells_keeps_the_failed_one_with_its_comment(module_shell, folder):
+    shell = ready_cluster(module_shell, "start -n 2 --backend none")
+    assert run(shell, "%spmd restart").error is None
+    run(shell, "import os\nif os.environ['SPMD_RANK'] == '1':\n    1 / 0")
+    out = run(shell, f"%spmd export {folder}/all.py --cells all --launcher local")
+    assert out.error is None, out.error
+    assert "Left out" not in out.stdout
+    with open(f"{folder}/all.py") as f:
+        script = f.read()
+    kept = "# (it failed in the notebook: ZeroDivisionError on rank 1)\nimport os\n"
+    assert kept in script, script
+
+
+TORCH_CELLS = [
+    "import torch, torch.distributed as dist\nrank = dist.get_rank()",
+    # (one write per line: torchrun's processes write each of print's pieces as it comes)
+    f"t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\n"
+    f"print(f'{TAG} all_reduce {{rank}} {{t.item()}}\\n', end='')",
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "torch.manual_seed(rank)\n"
+    "loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+    "loss.backward()\nopt.step()\n"
+    f"weights = [round(v, 5) for v in model.module.weight.flatten().tolist()]\n"
+    f"print(f'{TAG} ddp {{rank}} {{weights}}\\n', end='')",
+]
+
+
+def test_torch_export_runs_under_torchrun(module_shell, folder):
+    pytest.importorskip("torch")
+    shell = ready_cluster(module_shell, "start -n 4 --backend torch")
+    assert run(shell, "%spmd restart").error is None
+    for cell in TORCH_CELLS:
+        out = run(shell, cell)
+        assert out.error is None, out.stderr
+    printed = printed_by_ranks(shell, 4)
+    assert len(printed) == 8 and len({line.split()[-1] for line in printed if "ddp" in line})
+    out = run(shell, f"%spmd export {folder}/ddp.py --launcher torchrun")
+    assert out.error is None, out.stderr
+    assert "torchrun --standalone --nproc-per-node 4" in out.stdout
+    with open(f"{folder}/ddp.py") as f:
+        script = f.read()
+    assert 'dist.init_process_group("gloo", init_method="env://")' in script
+    job = run_job(["bash", "ddp.sh"], cwd=folder, env={"OMP_NUM_THREADS": "1"})
+    assert tagged(job) == printed
+
+
+def test_translated_magics_run_as_plain_python(tmp_path):
+    """The Python each magic and shell escape became, run by a Python without IPython."""
+    from spmd.magics.to_python import plain
+
+    cell = (
+        "%env GREETING=hello\n"
+        f"%cd {tmp_path}\n"
+        "!echo $GREETING > greeting.txt\n"
+        "files = !ls\n"
+        "%time n = len(files)\n"
+        "%matplotlib inline\n"
+        "print(files, n)\n"
+    )
+    converted = plain(cell)
+    assert "# %matplotlib inline: figures shown in the notebook" in converted.code
+    source = "".join(f"import {m}\n" for m in sorted(converted.imports)) + converted.code
+    done = subprocess.run([sys.executable, "-I", "-c", source], capture_output=True, text=True,
+                          cwd="/", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "['greeting.txt'] 1\n"
+    assert (tmp_path / "greeting.txt").read_text() == "hello\n"
+    written = plain(f"%%writefile {tmp_path}/w.txt\nline\n")
+    exec("import pathlib\n" + written.code, {})
+    assert (tmp_path / "w.txt").read_text() == "line\n"
+    assert "# %%foo x: an IPython cell magic with no plain-Python form" in plain(
+        "%%foo x\nbody\n").code
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("%spmd export", "the following arguments are required: path"),
+        ("%spmd export job.txt", "give a path ending in .py, like job.txt.py"),
+        ("%spmd export job.py --launcher pbs", "invalid choice: 'pbs'"),
+        ("%spmd export job.py --cells some", "invalid choice: 'some'"),
+        ("%spmd export /no/such/folder/job.py", "cannot write /no/such/folder/job.py (No such "
+                                                 "file or directory): give a path in a folder"),
+        ("%spmd export job.py --launcher ssh", "--launcher ssh needs the hosts the ranks ran on"),
+    ],
+)
+def test_bad_export_lines(module_shell, line, says):
+    ready_cluster(module_shell, "start -n 2 --backend none")
+    out = run(module_shell, line)
+    assert isinstance(out.error, UsageError) and says in str(out.error), out.error
+
+
+def test_export_before_any_start_says_how(shell):
+    magics = shell.magics_manager.registry["SpmdMagics"]
+    kept, magics.session = magics.session, None  # (as in a fresh notebook)
+    try:
+        out = run(shell, "%spmd export job.py")
+    finally:
+        magics.session = kept
+    assert isinstance(out.error, UsageError)
+    assert str(out.error).startswith("No cluster has run a cell here yet: %spmd start -n 4")
