@@ -37,11 +37,11 @@ _WHICH = {
             'os.environ.get("MPI_LOCALRANKID") or os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]'),
 }
 _SAYS = {
-    "local": "the launch gives it (RANK, WORLD_SIZE, LOCAL_RANK, as torchrun does)",
-    "ssh": "the launch gives it (RANK, WORLD_SIZE, LOCAL_RANK, as torchrun does)",
-    "torchrun": "torchrun gives it (RANK, WORLD_SIZE, LOCAL_RANK)",
-    "slurm": "srun gives it",
-    "mpi": "mpiexec gives it: MPICH's names, else Open MPI's",
+    "local": "the launch says (RANK, WORLD_SIZE,\n# LOCAL_RANK, as torchrun does)",
+    "ssh": "the launch says (RANK, WORLD_SIZE,\n# LOCAL_RANK, as torchrun does)",
+    "torchrun": "torchrun says (RANK, WORLD_SIZE, LOCAL_RANK)",
+    "slurm": "srun says",
+    "mpi": "mpiexec says, in MPICH's names or\n# Open MPI's",
 }
 
 
@@ -108,10 +108,10 @@ class Job:
         body = [self._cell(i, r) for i, r in enumerate(ran, 1)]
         start = self._startup()
         s = self.settings
-        what = ", ".join(
-            [f"{s.n} ranks", "+".join(self.backends) or "no backend"]
+        what = f"{s.n} ranks (" + ", ".join(
+            ["+".join(self.backends) or "no backend"]
             + ([f"{s.cpu_devices} CPU devices each"] if s.cpu_devices else [])
-        )
+        ) + ")"
         name = os.path.basename(self.path)
         about = textwrap.fill(
             f"Written by %spmd export from a cluster of {what}: {self.cells} "
@@ -159,9 +159,9 @@ class Job:
             if s.cache_dir:
                 lines.append(f'jax.config.update("jax_compilation_cache_dir", {s.cache_dir!r})')
             else:
-                lines.append('# jax.config.update("jax_compilation_cache_dir", "/shared/'
-                             'jax-cache")  # (compiled cells kept across runs; the notebook '
-                             "used a folder of its own)")
+                lines += ["# To keep compiled cells across runs (the notebook's ranks used a "
+                          "folder of their own):",
+                          '# jax.config.update("jax_compilation_cache_dir", "/shared/jax-cache")']
             lines += self._jax_initialize(both)
         if "torch" in self.backends:
             lines += ["", "import torch", "import torch.distributed as dist", ""]
