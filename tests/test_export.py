@@ -173,13 +173,36 @@ def test_export_all_cells_keeps_the_failed_one_with_its_comment(module_shell, fo
     shell = ready_cluster(module_shell, "start -n 2 --backend none")
     assert run(shell, "%spmd restart").error is None
     run(shell, "import os\nif os.environ['SPMD_RANK'] == '1':\n    1 / 0")
+    assert run(shell, "%%local\nlr, marker = 0.5, object()").error is None
+    assert run(shell, "%spmd push lr marker").error is None
     out = run(shell, f"%spmd export {folder}/all.py --cells all --launcher local")
     assert out.error is None, out.error
-    assert "Left out" not in out.stdout
+    assert re.search(r"Left out: In \[\d+\] \(%%local\)\.\n", out.stdout), out.stdout
     with open(f"{folder}/all.py") as f:
         script = f.read()
     kept = "# (it failed in the notebook: ZeroDivisionError on rank 1)\nimport os\n"
     assert kept in script, script
+    # a pushed value whose repr is Python, written as it was; one that is not, said
+    assert "# (%spmd push: from the notebook)\nlr = 0.5\n# marker: pushed from the notebook "\
+        "(object); define it here\n" in script, script
+
+
+def test_export_shares_gpus_as_the_cluster_did(tmp_path):
+    """The start-up a Slurm job runs: each task's own GPUs, from its local rank (run for
+    real, with Slurm's variables as srun sets them, on ranks that had 2 GPUs each)."""
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.cluster.remote import Placement
+    from spmd.magics.export import Job
+
+    settings = Settings(n=4, backend="none", where=Placement(launcher="slurm"))
+    ranks = [Rank(r, r, gpus=[str(2 * (r % 2)), str(2 * (r % 2) + 1)]) for r in range(4)]
+    job = Job(settings, "slurm", ranks, str(tmp_path / "gpus.py"))
+    script = job.script([Ran("print(rank, world_size, os.environ['CUDA_VISIBLE_DEVICES'])")])
+    env = dict(os.environ, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "3 4 2,3\n"
 
 
 TORCH_CELLS = [
