@@ -92,8 +92,16 @@ def test_outputs_align_by_position_across_kinds():
 def test_a_result_that_is_the_same_everywhere_keeps_its_bundle():
     html = {"text/html": "<b>x</b>", "text/plain": "x"}
     ran = cells(*[[Output("result", data=html)] for _ in range(3)])
-    data, _ = RankResults.of(group_results(ran))._repr_mimebundle_()
+    data, metadata = RankResults.of(group_results(ran))._repr_mimebundle_()
     assert data == html  # its rank label is a line of its own above it, as for a display
+    assert metadata == {"spmd": {"ranks": [0, 1, 2]}}
+
+
+def test_a_text_result_the_same_everywhere_is_the_value_itself():
+    # (what papermill, nbval and jupyter_kernel_test read: 42, as one process shows it)
+    ran = cells(*[[Output("result", data={"text/plain": "42"})] for _ in range(2)])
+    data, metadata = RankResults.of(group_results(ran))._repr_mimebundle_()
+    assert data == {"text/plain": "42"} and metadata == {"spmd": {"ranks": [0, 1]}}
 
 
 def test_clear_output_on_the_ranks_is_one_clear_in_the_notebook():

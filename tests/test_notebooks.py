@@ -56,7 +56,7 @@ def test_quickstart_prints_what_the_guide_prints():
         "[rank 0] 0\n[rank 1] 1\n[rank 2] 2\n[rank 3] 3\n"
     )
     psum = next(v for k, v in shown.items() if "psum" in k)
-    assert psum == "[ranks 0-3] Array([8., 8.], dtype=float32)\n"
+    assert psum == "Array([8., 8.], dtype=float32)\n"  # (the value, as one process shows it)
     assert shown["%spmd stop"].startswith("Stopped 4 processes in ")
 
 
@@ -177,13 +177,13 @@ def test_the_multi_process_guide_prints_its_32s_in_the_spmd_kernel():
     assert started(shown["%spmd start -n 4 --devices-per-process 8"]).startswith(
         "Started 4 processes, 8 devices per process, 32 global devices (jax) in "
     )
-    assert shown["import jax\njax.distributed.is_initialized()"] == "[ranks 0-3] True\n"
+    assert shown["import jax\njax.distributed.is_initialized()"] == "True\n"
     assert shown["print(jax.device_count(), jax.local_device_count())"] == "[ranks 0-3] 32 8\n"
     local = shown["print(jax.process_index(), [d.id for d in jax.local_devices()])"]
     assert [line.split("] ", 1)[1].split()[0] for line in local.splitlines()] == list("0123")
     assert shown["print(set(jax.local_devices()) <= set(jax.devices()))"] == "[ranks 0-3] True\n"
     psum = next(v for k, v in shown.items() if "psum" in k)
-    assert psum == "[ranks 0-3] Array([32., 32., 32., 32., 32., 32., 32., 32.], dtype=float32)\n"
+    assert psum == "Array([32., 32., 32., 32., 32., 32., 32., 32.], dtype=float32)\n"
 
 
 @pytest.mark.slow

@@ -155,6 +155,17 @@ def fetch(expr: str, max_bytes: int) -> list:
     return [{"kind": "array", "layout": info, "pieces": pieces}, *data]
 
 
+def fetch_shown(label: str, counts: dict[int, int], max_bytes: int) -> list:
+    """``fetch`` of the value a cell showed (``label``, the notebook's ``Out[n]``), from this
+    rank's own ``Out``: ``counts`` says under which number each rank keeps it."""
+    from IPython import get_ipython
+
+    out = get_ipython().user_ns.get("Out", {})
+    if counts.get(_rank()) not in out:
+        raise KeyError(f"{label} is no longer on this rank (it was restarted since)")
+    return fetch(f"Out[{counts[_rank()]}]", max_bytes)
+
+
 def spanning(names: list[str]) -> list[str]:
     """Which of ``names`` are jax.Arrays with shards on other processes' devices (arrays this
     process cannot print or turn into numpy on its own)."""

@@ -76,6 +76,8 @@ def _failure(failures: dict[int, tuple[str, str]], expr: str) -> UsageError:
         )
     if ename == "PartialValues":
         return UsageError(f"{evalue}.")
+    if ename == "KeyError" and "no longer on this rank" in evalue:
+        return UsageError(f"{evalue.strip(chr(39))}: run its cell again.")
     if ename == "TooLarge":
         return UsageError(f"{evalue}: gather a slice, like {expr}[:100], or raise --max-bytes.")
     return UsageError(f"{expr} failed {where}: {ename}: {evalue}")
@@ -126,7 +128,17 @@ def _each_its_own(expr: str, layouts: dict[int, dict]) -> str:
 def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
     """The global value of ``expr``: numpy for a global jax.Array or DTensor; a list by rank
     (numpy) for arrays and tensors each process holds on its own, and for anything else."""
-    answers = ask(session, shards.fetch, expr, max_bytes)
+    return _put_together(expr, ask(session, shards.fetch, expr, max_bytes))
+
+
+def gather_shown(session: Session, label: str, counts: dict[int, int],
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """The global value of a cell's result that the ranks keep as ``Out[counts[rank]]``
+    (``label``: its name in the notebook, ``Out[n]``)."""
+    return _put_together(label, ask(session, shards.fetch_shown, label, counts, max_bytes))
+
+
+def _put_together(expr: str, answers: dict[int, list]):
     parts = {rank: answer[0] for rank, answer in answers.items()}
     kinds = {p["kind"] for p in parts.values()}
     if kinds == {"value"}:
@@ -181,12 +193,41 @@ def gather_hint(session: Session, cell: str, errors: list) -> str:
         found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
     except Exception:  # only a hint: without it, the generic sentence below
         found = []
-    what = found[0] if found else "NAME"
+    return _ways_out(found[0] if found else "NAME")
+
+
+def _ways_out(what: str) -> str:
     return (
         f"The array lives on the devices of several processes, so no single process can print it "
-        f"or turn it into numpy: %spmd gather {what} puts it together in the notebook "
-        f"(%spmd sharding {what} shows who holds what)."
+        f"or turn it into numpy: end a cell with {what} to see its value here, or %spmd gather "
+        f"{what} puts it together in the notebook as numpy (%spmd sharding {what} shows who "
+        "holds what)."
     )
+
+
+# What jax prints for an array no process holds whole (print(x), str(x), f"{x}")
+_PLACEHOLDER = re.compile(r"Array\(shape=\([\d, ]*\), dtype=\w+(?:, weak_type=True)?\)")
+
+
+def placeholder_hint(session: Session, cell: str, printed: list[str]) -> str:
+    """For a cell whose ranks printed jax's placeholder of a process-spanning array: one line
+    with the ways to see its value ('' when none printed one)."""
+    if not any(_PLACEHOLDER.search(text) for text in printed):
+        return ""
+    names = _names_in_cell(cell)
+    try:
+        found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
+    except Exception:  # only a hint: without it, the generic sentence
+        found = []
+    return _ways_out(found[0] if found else "NAME")
+
+
+def _names_in_cell(cell: str) -> list[str]:
+    try:
+        tree = ast.parse(cell)
+    except SyntaxError:
+        return []
+    return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
 
 
 def _names_in(line: str) -> list[str]:

@@ -16,7 +16,7 @@ from IPython.display import display
 from spmd.cluster.lockstep import rank_set, rank_words
 from spmd.cluster.session import OutOfStep, Ran, Session
 from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
-from spmd.magics import arrays, export, widgets
+from spmd.magics import arrays, export, values, widgets
 from spmd.magics.arguments import _cell_parser, _gather_options, _words
 from spmd.magics.automode import AutoMode, is_exit
 from spmd.magics.background import BackgroundStart
@@ -33,6 +33,7 @@ from spmd.magics.render import (
     labelled,
     show_group,
     show_outputs,
+    write,
 )
 from spmd.magics.say import NOT_RUNNING, say
 
@@ -304,8 +305,15 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             failed=_how_it_failed(stall, errors),
             showed_value=bool(results),
         ))
+        printed = [o.text for c in run.cells.values() for o in c.outputs if o.kind == "stdout"]
+        hint = arrays.placeholder_hint(session, cell, printed) if not debugging else ""
+        if hint:
+            write("stderr", hint + "\n")
         if not (errors or stall is not None):
-            return RankResults.of(results)
+            spanning = values.payloads(run.cells)
+            if spanning:
+                return self._global_value(session, spanning)
+            return RankResults.of(results, len(run.cells))
         for group in results:  # the cell fails: what did return is shown, not returned
             show_group(*group)
         notes, details, hints = [], [], []
@@ -318,6 +326,24 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
         dead = [d.rank for d in stall.deaths] if stall is not None else []
         raise RankErrors(errors, sorted(run.cells), notes, details, hints, dead)
+
+
+    def _global_value(self, session: Session, parts: dict[int, dict]) -> values.GlobalValue:
+        """A result that is one jax.Array over several processes, printed once as jax prints
+        it in one process, under a line that says what it is; ``Out[n]`` turns into its
+        value as numpy when used as an array."""
+        label = f"Out[{self.shell.displayhook.prompt_count}]"
+        counts = {rank: part["count"] for rank, part in parts.items()}
+        first = next(iter(parts.values()))
+        write("stdout", values.about(first) + "\n")
+        return values.GlobalValue(
+            values.text(list(parts.values())),
+            first["shape"],
+            first["dtype"],
+            lambda: arrays.gather_shown(session, label, counts),
+            received=sum(len(p) for part in parts.values() for p in
+                         (piece["data"] for piece in part["pieces"])),
+        )
 
 
 def _show_late(live: LiveView, late: list) -> None:

@@ -59,34 +59,44 @@ def group_results(cells: dict[int, RankCell]) -> list[Group]:
 
 class RankResults:
     """The ranks' results as the notebook cell's own result, so the front end shows one
-    ``Out[n]`` (an execute_result): one bundle when every rank returned the same thing, else
-    the per-rank texts one under the other."""
+    ``Out[n]`` (an execute_result). When every rank that returned one returned the same, it
+    is that value's own MIME bundle (``42``, as a kernel of one process shows it, for the
+    tools that read a cell's result: papermill, nbval, ``Out``); which ranks returned it is in
+    the message's metadata and on a line of its own above it, never inside the value. When
+    they differ, the per-rank texts one under the other, each under its ranks."""
 
     def __init__(self, groups: list[Group]) -> None:
         self.groups = groups
 
     @classmethod
-    def of(cls, groups: list[Group]) -> RankResults | None:
-        """None when there is no result, or several rich ones (those are shown one by one)."""
+    def of(cls, groups: list[Group], ranks: int = 0) -> RankResults | None:
+        """None when there is no result, or several rich ones (those are shown one by one).
+        ``ranks``: how many ranks ran the cell."""
         if not groups:
             return None
         if len(groups) > 1 and any(_is_rich(out) for _, out in groups):
             for group in groups:
                 show_group(*group)
             return None
-        if len(groups) == 1 and _is_rich(groups[0][1]):
-            write("stdout", rank_label(groups[0][0]) + "\n")  # its label, above it
+        if len(groups) == 1 and (_is_rich(groups[0][1]) or len(groups[0][0]) < ranks):
+            # (its label, above it: a picture's, and a value only some ranks returned; a text
+            # every rank returned is the value alone, as one process shows it)
+            write("stdout", rank_label(groups[0][0]) + "\n")
         return cls(groups)
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         if len(self.groups) == 1:
             ((ranks, out),) = self.groups
-            return _labelled_bundle(ranks, out), out.metadata or {}
+            data = dict(out.data)
+            if _is_rich(out):  # (a text form for saved notebooks)
+                data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
+            return data, {**(out.metadata or {}), "spmd": {"ranks": list(ranks)}}
         text = "".join(
             labelled(rank_label(ranks), out.data.get("text/plain", ""))
             for ranks, out in self.groups
         )
-        return {"text/plain": text.rstrip("\n")}, {}
+        return {"text/plain": text.rstrip("\n")}, {
+            "spmd": {"ranks": sorted(r for ranks, _ in self.groups for r in ranks)}}
 
     def __repr__(self) -> str:
         return self._repr_mimebundle_()[0]["text/plain"]

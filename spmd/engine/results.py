@@ -1,0 +1,82 @@
+"""On a rank: a cell's value that is one jax.Array over several processes, shown once.
+
+jax prints such an array as a placeholder (``Array(shape=(16,), dtype=float32)``) because no
+process holds all of it. As a cell's result, each rank sends the notebook what it holds of the
+part the printed form shows (everything, for an array numpy prints whole; the corners it
+prints, ``edgeitems`` along each axis, for a summarized one), under its own MIME type beside
+jax's placeholder; the notebook puts the parts together and prints the array as jax prints it
+in one process (spmd.magics.values). No collective runs: it is the same data path as
+``%spmd gather``, bounded by what the printed form needs. Arrays each process holds whole, and
+fully replicated ones, print as jax prints them.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import sys
+
+MIME = "application/vnd.spmd.global-array+json"
+
+# numpy's print options that decide the printed form (the notebook prints with the rank's)
+_OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "floatmode",
+            "sign", "nanstr", "infstr", "legacy")
+
+
+def install(shell) -> None:
+    """Show process-spanning jax.Arrays once (jax imported now, or by a later cell)."""
+    formatter = shell.display_formatter.mimebundle_formatter
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        formatter.for_type(jax.Array, _bundle)
+    else:  # (by the concrete class's name, looked up once a value of it is shown)
+        formatter.for_type_by_name("jaxlib._jax", "ArrayImpl", _bundle)
+
+
+def _corner_ranges(n: int, edge: int, summarize: bool) -> list[tuple[int, int, int]]:
+    """(start, stop, where it goes in the compact axis) of what numpy prints of an axis of n."""
+    if not summarize or n <= 2 * edge:
+        return [(0, n, 0)]
+    return [(0, edge, 0), (n - edge, n, edge + 1)]  # (a gap at ``edge``: numpy's "...")
+
+
+def _bundle(x, include=None, exclude=None) -> dict | None:
+    if x.is_fully_addressable or x.is_fully_replicated or x.size == 0:
+        return None  # (jax prints these itself)
+    import numpy as np
+    from IPython import get_ipython
+
+    options = {k: v for k, v in np.get_printoptions().items() if k in _OPTIONS}
+    summarize = x.size > options["threshold"]
+    edge = options["edgeitems"]
+    axes = [_corner_ranges(n, edge, summarize) for n in x.shape]
+    compact = [2 * edge + 1 if len(r) == 2 else n for r, n in zip(axes, x.shape)]
+    pieces = []
+    for shard in x.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        starts = [s.indices(n)[0] for s, n in zip(shard.index, x.shape)]
+        stops = [s.indices(n)[1] for s, n in zip(shard.index, x.shape)]
+        for parts in itertools.product(*axes):
+            lo = [max(a, s) for (a, _, _), s in zip(parts, starts)]
+            hi = [min(b, e) for (_, b, _), e in zip(parts, stops)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            local = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, starts))
+            data = np.ascontiguousarray(np.asarray(shard.data[local]))
+            at = [c + a - p for (p, _, c), a in zip(parts, lo)]
+            pieces.append({"at": at, "shape": list(data.shape),
+                           "data": base64.b64encode(data.tobytes()).decode()})
+    return {MIME: {
+        "shape": list(x.shape),
+        "dtype": x.dtype.name,
+        "weak_type": bool(getattr(getattr(x, "aval", None), "weak_type", False)),
+        "sharding": repr(x.sharding),
+        "processes": len({d.process_index for d in x.sharding.device_set}),
+        "devices": len(x.sharding.device_set),
+        "compact": compact,
+        "summarized": summarize,
+        "options": options,
+        "pieces": pieces,
+        "count": get_ipython().displayhook.prompt_count,  # (this rank's Out[count])
+    }}
