@@ -318,3 +318,77 @@ def test_arrays_each_process_holds_on_its_own_are_described_and_gathered_by_rank
     assert got.error is None, got.stdout
     assert [a.shape for a in cluster.user_ns["shapes"]] == [(2,), (3,), (4,), (5,)]
     assert "each rank holds an array of its own" in run(cluster, "%spmd sharding ragged").texts[0]
+
+
+# -- a cell's value that is one array over several processes ----------------------------------
+
+# Each as a cell's last expression: fully sharded, partially replicated (over 2 of the 4
+# processes), fully replicated (jax prints it itself), shard_map's outputs, an array on the
+# devices of processes 0-1 only, one computed in the cell.
+VALUES = ["arr_sharded", "result", "result_2", "y", "sums", "total", "everywhere", "half",
+          "arr_sharded * 2 + 1"]
+
+
+def one_process_reprs(exprs: list[str]) -> dict[str, str]:
+    """What one process with the cluster's 8 devices prints for each of ``exprs`` after SEED."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import jax\njax.config.update('jax_num_cpu_devices', 8)\n" + SEED
+        + f"\nimport json\nprint(json.dumps({{e: repr(eval(e)) for e in {exprs!r}}}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_global_array_as_a_cells_value_prints_once_as_one_process_prints_it(cluster):
+    reference = one_process_reprs(VALUES)
+    for expr in VALUES:
+        out = run(cluster, expr)
+        assert out.error is None, out.error
+        assert out.texts == [reference[expr]], expr
+        if expr not in ("total", "everywhere"):  # (replicated: every process holds it whole)
+            assert re.fullmatch(r"\(one array over [24] processes, [48] devices: "
+                                r"NamedSharding\(.*\)\)\n", out.stdout), out.stdout
+    assert "one array over 2 processes, 4 devices" in run(cluster, "half").stdout
+
+
+def test_a_big_global_value_moves_only_its_printed_corners_and_out_is_numpy(cluster):
+    setup = (
+        "big = jax.jit(lambda: jnp.arange(8192 * 8192, dtype=jnp.float32).reshape(8192, 8192),"
+        " out_shardings=sharding)()"
+    )
+    assert run(cluster, setup).error is None
+    out = run(cluster, "big")
+    assert out.error is None, out.error
+    (text,) = out.texts
+    assert text.startswith("Array([[0.0000000e+00, 1.0000000e+00, 2.0000000e+00, ..., ")
+    assert text.endswith("6.7108864e+07]], dtype=float32)")
+    # what the ranks sent for it: its 6 x 6 printed corners (4 bytes each, in base64), not
+    # the 256 MB the array holds
+    shown = cluster.user_ns["_"]
+    assert shown.received <= 4 * 36 * 4 / 3 + 64, shown.received
+    # Out[n] is the global value as numpy once used as an array (fetched then)
+    out = run(cluster, "%%local\nimport numpy as np\nfull = np.asarray(_)\n"
+                       "float(full[-1, -1]), full.shape, float(_.sum()) == float(full.sum())")
+    assert out.error is None, out.error
+    assert out.texts == ["(67108864.0, (8192, 8192), True)"]
+    run(cluster, "del big")
+
+
+def test_printing_a_global_array_says_both_ways_to_see_it_once(cluster):
+    out = run(cluster, "print(arr_sharded)\nprint(arr_sharded)")
+    assert out.error is None
+    # jax's own placeholder, kept: a print under `if rank == 0` is no hidden collective
+    assert out.stdout == "[ranks 0-3]\n" + "Array(shape=(4, 8), dtype=float32)\n" * 2
+    hint = [line for line in out.stderr.splitlines() if "end a cell with" in line]
+    assert hint == [
+        "The array lives on the devices of several processes, so no single process can print "
+        "it or turn it into numpy: end a cell with arr_sharded to see its value here, or "
+        "%spmd gather arr_sharded puts it together in the notebook as numpy (%spmd sharding "
+        "arr_sharded shows who holds what)."
+    ]
