@@ -272,6 +272,28 @@ class Bench:
             self.magics.auto.on = True
             self.cell("%spmd stop")
 
+    def value_cells(self, cells: int) -> None:
+        """A cell whose value is one jax.Array over 4 processes (8x4, and 8192x8192: only its
+        printed corners travel), beside the same cell ending in None."""
+        self.cell("%spmd start -n 4 -d 2")
+        self.cell(
+            "import jax, jax.numpy as jnp\n"
+            "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+            "mesh = jax.make_mesh((4, 2), ('x', 'y'))\n"
+            "small = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P('x', 'y')))\n"
+            "big = jax.jit(lambda: jnp.arange(8192 * 8192, dtype=jnp.float32).reshape(8192, 8192), "
+            "out_shardings=NamedSharding(mesh, P('x', 'y')))()"
+        )
+        try:
+            for _ in range(cells):
+                for name, code in (("none", "small; None"), ("global_8x4", "small"),
+                                   ("global_8192sq", "big")):
+                    t0 = time.perf_counter()
+                    self.cell(code)
+                    self.record(f"value_cell/{name}", time.perf_counter() - t0)
+        finally:
+            self.cell("%spmd stop")
+
     def panel_while_running(self, rounds: int) -> None:
         """A one-second cell with the live panel updating 4 times a second, and without."""
         self.cell("%spmd start -n 4 --backend none")
@@ -401,6 +423,8 @@ TARGETS = [
     ("cell_n4/spmd", "cell_n4/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n8/spmd", "cell_n8/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
+    ("value_cell/global_8x4", "value_cell/none", None, ""),
+    ("value_cell/global_8192sq", "value_cell/none", None, ""),
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
     ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
@@ -501,6 +525,8 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
     for n in sizes:
         print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
         bench.per_cell(n, cells)
+    print("a global array as a cell's value", file=sys.stderr, flush=True)
+    bench.value_cells(cells=20 if quick else 50)
     print("the panel on a one-second cell", file=sys.stderr, flush=True)
     bench.panel_while_running(rounds=2 if quick else 5)
     print("a million lines", file=sys.stderr, flush=True)
