@@ -213,3 +213,14 @@ def test_processes_a_cell_started_on_the_ranks_end_with_the_cluster(cluster):
     assert len(children) == 2 and all(c.is_running() for c in children)
     assert run(cluster, "%spmd stop").error is None
     assert not wait_until_gone(children)
+
+
+def test_a_display_the_same_on_every_rank_is_the_ranks_own_bundle(cluster):
+    # (its ranks on a line of their own above it, never inside the bundle)
+    out = run(cluster, "from IPython.display import display\ndisplay({'lr': 0.5})")
+    assert out.error is None
+    assert out.outputs == [{"text/plain": "{'lr': 0.5}"}]
+    assert out.stdout == "[ranks 0-1]\n"
+    out = run(cluster, "display(jax.process_index())")
+    assert out.outputs == [{"text/plain": "0"}, {"text/plain": "1"}]
+    assert out.stdout == "[rank 0]\n[rank 1]\n"

@@ -87,10 +87,7 @@ class RankResults:
     def _repr_mimebundle_(self, include=None, exclude=None):
         if len(self.groups) == 1:
             ((ranks, out),) = self.groups
-            data = dict(out.data)
-            if _is_rich(out):  # (a text form for saved notebooks)
-                data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
-            return data, {**(out.metadata or {}), "spmd": {"ranks": list(ranks)}}
+            return _bundle(out), {**(out.metadata or {}), "spmd": {"ranks": list(ranks)}}
         text = "".join(
             labelled(rank_label(ranks), out.data.get("text/plain", ""))
             for ranks, out in self.groups
@@ -153,15 +150,11 @@ def _is_rich(out: Output) -> bool:
     return bool(set(out.data) - {"text/plain"})
 
 
-def _labelled_bundle(ranks: list[int], out: Output) -> dict:
-    """The MIME bundle of a display or result, labelled with its ranks: in its text for text;
-    a rich one keeps its types and gets a text form for saved notebooks (its label is a line
-    of its own above it, visible in any front end)."""
+def _bundle(out: Output) -> dict:
+    """A display's or result's MIME bundle; a rich one gets a text form for saved notebooks."""
     data = dict(out.data)
     if _is_rich(out):
         data.setdefault("text/plain", f"<{', '.join(sorted(data))}>")
-    else:
-        data["text/plain"] = labelled(rank_label(ranks), data.get("text/plain") or "").rstrip("\n")
     return data
 
 
@@ -217,7 +210,7 @@ def _group_text(ranks: list[int], out: Output) -> str:
         return labelled(rank_label(ranks), out.text)
     if out.kind == "clear":
         return ""
-    return labelled(rank_label(ranks), _labelled_bundle(ranks, out).get("text/plain", ""))
+    return labelled(rank_label(ranks), _bundle(out).get("text/plain", ""))
 
 
 def show_group(ranks: list[int], out: Output) -> None:
@@ -227,9 +220,11 @@ def show_group(ranks: list[int], out: Output) -> None:
     if out.kind in ("stdout", "stderr"):
         write(out.kind, labelled(rank_label(ranks), out.text))
         return
-    if _is_rich(out):
-        write("stdout", rank_label(ranks) + "\n")
-    display(_labelled_bundle(ranks, out), metadata=out.metadata or None, raw=True)
+    # (the rank's own bundle, as a kernel of one process shows it; its ranks on a line of
+    # their own above it and in its metadata, never inside it)
+    write("stdout", rank_label(ranks) + "\n")
+    metadata = {**(out.metadata or {}), "spmd": {"ranks": list(ranks)}}
+    display(_bundle(out), metadata=metadata, raw=True)
 
 
 class RankErrors(Exception):
