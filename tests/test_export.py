@@ -87,7 +87,7 @@ def jax_notebook(module_shell, folder):
     results = []
     for cell in JAX_CELLS:
         out = run(shell, cell)
-        results += [t.split("] ", 1)[1] for t in out.texts if TAG in t]
+        results += [t for t in out.texts if TAG in t]  # (the value, as one process shows it)
     assert len(results) == 1, results  # (one result, the same on every rank)
     said = {}
     for launcher in ("local", "mpi", "slurm"):
@@ -253,7 +253,7 @@ def test_translated_magics_run_as_plain_python(tmp_path):
         "%matplotlib inline\n"
         "print(files, n)\n"
     )
-    converted = plain(cell)
+    converted = plain(cell, set())  # (no name defined before it: $GREETING is the shell's)
     assert "# %matplotlib inline: figures shown in the notebook" in converted.code
     source = "".join(f"import {m}\n" for m in sorted(converted.imports)) + converted.code
     done = subprocess.run([sys.executable, "-I", "-c", source], capture_output=True, text=True,
@@ -266,6 +266,14 @@ def test_translated_magics_run_as_plain_python(tmp_path):
     assert (tmp_path / "w.txt").read_text() == "line\n"
     assert "# %%foo x: an IPython cell magic with no plain-Python form" in plain(
         "%%foo x\nbody\n").code
+    # as IPython splits a command: $name and {expr} of names defined before (not a shell
+    # loop's $f, not inside single quotes), quotes inside an expression
+    shell = plain("!echo '$d' $d \"{d['k']}\"\n!for f in a b; do echo $f; done\n", {"d"}).code
+    done = subprocess.run([sys.executable, "-c", "import subprocess\nd = {'k': 'v'}\n" + shell],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout == "$d {k: v} v\na\nb\n", shell + done.stdout + done.stderr
+    # a magic with no Python form inside a block keeps the block one
+    compile(plain("if x:\n    %matplotlib inline\n").code, "cell", "exec")
 
 
 @pytest.mark.parametrize(
@@ -295,3 +303,28 @@ def test_export_before_any_start_says_how(shell):
         magics.session = kept
     assert isinstance(out.error, UsageError)
     assert str(out.error).startswith("No cluster has run a cell here yet: %spmd start -n 4")
+
+
+def test_every_kind_of_cell_leaves_a_script_that_compiles(tmp_path):
+    """Cells whose plain form could break the script: a value with a comment after it, a
+    --ranks cell of magics only, a failed cell that is not Python (kept with --cells all)."""
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    ranks = [Rank(r, r) for r in range(2)]
+    job = Job(Settings(n=2, backend="none"), "local", ranks, str(tmp_path / "all.py"),
+              keep_failed=True)
+    script = job.script([
+        Ran("x = 2\nx * 21  # the answer", showed_value=True),
+        Ran("%matplotlib inline", ranks=(0,)),
+        Ran("await thing()", failed="SyntaxError on ranks 0-1"),
+        Ran("print('after', x)"),
+    ])
+    compile(script, "all.py", "exec")
+    assert "print(repr(x * 21))  # the answer" in script
+    assert "if rank in (0,):\n    # %matplotlib inline" in script and "    pass" in script
+    assert "# await thing()" in script
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout == "42\nafter 2\n", done.stdout + done.stderr

@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 
 from spmd.cluster.ranks import Ran, Rank, Settings
 from spmd.magics.arguments import _Parser
-from spmd.magics.to_python import needs_person, plain
+from spmd.magics.to_python import defined_names, needs_person, plain
 
 LAUNCHERS = ("local", "ssh", "mpi", "slurm", "torchrun")
 DEFAULT_PORT = 29500  # torch's own default MASTER_PORT
@@ -83,6 +83,9 @@ class Job:
     left_out: list[str] = field(default_factory=list)  # 'In [4] (ZeroDivisionError on rank 1)'
     person: list[str] = field(default_factory=list)  # 'In [6] (input() waits ...)'
     cells: int = 0
+    # names the script has defined so far (a shell command's $name expands only for these)
+    known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
+                                                     "jax", "torch", "dist"})
 
     @property
     def backends(self) -> list[str]:
@@ -98,9 +101,10 @@ class Job:
         return stem + (".sbatch" if self.launcher == "slurm" else ".sh")
 
     @property
-    def gpus(self) -> int:
-        """GPUs each rank had (0: the ranks had none)."""
-        return max((len(r.gpus) for r in self.ranks if r.gpus), default=0)
+    def gpus(self) -> int | None:
+        """GPUs each rank had (None: the ranks' GPUs were left alone; 0: they were given none)."""
+        given = [len(r.gpus) for r in self.ranks if r.gpus is not None]
+        return max(given) if given else None
 
     # -- the script ---------------------------------------------------------------------
 
@@ -125,8 +129,9 @@ class Job:
             # (a process that leaves while a peer's gloo threads still talk to it aborts that
             # peer: "terminate called without an active exception", seen in 4 of 6 runs)
             end = ["", "# -- End " + "-" * 72,
-                   "dist.barrier()  # (every process done before any leaves)",
-                   "dist.destroy_process_group()"]
+                   "if dist.is_initialized():",
+                   "    dist.barrier()  # (every process done before any leaves)",
+                   "    dist.destroy_process_group()"]
         return "\n".join(
             head + [f"import {i}" for i in imports if " " not in i]
             + [i for i in imports if " " in i] + ["", *start, *body, *end]
@@ -139,20 +144,27 @@ class Job:
             f"rank = int({rank})",
             f"world_size = int({size})",
         ]
-        if self.gpus or "torch" in self.backends:
+        if self.gpus is not None or "torch" in self.backends:
             lines.append(f"local_rank = int({local})  # (its place on its host)")
         return lines
 
     def _startup(self) -> list[str]:
         s, lines = self.settings, ["# -- Start-up: what %spmd start did in every rank " + "-" * 30]
         lines += self._which()
-        if self.gpus:
-            share = "str(local_rank)" if self.gpus == 1 else (
-                f'",".join(str(local_rank * {self.gpus} + i) for i in range({self.gpus}))')
+        k = self.gpus
+        if k == 0:
+            lines += ["# No GPU for any process, as %spmd start gave them (--gpus-per-process 0).",
+                      'os.environ["CUDA_VISIBLE_DEVICES"] = ""']
+        elif k:
             lines += [
-                f"# {self.gpus} GPU{'s' if self.gpus > 1 else ''} per process, as %spmd start "
-                "shared them out; set before jax or torch starts (both read it once).",
-                f'os.environ["CUDA_VISIBLE_DEVICES"] = {share}',
+                f"# {k} GPU{'s' if k > 1 else ''} per process, as %spmd start shared out the "
+                "host's GPUs (the ones it lets",
+                "# this job see); set before jax or torch starts: both read it once.",
+                'host_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")',
+                f"host_gpus = host_gpus.split(\",\") if host_gpus else [str(i) for i in "
+                f"range((local_rank + 1) * {k})]",
+                f'os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(host_gpus[local_rank * {k}:'
+                f"(local_rank + 1) * {k}])",
             ]
         both = len(self.backends) == 2
         if "jax" in self.backends:
@@ -174,8 +186,12 @@ class Job:
 
     def _jax_initialize(self, beside_torch: bool) -> list[str]:
         if self.launcher == "slurm":
+            # (with GPUs: those this process was given above, not the one of its local rank
+            # that jax would pick)
+            devices = f"local_device_ids=list(range({self.gpus}))" if self.gpus else ""
             return ["# jax reads Slurm's variables: the process count, this rank, and rank "
-                    "0's node (the first of the step's nodes).", "jax.distributed.initialize()"]
+                    "0's node (the first of the step's nodes).",
+                    f"jax.distributed.initialize({devices})"]
         port = "os.environ['MASTER_PORT']"
         why = ""
         if beside_torch or self.launcher == "torchrun":
@@ -228,8 +244,10 @@ class Job:
         self.cells += 1
         head = f"# -- {label} " + "-" * max(4, 80 - 7 - len(label))
         if ran.where == "push":
+            self.known |= defined_names(ran.code)
             return f"{head}\n# (%spmd push: from the notebook)\n{ran.code}"
-        cell = plain(ran.code)
+        cell = plain(ran.code, self.known)
+        self.known |= defined_names(cell.code)
         self.imports |= cell.imports
         code = _printed_value(cell.code) if ran.showed_value else cell.code
         if "display(" in code and "import display" not in code:
@@ -240,10 +258,18 @@ class Job:
         if cell.person:
             self.person.append(f"{label} ({cell.person.split(':')[0]})")
             notes.append(f"# needs a person: {cell.person}.")
+        try:
+            compile(code, label, "exec")
+        except SyntaxError as exc:  # (a failed cell kept, top-level await: not a script's)
+            notes.append(f"# (left as a comment: not Python a script can run: {exc.msg}, "
+                         f"line {exc.lineno})")
+            code = textwrap.indent(code, "# ", lambda _: True)
         if ran.ranks is not None:
             notes.append(f"# (%%spmd --ranks {','.join(map(str, ran.ranks))}: these ranks only)")
-            code = f"if rank in {ran.ranks!r}:\n" + "".join(
-                f"    {line}\n" if line.strip() else "\n" for line in code.splitlines())
+            body = [f"    {line}" if line.strip() else "" for line in code.splitlines()]
+            if not any(line.strip() and not line.strip().startswith("#") for line in body):
+                body.append("    pass")
+            code = f"if rank in {ran.ranks!r}:\n" + "\n".join(body)
         return "\n".join([head, *notes, code.rstrip("\n"), ""])
 
     # -- the launch ---------------------------------------------------------------------
@@ -283,7 +309,7 @@ class Job:
                 lines = [f"# On each of {', '.join(h for h, _ in hosts)} (run this file on "
                          "every host):"] + lines + [
                     f"torchrun --nnodes {len(hosts)} --nproc-per-node {per} --rdzv-backend c10d "
-                    f"--rdzv-endpoint {hosts[0][0]}:{port} {here}"]
+                    f"--rdzv-endpoint {self._master()}:{port} {here}"]
             else:
                 lines = [f"# {os.path.basename(script)} as {n} processes on this machine."] + \
                     lines + [f"torchrun --standalone --nproc-per-node {n} {here}"]
@@ -308,16 +334,16 @@ class Job:
     def _mpi_hosts(self) -> list[str]:
         hosts = self.settings.where.hosts
         args = dict(self.settings.where.launcher_args).get("mpi_args", "")
-        spec = ",".join(f"{h}:{c}" for h, c in hosts)
+        spec = ",".join(f"{h.rpartition('@')[2]}:{c}" for h, c in hosts)
         return (["-hosts", spec] if hosts else []) + ([args] if args else [])
 
     def _ssh_loop(self, before: list[str], script: str, port: str) -> str:
         w, n = self.settings.where, self.settings.n
         user_args = dict(w.launcher_args)
-        ssh = " ".join([*(shlex.split(user_args.get("ssh_cmd", "")) or ["ssh"]),
-                        *shlex.split(user_args.get("ssh_args", "")), "-o", "BatchMode=yes"])
+        ssh = shlex.join([*(shlex.split(user_args.get("ssh_cmd", "")) or ["ssh"]),
+                          *shlex.split(user_args.get("ssh_args", "")), "-o", "BatchMode=yes"])
         spread = " ".join(f"{h}:{c}" for h, c in w.hosts)
-        remote = (f"cd $PWD && RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} "
+        remote = (f"cd $(printf %q \"$PWD\") && RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} "
                   f"MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT exec "
                   f"{shlex.quote(self.python)} {shlex.quote(script)}")
         return _bash(
@@ -342,7 +368,11 @@ class Job:
         name = os.path.basename(script)[:-3]
         options = [f"#SBATCH --job-name={name}", f"#SBATCH --ntasks={s.n}",
                    f"#SBATCH --output={name}-%j.out"]
-        for key, value in s.where.launcher_args:
+        if self.gpus:
+            options.append(f"#SBATCH --gpus-per-task={self.gpus}")
+        # (the cluster's --launcher-arg options are Slurm's own where it ran under Slurm; an
+        # ssh or mpi cluster's are not sbatch options)
+        for key, value in (s.where.launcher_args if s.where.launcher == "slurm" else ()):
             option = f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}"
             if option not in options:
                 options.append(option)
@@ -361,6 +391,7 @@ class Job:
 # Wait for every process; when one fails, end the others (they would wait for it forever in
 # their next collective) and exit with its status.
 _WAIT = [
+    "trap 'kill \"${pids[@]}\" 2>/dev/null' INT TERM  # (^C: the processes end too)",
     "status=0",
     "for _ in \"${pids[@]}\"; do",
     "  wait -n && continue",
@@ -389,8 +420,10 @@ def _printed_value(code: str) -> str:
     if last.col_offset or (before is not None and before.end_lineno >= last.lineno):
         return code  # (on a line with another statement: left as it is)
     lines = code.splitlines()
-    expression = "\n".join(lines[last.lineno - 1:last.end_lineno])
-    return "\n".join(lines[: last.lineno - 1] + [f"print(repr({expression}))"]) + "\n"
+    expression = ast.get_source_segment(code, last.value) or ""
+    after = lines[last.end_lineno - 1][last.end_col_offset:]  # (a comment, or a ';')
+    after = "" if after.strip() in ("", ";") else "  " + after.strip()
+    return "\n".join(lines[: last.lineno - 1] + [f"print(repr({expression})){after}"]) + "\n"
 
 
 def export(session, args: list[str]) -> str:
@@ -398,15 +431,20 @@ def export(session, args: list[str]) -> str:
     opts = _parser().parse_args(args)
     s = session.settings
     launcher = opts.launcher or s.where.launcher
-    if not opts.path.endswith(".py"):
+    path = os.path.expanduser(opts.path)
+    if not path.endswith(".py") or os.path.basename(path) == ".py":
         raise UsageError(f"%spmd export writes a Python script: give a path ending in .py, "
-                         f"like {opts.path}.py.")
+                         f"like {opts.path.removesuffix('.py') or 'train'}.py.")
+    if s.torch_backend == "mpi" and "torch" in s.backend and launcher != "mpi":
+        raise UsageError(f"torch's mpi backend takes its ranks from mpiexec: export with "
+                         f"--launcher mpi, not {launcher}.")
     if launcher == "ssh" and not s.where.hosts:
         raise UsageError("--launcher ssh needs the hosts the ranks ran on, and this cluster ran "
                          "on this machine: export with --launcher local, mpi, slurm or "
                          "torchrun, or start with --hosts.")
-    job = Job(s, launcher, list(session.ranks), opts.path, keep_failed=opts.cells == "all")
+    job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all")
     script, launch = job.script(list(session.ran)), job.launch()
+    replaced = [p for p in (job.path, job.launch_path) if os.path.exists(p)]
     for path, text, mode in ((job.path, script, 0o644), (job.launch_path, launch, 0o755)):
         try:
             with open(path, "w") as f:
@@ -417,7 +455,9 @@ def export(session, args: list[str]) -> str:
                              "in a folder you can write.") from None
     cells = f"{job.cells} {'cell' if job.cells == 1 else 'cells'}"
     lines = [f"Wrote {job.path} ({cells} the ranks ran since the start, in that order) and "
-             f"{job.launch_path} (its launch, {launcher})."]
+             f"{job.launch_path} (its launch, {launcher})"
+             + (f", replacing the {' and '.join(map(os.path.basename, replaced))} there."
+                if replaced else ".")]
     if job.left_out:
         lines.append(f"Left out: {', '.join(job.left_out)}"
                      + (" (--cells all keeps the failed ones)." if not job.keep_failed else "."))

@@ -287,16 +287,9 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         finally:
             live.close()
         stall = run.stall
-        if live.widgets_shown:
-            busy = set(stall.busy) if stall is not None else set()
-            widgets.refresh_texts(session, run.cells, [r for r in run.cells if r not in busy])
-        if panel is not None:
-            panel.freeze(run)
-        show_outputs(run.cells, tabs=self.tabs or opts.tabs)
         errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
-        if not debugging:
-            self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
         results = group_results(run.cells)
+        # (recorded first: the cell ran on the ranks, whatever showing it may raise)
         session.ran.append(Ran(
             cell if not debugging else f"%spmd debug {ranks[0]}",
             self.shell.displayhook.prompt_count,
@@ -305,6 +298,14 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             failed=_how_it_failed(stall, errors),
             showed_value=bool(results),
         ))
+        if live.widgets_shown:
+            busy = set(stall.busy) if stall is not None else set()
+            widgets.refresh_texts(session, run.cells, [r for r in run.cells if r not in busy])
+        if panel is not None:
+            panel.freeze(run)
+        show_outputs(run.cells, tabs=self.tabs or opts.tabs)
+        if not debugging:
+            self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
         printed = [o.text for c in run.cells.values() for o in c.outputs if o.kind == "stdout"]
         hint = arrays.placeholder_hint(session, cell, printed) if not debugging else ""
         if hint:

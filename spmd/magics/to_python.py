@@ -48,6 +48,9 @@ _PERSON_CALLS = {
     "interact": "a widget waits for a person: in a job, set the values in code",
     "interactive": "a widget waits for a person: in a job, set the values in code",
 }
+_PERSON_METHODS = {("getpass", "getpass"), ("pdb", "set_trace"), ("ipdb", "set_trace"),
+                   ("widgets", "interact"), ("ipywidgets", "interact"),
+                   ("widgets", "interactive"), ("ipywidgets", "interactive")}
 _WIDGET_MODULES = ("ipywidgets",)
 _WIDGETS_NOTE = "ipywidgets wait for a person: in a job, set the values in code"
 
@@ -60,12 +63,17 @@ class PlainCell:
     code: str
     imports: set[str] = field(default_factory=set)
     person: str = ""
+    known: set[str] | None = None  # names defined before it (see plain)
 
 
-def plain(cell: str) -> PlainCell:
-    """``cell`` (as a person typed it) as Python a script can run without IPython."""
+def plain(cell: str, known: set[str] | None = None) -> PlainCell:
+    """``cell`` (as a person typed it) as Python a script can run without IPython. ``known``:
+    the names earlier cells of the script define (a shell command's ``$name`` is expanded only
+    for those; None: for any name)."""
     out = PlainCell("")
-    first, _, body = cell.lstrip("\n").partition("\n")
+    out.known = None if known is None else set(known)
+    cell = re.sub(r"\A(?:[ \t]*\n)+", "", cell)  # (IPython skips blank lines too)
+    first, _, body = cell.partition("\n")
     if first.startswith("%%"):
         code = _cell_magic(first[2:], body, out)
     else:
@@ -84,7 +92,13 @@ def needs_person(code: str) -> str:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
-            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if isinstance(func, ast.Name):
+                name = func.id
+            elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                # (getpass.getpass, pdb.set_trace, widgets.interact: not any .input())
+                name = func.attr if (func.value.id, func.attr) in _PERSON_METHODS else ""
+            else:
+                name = ""
             if name in _PERSON_CALLS:
                 return _PERSON_CALLS[name]
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -99,14 +113,22 @@ def needs_person(code: str) -> str:
 def _cell_magic(line: str, body: str, out: PlainCell) -> str:
     name, _, arg = line.strip().partition(" ")
     arg = arg.strip()
-    if name in ("time", "capture", "prun"):
+    if name in ("time", "prun"):
         return _lines(body, out)
-    if name == "timeit":
-        return f"# (%%timeit: the cell runs once here)\n{_lines(body, out)}"
+    if name == "capture":
+        note = f"# (%%capture {arg}: its output is printed here)\n" if arg else ""
+        return note + _lines(body, out)
+    if name == "timeit":  # (its options, then the setup statement on its line)
+        setup = re.sub(r"^(\s*(-[nrp]\s*\d+|-[tcqo]))*\s*", "", arg)
+        return ("# (%%timeit: the cell runs once here)\n"
+                + (f"{setup}\n" if setup else "") + _lines(body, out))
     if name == "spmd":  # (its options say how the notebook waits; --ranks is kept apart)
         return _lines(body, out)
     if name == "writefile":
-        words = shlex.split(arg)
+        try:
+            words = shlex.split(arg)
+        except ValueError:  # (a quote left open: IPython refused it too)
+            return _commented(f"%%{line.strip()}", body, "its file name has a quote left open")
         append = words and words[0] in ("-a", "--append")
         path = words[-1] if words else ""
         if append:
@@ -127,6 +149,8 @@ def _cell_magic(line: str, body: str, out: PlainCell) -> str:
 
 def _lines(code: str, out: PlainCell) -> str:
     """Line magics and shell escapes turned into Python; every other line as written."""
+    if out.known is not None:
+        out.known |= defined_names(_python_only(code))
     try:
         python = TransformerManager().transform_cell(code)
     except SyntaxError:  # (IPython could not read it either: the rank raised, so did we)
@@ -158,8 +182,8 @@ def _line(line: str, out: PlainCell) -> list[str]:
         return [indent + part for part in statement.splitlines()]
     try:
         tree = _Escapes(out).visit(tree)
-    except _NoPython as exc:
-        return [f"{indent}# {exc.magic}: {exc.why}"]
+    except _NoPython as exc:  # (indented: a pass keeps its block a block)
+        return [f"{indent}{'pass  ' if indent else ''}# {exc.magic}: {exc.why}"]
     return [indent + part for part in ast.unparse(tree).splitlines()]
 
 
@@ -185,6 +209,14 @@ def _statement_magic(tree: ast.Module, out: PlainCell) -> str | None:
     return None
 
 
+def _python_only(code: str) -> str:
+    """``code`` with IPython's escapes made Python (for reading the names it defines)."""
+    try:
+        return TransformerManager().transform_cell(code)
+    except SyntaxError:
+        return code
+
+
 class _NoPython(Exception):
     def __init__(self, magic: str, why: str) -> None:
         self.magic, self.why = magic, why
@@ -200,48 +232,56 @@ def _is_ipython_call(node: ast.AST, method: str) -> bool:
     )
 
 
-def _command(node: ast.expr) -> ast.expr:
-    """A shell command with IPython's expansion of Python values written out: ``{expr}`` and
-    ``$name`` become an f-string's fields, ``$$`` a ``$``. ``$NAME`` in capitals and
-    ``${NAME}`` stay for the shell (an environment variable, by convention: IPython would try a
-    Python variable of that name first, which an export cannot know of). Where a ``{...}`` is
-    not Python (awk's ``'{print $1}'``), IPython runs the command as written, and so does this."""
+def _command(node: ast.expr, known: set[str] | None) -> ast.expr:
+    """A shell command with IPython's expansion of Python values written out as an f-string:
+    the command split as IPython splits it (its own DollarFormatter: ``{expr}``, ``$name``
+    outside single quotes, ``$$`` for ``$``). IPython runs the command as written when a name
+    in it is not defined; here a name counts as defined when an exported cell before it (or
+    this one) defines it (``known``; None: every name): ``$f`` of a shell loop stays the shell's."""
     text = node.value if isinstance(node, ast.Constant) else None
     if not isinstance(text, str) or ("{" not in text and "$" not in text):
         return node
-    out, i, expanded = [], 0, False
-    while i < len(text):
-        c = text[i]
-        shell_var = re.match(r"\$(\{[^}]*\}|[A-Z_][A-Z0-9_]*\b)", text[i:])
-        name = re.match(r"\$([A-Za-z_]\w*)", text[i:])
-        if text.startswith("$$", i):
-            out.append("$")
-            i, expanded = i + 2, True
-        elif shell_var:
-            out.append(shell_var.group(0).replace("{", "{{").replace("}", "}}"))
-            i += len(shell_var.group(0))
-        elif name:
-            out.append("{" + name.group(1) + "}")
-            i, expanded = i + len(name.group(0)), True
-        elif c == "{":
-            end = text.find("}", i)
-            if end < 0:
-                return node
-            try:
-                ast.parse(text[i + 1:end], mode="eval")
-            except SyntaxError:
-                return node
-            out.append(text[i:end + 1])
-            i, expanded = end + 1, True
-        else:
-            out.append("}}" if c == "}" else c)
-            i += 1
-    if not expanded:
-        return node
+    from IPython.utils.text import DollarFormatter
+
+    parts: list[ast.expr] = []
     try:
-        return ast.parse("f" + repr("".join(out)), mode="eval").body
-    except SyntaxError:
+        for literal, field, spec, conversion in DollarFormatter().parse(text):
+            if literal:
+                parts.append(ast.Constant(literal))
+            if field is None:
+                continue
+            value = ast.parse(field, mode="eval").body
+            names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+            if known is not None and not names <= known | _BUILTINS:
+                return node
+            parts.append(ast.FormattedValue(
+                value, ord(conversion) if conversion else -1,
+                ast.JoinedStr([ast.Constant(spec)]) if spec else None))
+    except (ValueError, SyntaxError):  # (not Python: IPython runs it as written too)
         return node
+    if not any(isinstance(p, ast.FormattedValue) for p in parts):
+        return ast.Constant("".join(p.value for p in parts))  # ($$ -> $)
+    return ast.JoinedStr(parts)
+
+
+_BUILTINS = set(dir(__import__("builtins")))
+
+
+def defined_names(code: str) -> set[str]:
+    """The names a cell's top level binds (assignments, defs, imports, loops)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
 
 
 class _Escapes(ast.NodeTransformer):
@@ -254,13 +294,13 @@ class _Escapes(ast.NodeTransformer):
         self.generic_visit(node)
         if _is_ipython_call(node, "system"):
             self.out.imports.add("subprocess")
-            return _call("subprocess.run({}, shell=True)", _command(node.args[0]))
+            return _call("subprocess.run({}, shell=True)", _command(node.args[0], self.out.known))
         if _is_ipython_call(node, "getoutput"):
             self.out.imports.add("subprocess")
             return _call(
                 "subprocess.run({}, shell=True, capture_output=True, text=True)"
                 ".stdout.splitlines()",
-                _command(node.args[0]),
+                _command(node.args[0], self.out.known),
             )
         if _is_ipython_call(node, "run_line_magic"):
             name, arg = (a.value if isinstance(a, ast.Constant) else "" for a in node.args[:2])
@@ -281,16 +321,26 @@ class _Escapes(ast.NodeTransformer):
             self.out.imports.add("os")
             return _call("os.environ[{}]", ast.Constant(arg.strip()))
         if name == "cd" and arg:
+            try:
+                words = [w for w in shlex.split(arg) if w != "-q"]
+            except ValueError:
+                words = []
+            if len(words) != 1 or words[0].startswith("-"):
+                raise _NoPython(magic, "IPython's own folder history: write os.chdir(PATH)")
             self.out.imports.add("os")
-            if arg.startswith("~"):
-                return _call("os.chdir(os.path.expanduser({}))", ast.Constant(arg))
-            return _call("os.chdir({})", ast.Constant(arg))
+            if words[0].startswith("~"):
+                return _call("os.chdir(os.path.expanduser({}))", ast.Constant(words[0]))
+            return _call("os.chdir({})", ast.Constant(words[0]))
         if name == "pwd":
             self.out.imports.add("os")
             return _call("os.getcwd()")
-        if name == "run" and arg and len(shlex.split(arg)) == 1:
+        try:
+            run_words = shlex.split(arg) if name == "run" else []
+        except ValueError:
+            run_words = []
+        if len(run_words) == 1 and not run_words[0].startswith("-"):
             self.out.imports.add("runpy")
-            return _call("runpy.run_path({}, run_name='__main__')", ast.Constant(arg))
+            return _call("runpy.run_path({}, run_name='__main__')", ast.Constant(run_words[0]))
         if name in _INSTALLERS:
             raise _NoPython(magic, f"install it in the job's environment before the run "
                             f"({name} {arg})")
