@@ -353,8 +353,11 @@ def test_a_global_array_as_a_cells_value_prints_once_as_one_process_prints_it(cl
         assert out.texts == [reference[expr]], expr
         if expr not in ("total", "everywhere"):  # (replicated: every process holds it whole)
             assert re.fullmatch(r"\(one array over [24] processes, [48] devices: "
-                                r"NamedSharding\(.*\)\)\n", out.stdout), out.stdout
-    assert "one array over 2 processes, 4 devices" in run(cluster, "half").stdout
+                                r"mesh \w=\d(, \w=\d)?, P\(.*\)\)\n", out.stdout), out.stdout
+    assert run(cluster, "half").stdout == (
+        "(one array over 2 processes, 4 devices: mesh a=2, b=2, P('a', 'b'))\n")
+    assert run(cluster, "result_2").stdout == (
+        "(one array over 4 processes, 8 devices: mesh x=2, y=4, P('x'))\n")
 
 
 def test_a_big_global_value_moves_only_its_printed_corners_and_out_is_numpy(cluster):

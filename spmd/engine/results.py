@@ -33,6 +33,17 @@ def install(shell) -> None:
         formatter.for_type_by_name("jaxlib._jax", "ArrayImpl", _bundle)
 
 
+def _layout_words(sharding) -> str:
+    """The sharding in a few words: ``mesh x=4, y=2, P('x', 'y')`` (else jax's repr)."""
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None:
+        return repr(sharding)
+    from spmd.engine.shards import _spec_text
+
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"mesh {axes}, {_spec_text(spec)}"
+
+
 def _corner_ranges(n: int, edge: int, summarize: bool) -> list[tuple[int, int, int]]:
     """(start, stop, where it goes in the compact axis) of what numpy prints of an axis of n."""
     if not summarize or n <= 2 * edge:
@@ -72,6 +83,7 @@ def _bundle(x, include=None, exclude=None) -> dict | None:
         "dtype": x.dtype.name,
         "weak_type": bool(getattr(getattr(x, "aval", None), "weak_type", False)),
         "sharding": repr(x.sharding),
+        "layout": _layout_words(x.sharding),
         "processes": len({d.process_index for d in x.sharding.device_set}),
         "devices": len(x.sharding.device_set),
         "compact": compact,

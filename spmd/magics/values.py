@@ -60,7 +60,7 @@ def text(parts: list[dict]) -> str:
 def about(part: dict) -> str:
     """One line: what the array is, beside its value."""
     return (f"(one array over {part['processes']} processes, {part['devices']} devices: "
-            f"{part['sharding']})")
+            f"{part.get('layout') or part['sharding']})")
 
 
 class GlobalValue(NDArrayOperatorsMixin):
