@@ -73,7 +73,7 @@ CELLS = [
     "layer_sharded(x, weights, bias)",
 ]
 
-_EVERY_RANK = re.compile(r"^\[ranks 0-3\] ?", re.M)
+_EVERY_RANK = re.compile(r"^\[ranks 0-3\](?: |\n)", re.M)
 _ABOUT = re.compile(r"^\(one array over \d+ processes, .*\)\n", re.M)
 
 
