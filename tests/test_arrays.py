@@ -395,3 +395,26 @@ def test_printing_a_global_array_says_both_ways_to_see_it_once(cluster):
         "%spmd gather arr_sharded puts it together in the notebook as numpy (%spmd sharding "
         "arr_sharded shows who holds what)."
     ]
+
+
+def test_a_global_value_some_ranks_did_not_send_or_displayed_keeps_jaxs_placeholder(cluster):
+    # only rank 0 ran the cell: its part alone is not the array (never zeros in its place)
+    out = run(cluster, "%%spmd --ranks 0\narr_sharded")
+    assert out.error is None, out.error
+    assert out.texts == ["Array(shape=(4, 8), dtype=float32)"]
+    assert out.stdout == "[rank 0]\n"
+    # display() shows jax's placeholder, the same on every rank: once
+    out = run(cluster, "from IPython.display import display\ndisplay(arr_sharded)")
+    assert out.outputs == [{"text/plain": "Array(shape=(4, 8), dtype=float32)"}]
+    assert out.stdout == "[ranks 0-3]\n"
+
+
+def test_a_global_value_under_numpys_print_everything_option(cluster):
+    reference = one_process_reprs(["arr_sharded"])["arr_sharded"]
+    try:
+        # (threshold=inf: JSON has no inf; the printed form is still jax's)
+        out = run(cluster, "np.set_printoptions(threshold=np.inf)\narr_sharded")
+        assert out.error is None, out.error
+        assert out.texts == [reference]
+    finally:
+        run(cluster, "np.set_printoptions(threshold=1000)")

@@ -179,12 +179,18 @@ def same_on_every_rank(text: str) -> str:
     return _CELL_PATH.sub("<cell>", text) if "ipykernel_" in text else text
 
 
+GLOBAL_ARRAY_MIME = "application/vnd.spmd.global-array+json"  # (spmd.engine.results.MIME)
+
+
 def output_from_message(msg_type: str, content: dict) -> Output | None:
     """Turn one iopub message of an engine into an Output (None for the rest)."""
     if msg_type == "stream":
         return Output(kind=content["name"], text=same_on_every_rank(content["text"]))
     if msg_type == "display_data":
-        return Output("display", data=content["data"], metadata=content.get("metadata", {}))
+        # (a global array's parts are for a cell's value only: a display of one shows jax's
+        # placeholder, the same on every rank)
+        data = {k: v for k, v in content["data"].items() if k != GLOBAL_ARRAY_MIME}
+        return Output("display", data=data, metadata=content.get("metadata", {}))
     if msg_type == "execute_result":
         return Output("result", data=content["data"], metadata=content.get("metadata", {}))
     if msg_type == "clear_output":

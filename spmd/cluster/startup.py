@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from spmd import internals
@@ -36,6 +37,23 @@ def _cluster_log() -> logging.Logger:
         log.addHandler(logging.StreamHandler(sys.stdout))
         log.propagate = False
     return log
+
+
+def _within(seconds: float, fn, *args) -> str:
+    """``fn(*args)``, or '' when it raises or takes longer than ``seconds`` (a detail of an
+    error, not worth delaying it)."""
+    found: list[str] = []
+
+    def ask() -> None:
+        try:
+            found.append(fn(*args) or "")
+        except Exception:  # (the host is gone: the error goes without these lines)
+            return
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return found[0] if found else ""
 
 
 def _init_failure(rank: int, exc: Exception) -> StartError:
@@ -255,10 +273,18 @@ class Startup:
         s = self.settings
         hosts = remote.hosts_of(s.where, missing)
         where_ = f" (on {', '.join(hosts)})" if hosts else ""
+        said = ""
+        if self.cluster is not None:  # (what the first of them wrote: why it waited, often)
+            output = _within(2.0, self.cluster.output_of, missing[0])  # (a slow host: skip)
+            lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()][-6:]
+            if lines:
+                said = f"\nThe last lines rank {missing[0]} wrote:\n" + "\n".join(
+                    "  " + ln[:300] for ln in lines)
         return (
             f"Only {s.n - len(missing)} of {s.n} engines registered within "
             f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
             "engines' Python environment there, or give them more time with --start-timeout."
+            + said
         )
 
     def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:

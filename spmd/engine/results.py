@@ -16,7 +16,7 @@ import base64
 import itertools
 import sys
 
-MIME = "application/vnd.spmd.global-array+json"
+MIME = "application/vnd.spmd.global-array+json"  # (spmd.cluster.outputs.GLOBAL_ARRAY_MIME)
 
 # numpy's print options that decide the printed form (the notebook prints with the rank's)
 _OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "floatmode",
@@ -51,17 +51,36 @@ def _corner_ranges(n: int, edge: int, summarize: bool) -> list[tuple[int, int, i
     return [(0, edge, 0), (n - edge, n, edge + 1)]  # (a gap at ``edge``: numpy's "...")
 
 
+# What one rank may send for a printed form (numpy's threshold raised to show everything
+# must not send a whole array through the notebook's channel): above it, jax's placeholder.
+MAX_BYTES = 1 << 20
+
+
 def _bundle(x, include=None, exclude=None) -> dict | None:
-    if x.is_fully_addressable or x.is_fully_replicated or x.size == 0:
-        return None  # (jax prints these itself)
+    try:
+        return _parts(x)
+    except Exception:  # (an array of a kind this does not know: jax's own repr, not an error)
+        return None
+
+
+def _parts(x) -> dict | None:
+    import jax
     import numpy as np
     from IPython import get_ipython
 
+    if x.is_fully_addressable or x.is_fully_replicated or x.size == 0:
+        return None  # (jax prints these itself)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return None  # (PRNG keys and the like: no numpy form)
     options = {k: v for k, v in np.get_printoptions().items() if k in _OPTIONS}
+    if not np.isfinite(options["threshold"]):  # (JSON has no inf)
+        options["threshold"] = sys.maxsize
     summarize = x.size > options["threshold"]
-    edge = options["edgeitems"]
+    edge = max(1, options["edgeitems"])
     axes = [_corner_ranges(n, edge, summarize) for n in x.shape]
     compact = [2 * edge + 1 if len(r) == 2 else n for r, n in zip(axes, x.shape)]
+    if int(np.prod(compact)) * x.dtype.itemsize > MAX_BYTES:
+        return None
     pieces = []
     for shard in x.addressable_shards:
         if shard.replica_id != 0:
@@ -91,4 +110,5 @@ def _bundle(x, include=None, exclude=None) -> dict | None:
         "options": options,
         "pieces": pieces,
         "count": get_ipython().displayhook.prompt_count,  # (this rank's Out[count])
+        "token": id(x),  # (and that it is still this array there: see shards.fetch_shown)
     }}

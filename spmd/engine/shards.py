@@ -155,15 +155,17 @@ def fetch(expr: str, max_bytes: int) -> list:
     return [{"kind": "array", "layout": info, "pieces": pieces}, *data]
 
 
-def fetch_shown(label: str, counts: dict[int, int], max_bytes: int) -> list:
+def fetch_shown(label: str, shown: dict[int, tuple[int, int]], max_bytes: int) -> list:
     """``fetch`` of the value a cell showed (``label``, the notebook's ``Out[n]``), from this
-    rank's own ``Out``: ``counts`` says under which number each rank keeps it."""
+    rank's own ``Out``: ``shown`` says under which number each rank keeps it, and which
+    object it was (a restarted rank numbers its cells from 1 again)."""
     from IPython import get_ipython
 
     out = get_ipython().user_ns.get("Out", {})
-    if counts.get(_rank()) not in out:
+    count, token = shown.get(_rank(), (None, None))
+    if count not in out or id(out[count]) != token:
         raise KeyError(f"{label} is no longer on this rank (it was restarted since)")
-    return fetch(f"Out[{counts[_rank()]}]", max_bytes)
+    return fetch(f"Out[{count}]", max_bytes)
 
 
 def spanning(names: list[str]) -> list[str]:

@@ -131,11 +131,14 @@ def gather(session: Session, expr: str, max_bytes: int = DEFAULT_MAX_BYTES):
     return _put_together(expr, ask(session, shards.fetch, expr, max_bytes))
 
 
-def gather_shown(session: Session, label: str, counts: dict[int, int],
+def gather_shown(session: Session, label: str, shown: dict[int, tuple[int, int]],
                  max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
-    """The global value of a cell's result that the ranks keep as ``Out[counts[rank]]``
-    (``label``: its name in the notebook, ``Out[n]``)."""
-    return _put_together(label, ask(session, shards.fetch_shown, label, counts, max_bytes))
+    """The global value of a cell's result that each rank keeps as its ``Out[count]``
+    (``shown``: rank -> (count, the object's id); ``label``: its name here, ``Out[n]``)."""
+    if not session.running or len(shown) < session.settings.n:
+        raise UsageError(f"{label} is no longer on the ranks (the cluster stopped or restarted, "
+                         "or not every rank ran its cell): run its cell again.")
+    return _put_together(label, ask(session, shards.fetch_shown, label, shown, max_bytes))
 
 
 def _put_together(expr: str, answers: dict[int, list]):

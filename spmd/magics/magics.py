@@ -307,14 +307,18 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         if not debugging:
             self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
         printed = [o.text for c in run.cells.values() for o in c.outputs if o.kind == "stdout"]
-        hint = arrays.placeholder_hint(session, cell, printed) if not debugging else ""
-        if hint:
-            write("stderr", hint + "\n")
+        if not (debugging or stall is not None):
+            hint = arrays.placeholder_hint(session, cell, printed)
+            if hint:
+                write("stderr", hint + "\n")
         if not (errors or stall is not None):
             spanning = values.payloads(run.cells)
             if spanning:
-                return self._global_value(session, spanning)
-            return RankResults.of(results, len(run.cells))
+                try:
+                    return self._global_value(session, spanning)
+                except (values.Incomplete, ValueError, TypeError):  # (jax's placeholders)
+                    pass
+            return RankResults.of(results, n)  # (a label where not every rank returned it)
         for group in results:  # the cell fails: what did return is shown, not returned
             show_group(*group)
         notes, details, hints = [], [], []
@@ -334,16 +338,18 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         it in one process, under a line that says what it is; ``Out[n]`` turns into its
         value as numpy when used as an array."""
         label = f"Out[{self.shell.displayhook.prompt_count}]"
-        counts = {rank: part["count"] for rank, part in parts.items()}
+        shown = {rank: (part["count"], part["token"]) for rank, part in parts.items()}
         first = next(iter(parts.values()))
+        text = values.text(list(parts.values()))  # (raises values.Incomplete)
         write("stdout", values.about(first) + "\n")
         return values.GlobalValue(
-            values.text(list(parts.values())),
+            text,
             first["shape"],
             first["dtype"],
-            lambda: arrays.gather_shown(session, label, counts),
-            received=sum(len(p) for part in parts.values() for p in
-                         (piece["data"] for piece in part["pieces"])),
+            lambda: arrays.gather_shown(session, label, shown),
+            received=sum(len(piece["data"]) * 3 // 4 for part in parts.values()
+                         for piece in part["pieces"]),
+            ranks=sorted(parts),
         )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from IPython.display import clear_output, display
 
 from spmd.cluster.lockstep import rank_label, rank_set, rank_words
-from spmd.cluster.outputs import Output, RankCell
+from spmd.cluster.outputs import GLOBAL_ARRAY_MIME, Output, RankCell
 from spmd.cluster.watchdog import progress_lines
 
 Group = tuple[list[int], Output]
@@ -53,8 +53,18 @@ def group_results(cells: dict[int, RankCell]) -> list[Group]:
     for rank, cell in sorted(cells.items()):
         for out in cell.outputs:
             if out.kind == "result":
+                out = _without_parts(out)
                 by_key.setdefault(out.key(), ([], out))[0].append(rank)
     return list(by_key.values())
+
+
+def _without_parts(out: Output) -> Output:
+    """A result without a global array's parts (spmd.magics.values puts those together;
+    where it cannot, each rank's result is jax's placeholder)."""
+    if GLOBAL_ARRAY_MIME not in out.data:
+        return out
+    data = {k: v for k, v in out.data.items() if k != GLOBAL_ARRAY_MIME}
+    return Output(out.kind, data=data, metadata=out.metadata)
 
 
 class RankResults:

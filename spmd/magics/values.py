@@ -34,16 +34,32 @@ def payloads(cells: dict[int, RankCell]) -> dict[int, dict]:
     return found if len(identity) == 1 else {}
 
 
+class Incomplete(ValueError):
+    """The ranks' parts do not cover what the printed form shows (some ranks did not run the
+    cell, or held nothing of it): the cell keeps jax's placeholders."""
+
+
 def text(parts: list[dict]) -> str:
-    """The array as jax prints it in one process, from the ranks' parts."""
+    """The array as jax prints it in one process, from the ranks' parts. Raises Incomplete."""
     first = parts[0]
     dtype = _numpy_dtype(first["dtype"])
     compact = np.zeros(first["compact"], dtype=dtype)
+    filled = np.zeros(first["compact"], dtype=bool)
     for part in parts:
         for piece in part["pieces"]:
             data = np.frombuffer(base64.b64decode(piece["data"]), dtype=dtype)
             where = tuple(slice(a, a + n) for a, n in zip(piece["at"], piece["shape"]))
             compact[where] = data.reshape(piece["shape"])
+            filled[where] = True
+    gaps = [(n - 1) // 2 if first["summarized"] and n != full else None
+            for n, full in zip(first["compact"], first["shape"])]
+    for axis, gap in enumerate(gaps):  # (numpy's "..." stands there: nothing to fill)
+        if gap is not None:
+            index = [slice(None)] * len(gaps)
+            index[axis] = gap
+            filled[tuple(index)] = True
+    if not filled.all():
+        raise Incomplete("the ranks' parts do not cover the printed form")
     options = dict(first["options"])
     if first["summarized"]:
         options["threshold"] = 0  # (the gaps stand for what numpy leaves out)
@@ -67,11 +83,16 @@ class GlobalValue(NDArrayOperatorsMixin):
     """A cell's ``Out[n]``: prints as jax prints the array; numpy when used as one."""
 
     def __init__(self, shown: str, shape: tuple, dtype, fetch: Callable[[], np.ndarray],
-                 received: int) -> None:
+                 received: int, ranks: list[int]) -> None:
         self._shown, self.shape = shown, tuple(shape)
         self.dtype = _numpy_dtype(dtype) if isinstance(dtype, str) else dtype
-        self._fetch, self._value = fetch, None
-        self.received = received  # bytes the ranks sent for the printed form
+        self._fetch, self._value, self._ranks = fetch, None, list(ranks)
+        self.received = received  # bytes of array data the ranks sent for the printed form
+
+    # (known without fetching: a variable inspector asks for these)
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape)))
+    nbytes = property(lambda self: self.size * self.dtype.itemsize)
 
     @property
     def value(self) -> np.ndarray:
@@ -81,29 +102,41 @@ class GlobalValue(NDArrayOperatorsMixin):
         return self._value
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"text/plain": self._shown}
+        return {"text/plain": self._shown}, {"spmd": {"ranks": self._ranks}}
 
     def __repr__(self) -> str:
         return self._shown
 
     def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.value, dtype=dtype)
+        return np.array(self.value, dtype=dtype, copy=True if copy else None)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        inputs = tuple(i.value if isinstance(i, GlobalValue) else i for i in inputs)
-        return getattr(ufunc, method)(*inputs, **kwargs)
+        def plain(x):
+            return x.value if isinstance(x, GlobalValue) else x
+
+        if "out" in kwargs:
+            kwargs["out"] = tuple(plain(o) for o in kwargs["out"])
+        return getattr(ufunc, method)(*(plain(i) for i in inputs), **kwargs)
 
     def __getitem__(self, key):
         return self.value[key]
 
     def __len__(self) -> int:
-        return self.shape[0] if self.shape else 0
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
 
     def __iter__(self):
         return iter(self.value)
 
+    def __reduce__(self):  # (pickled as the numpy value it stands for)
+        return (np.asarray, (self.value,))
+
     def __getattr__(self, name: str):
-        if name.startswith("_"):
+        if name.startswith("_") or name == "value":  # (a failed fetch must not recurse)
             raise AttributeError(name)
         return getattr(self.value, name)
 
