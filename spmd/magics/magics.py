@@ -148,7 +148,8 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             results = []   # a notebook variable, not on the ranks
         """
         if self.session is not None:  # (an export says it was left out)
-            self.session.ran.append(Ran(cell, self.shell.displayhook.prompt_count, where="notebook"))
+            count = self.shell.displayhook.prompt_count
+            self.session.ran.append(Ran(cell, count, where="notebook"))
         with self.auto.paused():
             code = self.shell.transform_cell(cell)
         tree = ast.parse(code)
@@ -213,8 +214,8 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             )
         session = self._require_session()
         say(arrays.push(session, names, self.shell.user_ns))
-        session.ran.append(Ran(export.pushed(names, self.shell.user_ns), self.shell.displayhook.prompt_count,
-                               where="push"))
+        count = self.shell.displayhook.prompt_count
+        session.ran.append(Ran(export.pushed(names, self.shell.user_ns), count, where="push"))
 
     def _no_args(self, command: str, args: list[str]) -> None:
         if args:
@@ -331,7 +332,6 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
         dead = [d.rank for d in stall.deaths] if stall is not None else []
         raise RankErrors(errors, sorted(run.cells), notes, details, hints, dead)
-
 
     def _global_value(self, session: Session, parts: dict[int, dict]) -> values.GlobalValue:
         """A result that is one jax.Array over several processes, printed once as jax prints
