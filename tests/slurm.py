@@ -7,6 +7,7 @@ already run; every daemon is started here and ended by its handle. Jobs run as r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -126,6 +127,19 @@ class Slurm:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} was not ready within {timeout:.0f} s")
             time.sleep(0.1)
+
+    @contextlib.contextmanager
+    def as_default(self):
+        """This Slurm as the one Slurm's commands find (``SLURM_CONF``), in the block."""
+        before = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = self.conf
+        try:
+            yield self
+        finally:
+            if before is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = before
 
     def jobs(self) -> str:
         return subprocess.run(["squeue", "-h"], capture_output=True, text=True,

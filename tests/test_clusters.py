@@ -586,16 +586,8 @@ def slurm():
     reason = slurm_why_not()
     if reason:
         pytest.skip(f"no Slurm here: {reason}")
-    with Slurm() as made:
-        before = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = made.conf  # sbatch and scancel find this cluster
-        try:
-            yield made
-        finally:
-            if before is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = before
+    with Slurm() as made, made.as_default():  # (sbatch and scancel find this cluster)
+        yield made
 
 
 def test_slurm_psum_with_ranks_from_srun_and_sbatch_options(fresh, slurm):
@@ -698,16 +690,8 @@ def nodes(hosts):
     reason = slurm_why_not() or (None if shutil.which("nsenter") else "nsenter is missing")
     if reason:
         pytest.skip(f"no Slurm here: {reason}")
-    with HostsSlurm(hosts) as made:
-        before = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = made.conf
-        try:
-            yield made
-        finally:
-            if before is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = before
+    with HostsSlurm(hosts) as made, made.as_default():
+        yield made
 
 
 PLACED = "print(socket.gethostname(), os.environ['SLURM_NODEID'], os.environ['SLURM_PROCID'], rank)"

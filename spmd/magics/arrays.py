@@ -18,6 +18,7 @@ from spmd import picture
 from spmd.cluster.lockstep import rank_words
 from spmd.cluster.session import Session
 from spmd.engine import shards
+from spmd.magics.values import numpy_dtype
 
 ANSWER_SECONDS = 30.0
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -158,7 +159,7 @@ def _put_together(expr: str, answers: dict[int, list]):
 
 def _assemble(expr: str, layout: dict, answers: dict[int, list]) -> np.ndarray:
     """One numpy array from the pieces the ranks of ``answers`` sent."""
-    out = np.empty(layout["shape"], dtype=_numpy_dtype(layout["dtype"]))
+    out = np.empty(layout["shape"], dtype=numpy_dtype(layout["dtype"]))
     covered = 0
     for answer in answers.values():
         for (starts, stops), data in zip(answer[0]["pieces"], answer[1:]):
@@ -217,7 +218,7 @@ def placeholder_hint(session: Session, cell: str, printed: list[str]) -> str:
     with the ways to see its value ('' when none printed one)."""
     if not any(_PLACEHOLDER.search(text) for text in printed):
         return ""
-    names = _names_in_cell(cell)
+    names = _names_in(cell)
     try:
         found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
     except Exception:  # only a hint: without it, the generic sentence
@@ -225,29 +226,13 @@ def placeholder_hint(session: Session, cell: str, printed: list[str]) -> str:
     return _ways_out(found[0] if found else "NAME")
 
 
-def _names_in_cell(cell: str) -> list[str]:
+def _names_in(code: str) -> list[str]:
+    """The names a line (or a cell) uses, in order."""
     try:
-        tree = ast.parse(cell)
+        tree = ast.parse(code.strip())
     except SyntaxError:
         return []
     return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
-
-
-def _names_in(line: str) -> list[str]:
-    try:
-        tree = ast.parse(line.strip())
-    except SyntaxError:
-        return []
-    return list(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
-
-
-def _numpy_dtype(name: str):
-    try:
-        return np.dtype(name)
-    except TypeError:  # bfloat16 and friends: numpy knows them once ml_dtypes is imported
-        import ml_dtypes  # noqa: F401  (installed with jax)
-
-        return np.dtype(name)
 
 
 def push(session: Session, names: list[str], namespace: dict) -> str:

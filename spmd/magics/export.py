@@ -247,7 +247,7 @@ class Job:
             self.known |= defined_names(ran.code)
             return f"{head}\n# (%spmd push: from the notebook)\n{ran.code}"
         cell = plain(ran.code, self.known)
-        self.known |= defined_names(cell.code)
+        self.known = cell.known  # (with the names this cell defines)
         self.imports |= cell.imports
         code = _printed_value(cell.code) if ran.showed_value else cell.code
         if "display(" in code and "import display" not in code:

@@ -317,7 +317,7 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             if spanning:
                 try:
                     return self._global_value(session, spanning)
-                except (values.Incomplete, ValueError, TypeError):  # (jax's placeholders)
+                except (ValueError, TypeError):  # (values.Incomplete; print options)
                     pass
             return RankResults.of(results, n)  # (a label where not every rank returned it)
         for group in results:  # the cell fails: what did return is shown, not returned

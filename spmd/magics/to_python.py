@@ -149,12 +149,12 @@ def _cell_magic(line: str, body: str, out: PlainCell) -> str:
 
 def _lines(code: str, out: PlainCell) -> str:
     """Line magics and shell escapes turned into Python; every other line as written."""
-    if out.known is not None:
-        out.known |= defined_names(_python_only(code))
     try:
         python = TransformerManager().transform_cell(code)
     except SyntaxError:  # (IPython could not read it either: the rank raised, so did we)
         return code
+    if out.known is not None:
+        out.known |= defined_names(python)
     before, after = code.splitlines(), python.splitlines()
     lines: list[str] = []
     for op, b0, b1, a0, a1 in difflib.SequenceMatcher(None, before, after,
@@ -207,14 +207,6 @@ def _statement_magic(tree: ast.Module, out: PlainCell) -> str | None:
         key, _, value = arg.strip().replace("=", " ", 1).partition(" ")
         return f"os.environ[{key!r}] = {value.strip()!r}"
     return None
-
-
-def _python_only(code: str) -> str:
-    """``code`` with IPython's escapes made Python (for reading the names it defines)."""
-    try:
-        return TransformerManager().transform_cell(code)
-    except SyntaxError:
-        return code
 
 
 class _NoPython(Exception):

@@ -42,7 +42,7 @@ class Incomplete(ValueError):
 def text(parts: list[dict]) -> str:
     """The array as jax prints it in one process, from the ranks' parts. Raises Incomplete."""
     first = parts[0]
-    dtype = _numpy_dtype(first["dtype"])
+    dtype = numpy_dtype(first["dtype"])
     compact = np.zeros(first["compact"], dtype=dtype)
     filled = np.zeros(first["compact"], dtype=bool)
     for part in parts:
@@ -85,7 +85,7 @@ class GlobalValue(NDArrayOperatorsMixin):
     def __init__(self, shown: str, shape: tuple, dtype, fetch: Callable[[], np.ndarray],
                  received: int, ranks: list[int]) -> None:
         self._shown, self.shape = shown, tuple(shape)
-        self.dtype = _numpy_dtype(dtype) if isinstance(dtype, str) else dtype
+        self.dtype = numpy_dtype(dtype) if isinstance(dtype, str) else dtype
         self._fetch, self._value, self._ranks = fetch, None, list(ranks)
         self.received = received  # bytes of array data the ranks sent for the printed form
 
@@ -141,7 +141,8 @@ class GlobalValue(NDArrayOperatorsMixin):
         return getattr(self.value, name)
 
 
-def _numpy_dtype(name: str):
+def numpy_dtype(name: str):
+    """numpy's dtype of that name (bfloat16 and friends too)."""
     try:
         return np.dtype(name)
     except TypeError:  # bfloat16 and friends: numpy knows them once ml_dtypes is imported
