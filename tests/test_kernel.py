@@ -86,15 +86,17 @@ class TestSpmdKernelProtocol(jupyter_kernel_test.KernelTests):
 
 
 def rank_engines(procs) -> list:
-    """The engines among ``procs`` that are ranks (not the rank server that
-    forks them and whose command line they keep; see %spmd status)."""
-    return [
+    """The engines among ``procs`` that are ranks: not the rank server that forks them and
+    whose command line they keep (see %spmd status), and not a process a rank forked a moment
+    ago to run a command, which has its rank's name and command line until it execs."""
+    engines = [
         p
         for p in procs
         if "spmd.engine" in " ".join(p.cmdline())
-        and p.environ().get("SPMD_STANDBY") != "1"
         and (p.name().startswith("spmd-rank") or "spmd.engine.server" not in p.cmdline())
     ]
+    pids = {p.pid for p in engines}
+    return [p for p in engines if p.ppid() not in pids]
 
 
 def test_a_first_cell_with_spmd_start_gets_that_cluster_never_two():
