@@ -47,6 +47,14 @@ INTERNALS = [
              "control-channel requests to ranks (control.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._control_stream", "notebook",
              "control-channel requests to ranks (control.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._query_socket", "notebook",
+             "the controller's list of engines, for one whose announcement was missed "
+             "(client.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._update_engines", "notebook",
+             "the controller's list of engines, for one whose announcement was missed "
+             "(client.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._io_loop", "notebook",
+             "the IO thread that owns the client's engine tables (client.py)"),
     Internal("ipyparallel", "ipyparallel.client.client", "unpack_message", "notebook",
              "the decorator of Client._dispatch_iopub (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Cluster._in_thread", "notebook",

@@ -150,21 +150,21 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
 
 def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
     # (the hosts share this machine's files, but not its /tmp: the script goes in theirs)
-    out = run(fresh, ssh_start(hosts, n=2))
+    out = run(fresh, ssh_start(hosts, n=4))
     assert out.error is None, out.stdout + out.stderr
     assert run(fresh, SETUP).error is None
     assert run(fresh, "print('export', socket.gethostname(), rank, psum(jnp.ones(1)))").error is None
-    printed = sorted(line for r in range(2) for line in magics(fresh).session.logs.read(r)[0]
+    printed = sorted(line for r in range(4) for line in magics(fresh).session.logs.read(r)[0]
                      .splitlines() if line.startswith("export "))
     out = run(fresh, f"%spmd export {hosts.folder}/job.py")
     assert out.error is None, out.error
-    assert "Run it with: bash job.sh" in out.stdout and "for host_count in node1:1 node2:1" in out.stdout
+    assert "Run it with: bash job.sh" in out.stdout and "for host_count in node1:2 node2:2" in out.stdout
     run(fresh, "%spmd stop")
     job = subprocess.run(["bash", "job.sh"], cwd=hosts.folder, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONUNBUFFERED=""))
     assert job.returncode == 0, job.stdout + job.stderr
     assert sorted(line for line in job.stdout.splitlines() if line.startswith("export ")) == printed
-    assert printed == ["export node1 0 [2.]", "export node2 1 [2.]"]
+    assert printed[0] == "export node1 0 [4.]" and printed[-1] == "export node2 3 [4.]"
     assert nothing_left_on(hosts) == []
 
 

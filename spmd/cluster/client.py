@@ -12,12 +12,14 @@ started prints on, under that cell's id, and each such message makes the entry a
   ``late``, for the next cell to show and the rank's log to keep, and leave no entry behind.
 
 Runs on ipyparallel's IO thread; ``late`` is the only thing it shares with the main thread
-(a queue).
+(a queue). ``sync_engines`` is called from the start's thread and hands its update of the
+engine tables to the IO thread.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 
 import ipyparallel
 from ipyparallel.client.client import unpack_message
@@ -80,6 +82,30 @@ class SpmdClient(ipyparallel.Client):
             if len(self.late) == LATE_KEPT:
                 self.late_dropped += 1
             self.late.append((engine_id, kind, msg["content"]))
+
+    def sync_engines(self, timeout: float = 5.0) -> None:
+        """Ask the controller which engines have registered, and add any this client missed.
+
+        ipyparallel's client learns of the engines once from its connection reply, then from
+        notifications on a SUB socket that it connects after that reply. An engine whose
+        registration completes in between (the subscription takes tens of ms to hold, longer
+        with CurveZMQ to another host) is never announced to it: its rank looked unregistered
+        until the start timed out, though the controller had it. The update runs on the IO
+        thread, which owns the engine tables."""
+        future = self._send(self._query_stream, "connection_request")
+        if not future.wait(timeout):
+            return  # (a controller this slow: the caller's own deadline decides)
+        engines = future.result()["content"].get("engines", {})
+        updated = threading.Event()
+
+        def update() -> None:
+            try:
+                self._update_engines(engines)
+            finally:
+                updated.set()
+
+        self._io_loop.add_callback(update)
+        updated.wait(timeout)
 
     def _engine(self, uuid: str | None) -> int | None:
         try:

@@ -70,6 +70,10 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
 
 
 
+# While ranks are missing, the controller is asked this often which engines it has: the
+# client can miss one's announcement (SpmdClient.sync_engines).
+SYNC_ENGINES_S = 1.0
+
 # How rank 0 says its coordinator's port was taken: jax raises the first when the join fails
 # on its thread; the second is gRPC's own line when the engine exits before it registered.
 PORT_TAKEN = ("Failed to start RPC server", "Failed to add port to server")
@@ -253,8 +257,12 @@ class Startup:
         fails the start at once, not after the whole timeout."""
         s, client = self.settings, self.client
         deadline = time.monotonic() + s.start_timeout
-        registered = -1
+        registered, synced = -1, time.monotonic()
         while missing := sorted(set(engine_ids) - set(client.ids)):
+            if time.monotonic() - synced > SYNC_ENGINES_S:
+                client.sync_engines()  # (one whose announcement this client missed)
+                synced = time.monotonic()
+                continue
             if s.n - len(missing) != registered:
                 registered = s.n - len(missing)
                 self._tell("registered", registered, s.n)
