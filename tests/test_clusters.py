@@ -4,11 +4,13 @@ checks that nothing is left on any host after it."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -156,6 +158,8 @@ def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
     assert run(fresh, "print('export', socket.gethostname(), rank, psum(jnp.ones(1)))").error is None
     printed = sorted(line for r in range(4) for line in magics(fresh).session.logs.read(r)[0]
                      .splitlines() if line.startswith("export "))
+    linger = f"{hosts.folder}/linger"  # (the job waits there once this file exists)
+    assert run(fresh, f"time.sleep(600 if os.path.exists({linger!r}) else 0)").error is None
     out = run(fresh, f"%spmd export {hosts.folder}/job.py")
     assert out.error is None, out.error
     assert "Run it with: bash job.sh" in out.stdout and "for host_count in node1:2 node2:2" in out.stdout
@@ -166,6 +170,34 @@ def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
     assert sorted(line for line in job.stdout.splitlines() if line.startswith("export ")) == printed
     assert printed[0] == "export node1 0 [4.]" and printed[-1] == "export node2 3 [4.]"
     assert nothing_left_on(hosts) == []
+    # ^C in the terminal that runs the job (SIGINT to its process group) ends the processes
+    # on the hosts too, though ssh gave them no terminal.
+    open(linger, "w").close()
+    job = subprocess.Popen(["bash", "job.sh"], cwd=hosts.folder, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := job_processes_on(hosts)) < 4:
+            assert time.monotonic() < deadline and job.poll() is None, ranks
+            time.sleep(0.1)
+        time.sleep(1)  # (into their start, or their wait)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert nothing_left_on(hosts) == []
+
+
+def job_processes_on(hosts: Hosts) -> list[int]:
+    """The exported job's processes running in the hosts' namespaces."""
+    found = []
+    for pid in running_on(hosts):
+        with contextlib.suppress(psutil.Error):
+            if any(arg.endswith("job.py") for arg in psutil.Process(pid).cmdline()):
+                found.append(pid)
+    return found
 
 
 def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):

@@ -343,21 +343,31 @@ class Job:
         ssh = shlex.join([*(shlex.split(user_args.get("ssh_cmd", "")) or ["ssh"]),
                           *shlex.split(user_args.get("ssh_args", "")), "-o", "BatchMode=yes"])
         spread = " ".join(f"{h}:{c}" for h, c in w.hosts)
-        remote = (f"cd $(printf %q \"$PWD\") && RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} "
-                  f"MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT exec "
-                  f"{shlex.quote(self.python)} {shlex.quote(script)}")
+        # There, the process runs beside a watcher of the ssh connection's input: without a
+        # terminal, a process whose ssh ended (^C here, or a failed rank) would run on; its
+        # input ends with the connection, and the watcher ends it (SIGKILL after 3 s: jax's
+        # own SIGTERM handler only notes a preemption). (The watcher reads a copy, fd 4: a
+        # background command's own input is /dev/null. The process becomes the shell, $$.)
+        remote = ("cd $(printf %q \"$PWD\") || exit; exec 4<&0; "
+                  "(cat <&4; kill \\$\\$ && sleep 3 && kill -9 \\$\\$) >/dev/null 2>&1 & "
+                  f"RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} MASTER_ADDR=$MASTER_ADDR "
+                  f"MASTER_PORT=$MASTER_PORT exec {shlex.quote(self.python)} "
+                  f"{shlex.quote(script)} </dev/null 4<&-")
         return _bash(
             [f"# {os.path.basename(script)} as {n} processes over ssh ({spread}), as %spmd start "
              "placed them.",
              "# Every host needs the script and the Python at the same paths (shared storage)."]
             + before
             + [f"export MASTER_ADDR={self._master()} MASTER_PORT={port}",
+               "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
+               "# background command's own input is /dev/null, which ends at once)",
+               'pipe=$(mktemp -u) && mkfifo -m 600 "$pipe" && exec 3<>"$pipe" && rm -f "$pipe"',
                "pids=()",
                "rank=0",
                f"for host_count in {spread}; do",
                "  host=${host_count%:*}",
                "  for ((local_rank = 0; local_rank < ${host_count##*:}; local_rank++)); do",
-               f'    {ssh} "$host" "{remote}" &',
+               f'    {ssh} "$host" "{remote}" <&3 &',
                "    pids+=($!)",
                "    rank=$((rank + 1))",
                "  done",
