@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import types
 
@@ -321,3 +322,42 @@ def test_torch_nccl_without_a_gpu_names_the_rank_and_host():
     torch, dist, _ = _stand_in_torch(gpus=0)
     with pytest.raises(torch_group.TorchSetupError, match="rank 2 on node1 sees none"):
         torch_group._check_backend(torch, dist, "nccl", 2, 0, False, "node1")
+
+
+def test_a_dtensor_as_a_cells_value_is_shown_once_as_one_process_prints_it(cluster, monkeypatch):
+    """A DTensor as the cell's value is the whole tensor, as torch prints it in one process
+    (summarized corners for a big one, only they travel), under one line that says what it
+    is; Out[n] is its value, fetched when used. Partial ones stay per rank."""
+    import torch
+
+    assert run(cluster, DTENSORS).error is None
+    full = torch.arange(12.).reshape(6, 2)
+    for name in ("rows", "cols", "same"):
+        out = run(cluster, name)
+        assert out.error is None, report(out)
+        assert out.texts == [repr(full)], (name, out.texts)
+        spec = {"rows": "Shard(dim=0)", "cols": "Shard(dim=1)", "same": "Replicate()"}[name]
+        assert out.stdout == f"(one DTensor over 2 processes: mesh dp=2, ({spec}))\n"
+    big = torch.arange(200 * 300, dtype=torch.float64).reshape(200, 300) / 7
+    out = run(cluster, "big = distribute_tensor(torch.arange(200 * 300, dtype=torch.float64)"
+                       ".reshape(200, 300) / 7, mesh, [Shard(1)])\nbig")
+    assert out.error is None, report(out)
+    assert out.texts == [repr(big)]
+    assert "..." in out.texts[0]
+    assert cluster.user_ns["_"].received == 36 * 8  # (the corners, 6×6 float64, not 480 kB)
+    local = run(cluster, "%%local\nimport numpy as np\nprint(float(np.asarray(_).sum()), _.shape)")
+    assert local.stdout == f"{float(big.sum())} (200, 300)\n", local.stdout + local.stderr
+    out = run(cluster, "w = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()\nw")
+    assert out.texts == [repr(full.clone().requires_grad_())]
+    out = run(cluster, "w * 2")
+    assert out.texts == [repr(full.clone().requires_grad_() * 2)]
+    out = run(cluster, "parts")  # (each rank holds a part of a sum: as torch prints it there)
+    assert "(one DTensor" not in out.stdout
+    assert out.texts[0].startswith("DTensor(local_tensor=tensor([1., 1.])")
+    assert "Partial(sum)" in out.texts[0]
+    # where the notebook's Python cannot print torch tensors, each rank's DTensor as it is
+    monkeypatch.setitem(sys.modules, "torch._tensor_str", None)
+    out = run(cluster, "rows")
+    assert out.error is None and out.stdout == ""
+    assert out.texts[0].startswith("[rank 0]\nDTensor(local_tensor=tensor([[0., 1.],"), out.texts
+    assert "\n[rank 1]\nDTensor(local_tensor=tensor([[ 6.,  7.]," in out.texts[0], out.texts

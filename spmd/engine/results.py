@@ -1,4 +1,5 @@
-"""On a rank: a cell's value that is one jax.Array over several processes, shown once.
+"""On a rank: a cell's value that is one jax.Array (or torch DTensor) over several processes,
+shown once.
 
 jax prints such an array as a placeholder (``Array(shape=(16,), dtype=float32)``) because no
 process holds all of it. As a cell's result, each rank sends the notebook what it holds of the
@@ -8,6 +9,9 @@ jax's placeholder; the notebook puts the parts together and prints the array as 
 in one process (spmd.magics.values). No collective runs: it is the same data path as
 ``%spmd gather``, bounded by what the printed form needs. Arrays each process holds whole, and
 fully replicated ones, print as jax prints them.
+
+A torch DTensor is the same, with torch's print options, and printed in the notebook by torch
+(where torch is not installed there, each rank's DTensor is shown as torch prints it).
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ _OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "flo
 
 
 def install(shell) -> None:
-    """Show process-spanning jax.Arrays once (jax imported now, or by a later cell)."""
+    """Show process-spanning jax.Arrays and torch DTensors once (their library imported now,
+    or by a later cell)."""
     formatter = shell.display_formatter.mimebundle_formatter
     jax = sys.modules.get("jax")
     if jax is not None:
         formatter.for_type(jax.Array, _bundle)
     else:  # (by the concrete class's name, looked up once a value of it is shown)
         formatter.for_type_by_name("jaxlib._jax", "ArrayImpl", _bundle)
+    formatter.for_type_by_name("torch.distributed.tensor", "DTensor", _torch_bundle)
 
 
 def _layout_words(sharding) -> str:
@@ -111,4 +117,72 @@ def _parts(x) -> dict | None:
         "pieces": pieces,
         "count": get_ipython().displayhook.prompt_count,  # (this rank's Out[count])
         "token": id(x),  # (and that it is still this array there: see shards.fetch_shown)
+    }}
+
+
+# torch's print options that decide its printed form (torch._tensor_str.PRINT_OPTS)
+_TORCH_OPTIONS = ("precision", "threshold", "edgeitems", "linewidth", "sci_mode")
+
+
+def _torch_bundle(x, include=None, exclude=None) -> dict | None:
+    try:
+        return _torch_parts(x)
+    except Exception:  # (a DTensor of a kind this does not know: torch's own repr)
+        return None
+
+
+def _torch_parts(x) -> dict | None:
+    """What this rank holds of the part torch's printed form of DTensor ``x`` shows, as the
+    whole tensor would print in one process (``tensor([...])``)."""
+    import torch
+    import torch.distributed as dist
+    from torch._tensor_str import PRINT_OPTS
+
+    from spmd.engine import torch_shards
+
+    if any(p.is_partial() for p in x.placements) or x.numel() == 0:
+        return None  # (Partial: each rank holds a part of a sum; no block to show)
+    options = {k: getattr(PRINT_OPTS, k) for k in _TORCH_OPTIONS}
+    summarize = x.numel() > options["threshold"]
+    edge = max(1, options["edgeitems"])
+    axes = [_corner_ranges(n, edge, summarize) for n in x.shape]
+    compact = [2 * edge + 1 if len(r) == 2 else n for r, n in zip(axes, x.shape)]
+    if int(torch.Size(compact).numel()) * x.element_size() > MAX_BYTES:
+        return None
+    info = torch_shards.layout(x, dist.get_rank())
+    local = x.to_local().detach()
+    pieces = []
+    for _, _, starts, stops, replica in info["blocks"]:
+        if replica != 0:
+            continue
+        for parts in itertools.product(*axes):
+            lo = [max(a, s) for (a, _, _), s in zip(parts, starts)]
+            hi = [min(b, e) for (_, b, _), e in zip(parts, stops)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            data = local[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, starts))]
+            data = data.cpu().contiguous().reshape(-1).view(torch.uint8)
+            at = [c + a - p for (p, _, c), a in zip(parts, lo)]
+            pieces.append({"at": at, "shape": [b - a for a, b in zip(lo, hi)],
+                           "data": base64.b64encode(data.numpy().tobytes()).decode()})
+    from IPython import get_ipython
+
+    grad_fn = type(x.grad_fn).__name__ if x.grad_fn is not None else None
+    return {MIME: {
+        "library": "torch",
+        "shape": list(x.shape),
+        "dtype": torch_shards._dtype(x),
+        "requires_grad": bool(x.requires_grad and grad_fn is None),
+        "grad_fn": grad_fn,
+        "sharding": info["sharding"],
+        "layout": f"mesh {', '.join(f'{k}={v}' for k, v in info['mesh'].items())}, "
+                  f"{info['spec']}",
+        "processes": len(info["devices"]),
+        "devices": len(info["devices"]),
+        "compact": compact,
+        "summarized": summarize,
+        "options": options,
+        "pieces": pieces,
+        "count": get_ipython().displayhook.prompt_count,
+        "token": id(x),
     }}

@@ -334,9 +334,9 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
         raise RankErrors(errors, sorted(run.cells), notes, details, hints, dead)
 
     def _global_value(self, session: Session, parts: dict[int, dict]) -> values.GlobalValue:
-        """A result that is one jax.Array over several processes, printed once as jax prints
-        it in one process, under a line that says what it is; ``Out[n]`` turns into its
-        value as numpy when used as an array."""
+        """A result that is one jax.Array (or DTensor) over several processes, printed once as
+        jax (or torch) prints it in one process, under a line that says what it is; ``Out[n]``
+        turns into its value as numpy when used as an array."""
         label = f"Out[{self.shell.displayhook.prompt_count}]"
         shown = {rank: (part["count"], part["token"]) for rank, part in parts.items()}
         first = next(iter(parts.values()))

@@ -1,4 +1,5 @@
-"""A cell's value that is one jax.Array over several processes, shown once in the notebook.
+"""A cell's value that is one jax.Array (or torch DTensor) over several processes, shown once
+in the notebook.
 
 Each rank sends what it holds of the part jax's printed form shows (spmd.engine.results);
 here the parts become one small array laid out as numpy prints the whole (a gap where numpy
@@ -40,26 +41,14 @@ class Incomplete(ValueError):
 
 
 def text(parts: list[dict]) -> str:
-    """The array as jax prints it in one process, from the ranks' parts. Raises Incomplete."""
+    """The array as jax prints it in one process (a DTensor: as torch prints the whole
+    tensor), from the ranks' parts. Raises Incomplete."""
     first = parts[0]
+    if first.get("library") == "torch":
+        return _torch_text(parts)
     dtype = numpy_dtype(first["dtype"])
     compact = np.zeros(first["compact"], dtype=dtype)
-    filled = np.zeros(first["compact"], dtype=bool)
-    for part in parts:
-        for piece in part["pieces"]:
-            data = np.frombuffer(base64.b64decode(piece["data"]), dtype=dtype)
-            where = tuple(slice(a, a + n) for a, n in zip(piece["at"], piece["shape"]))
-            compact[where] = data.reshape(piece["shape"])
-            filled[where] = True
-    gaps = [(n - 1) // 2 if first["summarized"] and n != full else None
-            for n, full in zip(first["compact"], first["shape"])]
-    for axis, gap in enumerate(gaps):  # (numpy's "..." stands there: nothing to fill)
-        if gap is not None:
-            index = [slice(None)] * len(gaps)
-            index[axis] = gap
-            filled[tuple(index)] = True
-    if not filled.all():
-        raise Incomplete("the ranks' parts do not cover the printed form")
+    _fill(parts, compact, lambda raw: np.frombuffer(raw, dtype=dtype))
     options = dict(first["options"])
     if first["summarized"]:
         options["threshold"] = 0  # (the gaps stand for what numpy leaves out)
@@ -73,8 +62,55 @@ def text(parts: list[dict]) -> str:
     return f"{prefix}{s},{sep}{dtype_str})"
 
 
+def _fill(parts: list[dict], compact, decode: Callable) -> None:
+    """Lay the ranks' pieces into ``compact`` (numpy or torch), where numpy's and torch's
+    printed form shows them. Raises Incomplete where they leave a hole."""
+    first = parts[0]
+    filled = np.zeros(first["compact"], dtype=bool)
+    for part in parts:
+        for piece in part["pieces"]:
+            data = decode(base64.b64decode(piece["data"]))
+            where = tuple(slice(a, a + n) for a, n in zip(piece["at"], piece["shape"]))
+            compact[where] = data.reshape(piece["shape"])
+            filled[where] = True
+    gaps = [(n - 1) // 2 if first["summarized"] and n != full else None
+            for n, full in zip(first["compact"], first["shape"])]
+    for axis, gap in enumerate(gaps):  # ("..." stands there: nothing to fill)
+        if gap is not None:
+            index = [slice(None)] * len(gaps)
+            index[axis] = gap
+            filled[tuple(index)] = True
+    if not filled.all():
+        raise Incomplete("the ranks' parts do not cover the printed form")
+
+
+def _torch_text(parts: list[dict]) -> str:
+    """A DTensor as torch prints the whole tensor in one process: by torch itself."""
+    try:
+        import torch
+        from torch._tensor_str import printoptions
+    except ImportError:
+        raise Incomplete("torch is not installed where the notebook runs") from None
+    first = parts[0]
+    dtype = getattr(torch, first["dtype"])
+    compact = torch.zeros(first["compact"], dtype=dtype)
+    _fill(parts, compact, lambda raw: torch.frombuffer(bytearray(raw), dtype=dtype))
+    options = dict(first["options"])
+    if first["summarized"]:
+        options["threshold"] = 0  # (the gaps stand for what torch leaves out)
+    if first["requires_grad"]:
+        compact.requires_grad_(True)
+    with printoptions(**options):
+        shown = repr(compact)
+    if first["grad_fn"]:  # (torch's suffix for a tensor a graph made)
+        shown = f"{shown[:-1]}, grad_fn=<{first['grad_fn']}>)"
+    return shown
+
+
 def about(part: dict) -> str:
     """One line: what the array is, beside its value."""
+    if part.get("library") == "torch":  # (a DTensor: one device per process)
+        return f"(one DTensor over {part['processes']} processes: {part['layout']})"
     return (f"(one array over {part['processes']} processes, {part['devices']} devices: "
             f"{part.get('layout') or part['sharding']})")
 
