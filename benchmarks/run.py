@@ -294,6 +294,28 @@ class Bench:
         finally:
             self.cell("%spmd stop")
 
+    def dtensor_value_cells(self, cells: int) -> None:
+        """A cell whose value is one torch DTensor over 4 processes (8x4, and 2048x2048:
+        only its printed corners travel), beside the same cell ending in None."""
+        self.cell("%spmd start -n 4 --backend torch")
+        self.cell(
+            "import torch\n"
+            "from torch.distributed.device_mesh import init_device_mesh\n"
+            "from torch.distributed.tensor import distribute_tensor, Shard\n"
+            "mesh = init_device_mesh('cpu', (4,))\n"
+            "small = distribute_tensor(torch.arange(32.).reshape(8, 4), mesh, [Shard(0)])\n"
+            "big = distribute_tensor(torch.ones(2048, 2048), mesh, [Shard(1)])"
+        )
+        try:
+            for _ in range(cells):
+                for name, code in (("dtensor_none", "small; None"), ("dtensor_8x4", "small"),
+                                   ("dtensor_2048sq", "big")):
+                    t0 = time.perf_counter()
+                    self.cell(code)
+                    self.record(f"value_cell/{name}", time.perf_counter() - t0)
+        finally:
+            self.cell("%spmd stop")
+
     def panel_while_running(self, rounds: int) -> None:
         """A one-second cell with the live panel updating 4 times a second, and without."""
         self.cell("%spmd start -n 4 --backend none")
@@ -425,6 +447,8 @@ TARGETS = [
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
     ("value_cell/global_8x4", "value_cell/none", None, ""),
     ("value_cell/global_8192sq", "value_cell/none", None, ""),
+    ("value_cell/dtensor_8x4", "value_cell/dtensor_none", None, ""),
+    ("value_cell/dtensor_2048sq", "value_cell/dtensor_none", None, ""),
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
     ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
@@ -527,6 +551,8 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
         bench.per_cell(n, cells)
     print("a global array as a cell's value", file=sys.stderr, flush=True)
     bench.value_cells(cells=20 if quick else 50)
+    if _has_torch():
+        bench.dtensor_value_cells(cells=20 if quick else 50)
     print("the panel on a one-second cell", file=sys.stderr, flush=True)
     bench.panel_while_running(rounds=2 if quick else 5)
     print("a million lines", file=sys.stderr, flush=True)
