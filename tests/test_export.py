@@ -188,8 +188,9 @@ def test_export_all_cells_keeps_the_failed_one_with_its_comment(module_shell, fo
 
 
 def test_export_shares_gpus_as_the_cluster_did(tmp_path):
-    """The start-up a Slurm job runs: each task's own GPUs, from its local rank (run for
-    real, with Slurm's variables as srun sets them, on ranks that had 2 GPUs each)."""
+    """The start-up a Slurm job runs: each task's own GPUs, from its local rank, unless Slurm
+    showed it only its own (run for real, with Slurm's variables as srun sets them, on ranks
+    that had 2 GPUs each)."""
     from spmd.cluster.ranks import Ran, Rank, Settings
     from spmd.cluster.remote import Placement
     from spmd.magics.export import Job
@@ -198,11 +199,16 @@ def test_export_shares_gpus_as_the_cluster_did(tmp_path):
     ranks = [Rank(r, r, gpus=[str(2 * (r % 2)), str(2 * (r % 2) + 1)]) for r in range(4)]
     job = Job(settings, "slurm", ranks, str(tmp_path / "gpus.py"))
     script = job.script([Ran("print(rank, world_size, os.environ['CUDA_VISIBLE_DEVICES'])")])
-    env = dict(os.environ, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "3 4 2,3\n"
+    # (what it sees: the node's 4 GPUs, its own 2 (Slurm's --gpus-per-task bound them), none)
+    for visible, its_own in (("0,1,2,3", "2,3"), ("4,6", "4,6"), (None, "2,3")):
+        env = dict(os.environ, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == f"3 4 {its_own}\n", visible
 
 
 TORCH_CELLS = [
@@ -330,3 +336,24 @@ def test_every_kind_of_cell_leaves_a_script_that_compiles(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.stdout == "42\nafter 2\n", done.stdout + done.stderr
+
+
+def test_cells_that_read_the_notebooks_own_names_are_flagged(tmp_path):
+    """Out, In and get_ipython() are the notebook's: a cell that reads one is flagged (a magic
+    the export translated is not, nor a name the script itself defines)."""
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    job = Job(Settings(n=2, backend="none"), "local", [Rank(r, r) for r in range(2)],
+              str(tmp_path / "names.py"))
+    script = job.script([
+        Ran("x = 6 * 7", count=1),
+        Ran("y = Out[1] + len(In)", count=2),
+        Ran("get_ipython().user_ns['z'] = 1", count=3),
+        Ran("%env GREETING=hi\n!echo $GREETING", count=4),
+        Ran("Out = {1: x}\nprint(Out[1])", count=5),
+    ])
+    assert job.notebook == ["In [2] (In, Out)", "In [3] (get_ipython())"]
+    assert "# needs the notebook: In, Out (a script has no IPython): write the value it reads " \
+           "here.\ny = Out[1] + len(In)" in script
+    compile(script, "names.py", "exec")

@@ -82,6 +82,7 @@ class Job:
     imports: set[str] = field(default_factory=lambda: {"os"})
     left_out: list[str] = field(default_factory=list)  # 'In [4] (ZeroDivisionError on rank 1)'
     person: list[str] = field(default_factory=list)  # 'In [6] (input() waits ...)'
+    notebook: list[str] = field(default_factory=list)  # 'In [7] (Out)'
     cells: int = 0
     # names the script has defined so far (a shell command's $name expands only for these)
     known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
@@ -160,10 +161,13 @@ class Job:
                 f"# {k} GPU{'s' if k > 1 else ''} per process, as %spmd start shared out the "
                 "host's GPUs (the ones it lets",
                 "# this job see); set before jax or torch starts: both read it once.",
+                "# (where the launcher showed this process its own already, as Slurm's "
+                "--gpus-per-task can, they stay)",
                 'host_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")',
-                f"host_gpus = host_gpus.split(\",\") if host_gpus else [str(i) for i in "
+                f'if host_gpus is None or len(host_gpus.split(",")) != {k}:',
+                f"    host_gpus = host_gpus.split(\",\") if host_gpus else [str(i) for i in "
                 f"range((local_rank + 1) * {k})]",
-                f'os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(host_gpus[local_rank * {k}:'
+                f'    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(host_gpus[local_rank * {k}:'
                 f"(local_rank + 1) * {k}])",
             ]
         both = len(self.backends) == 2
@@ -258,6 +262,10 @@ class Job:
         if cell.person:
             self.person.append(f"{label} ({cell.person.split(':')[0]})")
             notes.append(f"# needs a person: {cell.person}.")
+        if cell.notebook:
+            self.notebook.append(f"{label} ({cell.notebook})")
+            notes.append(f"# needs the notebook: {cell.notebook} (a script has no IPython): "
+                         "write the value it reads here.")
         try:
             compile(code, label, "exec")
         except SyntaxError as exc:  # (a failed cell kept, top-level await: not a script's)
@@ -475,6 +483,10 @@ def export(session, args: list[str]) -> str:
         count = len(job.person)
         lines.append(f"{count} {'cell needs' if count == 1 else 'cells need'} a person, "
                      f"flagged in the script: {', '.join(job.person)}.")
+    if job.notebook:
+        count = len(job.notebook)
+        lines.append(f"{count} {'cell reads' if count == 1 else 'cells read'} the notebook's own "
+                     f"names, flagged in the script: {', '.join(job.notebook)}.")
     lines += [f"Run it with: {job.command()}", "", launch.rstrip("\n")]
     return "\n".join(lines)
 

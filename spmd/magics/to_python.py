@@ -52,6 +52,9 @@ _PERSON_METHODS = {("getpass", "getpass"), ("pdb", "set_trace"), ("ipdb", "set_t
                    ("widgets", "interact"), ("ipywidgets", "interact"),
                    ("widgets", "interactive"), ("ipywidgets", "interactive")}
 _WIDGET_MODULES = ("ipywidgets",)
+# The notebook's own names, which a script does not have (``_`` is left alone: a script's
+# throwaway name too).
+_NOTEBOOK_NAMES = ("get_ipython", "Out", "In", "_oh", "_ih")
 _WIDGETS_NOTE = "ipywidgets wait for a person: in a job, set the values in code"
 
 
@@ -64,6 +67,7 @@ class PlainCell:
     imports: set[str] = field(default_factory=set)
     person: str = ""
     known: set[str] | None = None  # names defined before it (see plain)
+    notebook: str = ""  # the notebook's own names it reads ('Out, get_ipython()'), if any
 
 
 def plain(cell: str, known: set[str] | None = None) -> PlainCell:
@@ -80,7 +84,21 @@ def plain(cell: str, known: set[str] | None = None) -> PlainCell:
         code = _lines(cell, out)
     out.code = code.rstrip("\n") + "\n"
     out.person = needs_person(out.code)
+    out.notebook = needs_notebook(out.code, out.known or set())
     return out
+
+
+def needs_notebook(code: str, known: set[str]) -> str:
+    """Which of the notebook's own names ``code`` reads that a script lacks ('' if none):
+    ``Out[3]``, ``In``, a ``get_ipython()`` that no magic translation accounted for."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return ""
+    used = sorted({node.id for node in ast.walk(tree) if isinstance(node, ast.Name)
+                   and isinstance(node.ctx, ast.Load) and node.id in _NOTEBOOK_NAMES}
+                  - known)
+    return ", ".join(f"{n}()" if n == "get_ipython" else n for n in used)
 
 
 def needs_person(code: str) -> str:
