@@ -280,6 +280,12 @@ def test_translated_magics_run_as_plain_python(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import subprocess\nd = {'k': 'v'}\n" + shell],
                           capture_output=True, text=True, timeout=60)
     assert done.stdout == "$d {k: v} v\na\nb\n", shell + done.stdout + done.stderr
+    # a line magic's argument is expanded as IPython expands it, for names defined before
+    magics = plain("%cd -q {d}\n%env WHERE=$d\n%run {d}/w.py\n", {"d"}).code
+    (tmp_path / "w.py").write_text("import os\nprint(os.getcwd(), os.environ['WHERE'])\n")
+    done = subprocess.run([sys.executable, "-c", f"import os, runpy\nd = {str(tmp_path)!r}\n"
+                           + magics], capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.stdout == f"{tmp_path} {tmp_path}\n", magics + done.stdout + done.stderr
     # a magic with no Python form inside a block keeps the block one
     compile(plain("if x:\n    %matplotlib inline\n").code, "cell", "exec")
 

@@ -223,7 +223,8 @@ def _statement_magic(tree: ast.Module, out: PlainCell) -> str | None:
     if name == "env" and ("=" in arg or " " in arg.strip()):
         out.imports.add("os")
         key, _, value = arg.strip().replace("=", " ", 1).partition(" ")
-        return f"os.environ[{key!r}] = {value.strip()!r}"
+        # (IPython expands {expr} and $name in a line magic's argument, as in a command)
+        return f"os.environ[{key!r}] = {ast.unparse(_command(ast.Constant(value.strip()), out.known))}"
     return None
 
 
@@ -338,9 +339,10 @@ class _Escapes(ast.NodeTransformer):
             if len(words) != 1 or words[0].startswith("-"):
                 raise _NoPython(magic, "IPython's own folder history: write os.chdir(PATH)")
             self.out.imports.add("os")
+            folder = _command(ast.Constant(words[0]), self.out.known)  # (%cd {d}, as IPython)
             if words[0].startswith("~"):
-                return _call("os.chdir(os.path.expanduser({}))", ast.Constant(words[0]))
-            return _call("os.chdir({})", ast.Constant(words[0]))
+                return _call("os.chdir(os.path.expanduser({}))", folder)
+            return _call("os.chdir({})", folder)
         if name == "pwd":
             self.out.imports.add("os")
             return _call("os.getcwd()")
@@ -350,7 +352,8 @@ class _Escapes(ast.NodeTransformer):
             run_words = []
         if len(run_words) == 1 and not run_words[0].startswith("-"):
             self.out.imports.add("runpy")
-            return _call("runpy.run_path({}, run_name='__main__')", ast.Constant(run_words[0]))
+            return _call("runpy.run_path({}, run_name='__main__')",
+                         _command(ast.Constant(run_words[0]), self.out.known))
         if name in _INSTALLERS:
             raise _NoPython(magic, f"install it in the job's environment before the run "
                             f"({name} {arg})")
