@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 # What every rank initializes: jax, torch, both (on separate ports), or nothing.
 BACKENDS = ("jax", "torch", "jax,torch", "none")
@@ -47,3 +48,14 @@ def count(what: str, example: str):
         return value
 
     return parse
+
+
+def start_args(processes, devices_per_process, backend, torch_backend, cluster) -> list[str]:
+    """The ``%spmd start`` arguments of a kernel with these settings (its cluster: the
+    kernelspec's --hosts, --launcher... options, as one string)."""
+    args = ["-n", str(processes), "--backend", str(backend)]
+    if int(devices_per_process or 0):
+        args += ["-d", str(devices_per_process)]
+    if "torch" in str(backend):
+        args += ["--torch-backend", str(torch_backend)]
+    return args + shlex.split(cluster or "")

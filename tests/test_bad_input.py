@@ -165,7 +165,7 @@ def test_the_controller_writes_its_connection_file_whole(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from spmd.cluster.controller import save_connection_dict
+    from spmd.cluster.launchers.controller import save_connection_dict
 
     controller = SimpleNamespace(
         profile_dir=SimpleNamespace(security_dir=str(tmp_path)), log=logging.getLogger("test")

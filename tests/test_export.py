@@ -191,8 +191,8 @@ def test_export_shares_gpus_as_the_cluster_did(tmp_path):
     """The start-up a Slurm job runs: each task's own GPUs, from its local rank, unless Slurm
     showed it only its own (run for real, with Slurm's variables as srun sets them, on ranks
     that had 2 GPUs each)."""
+    from spmd.cluster.launchers.remote import Placement
     from spmd.cluster.ranks import Ran, Rank, Settings
-    from spmd.cluster.remote import Placement
     from spmd.magics.export import Job
 
     settings = Settings(n=4, backend="none", where=Placement(launcher="slurm"))

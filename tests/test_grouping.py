@@ -1,7 +1,7 @@
 """Grouping of per-rank outputs, on hand-made outputs (no processes needed)."""
 
-from spmd.cluster.lockstep import rank_label, rank_set
-from spmd.cluster.outputs import Output, RankCell, drop_chatter, same_on_every_rank
+from spmd.cluster.lockstep.outputs import Output, RankCell, drop_chatter, same_on_every_rank
+from spmd.cluster.lockstep.run import rank_label, rank_set
 from spmd.magics.render import RankResults, group_errors, group_outputs, group_results, labelled
 
 

@@ -7,11 +7,12 @@ import signal
 import time
 from collections.abc import Callable
 
-from spmd.cluster import control, interrupts, where
-from spmd.cluster.lockstep import CellRun
-from spmd.cluster.outputs import Output, RankCell, output_from_message
+from spmd.cluster import interrupts
+from spmd.cluster.lockstep import control, where
+from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
+from spmd.cluster.lockstep.run import CellRun
+from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 from spmd.cluster.ranks import OutOfStep
-from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5

@@ -6,11 +6,13 @@ import os
 import signal
 import time
 
-from spmd.cluster import control, interrupts, processes, remote, where
-from spmd.cluster.forks import ForkedEngineLauncher, ForkedSSHEngineLauncher
-from spmd.cluster.launch import RankedEngineLauncher
+from spmd.cluster import interrupts
+from spmd.cluster.launchers import processes, remote
+from spmd.cluster.launchers.forks import ForkedEngineLauncher, ForkedSSHEngineLauncher
+from spmd.cluster.launchers.launch import RankedEngineLauncher
+from spmd.cluster.lockstep import control, where
+from spmd.cluster.lockstep.watchdog import Death, last_lines, with_hint
 from spmd.cluster.ranks import OutOfStep
-from spmd.cluster.watchdog import Death, last_lines, with_hint
 
 
 class Deaths:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from spmd.cluster import remote
+from spmd.cluster.launchers import remote
 
 if TYPE_CHECKING:
-    from spmd.cluster.lockstep import CellRun
-    from spmd.cluster.watchdog import Death
+    from spmd.cluster.lockstep.run import CellRun
+    from spmd.cluster.lockstep.watchdog import Death
 
 
 class OutOfStep(RuntimeError):

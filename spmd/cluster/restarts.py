@@ -7,7 +7,8 @@ from __future__ import annotations
 import signal
 import time
 
-from spmd.cluster import interrupts, processes
+from spmd.cluster import interrupts
+from spmd.cluster.launchers import processes
 from spmd.cluster.startup import _loopback_ports
 from spmd.engine import bootstrap as engine
 

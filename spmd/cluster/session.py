@@ -33,16 +33,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spmd.cluster import interrupts, processes, servers, ssh
+from spmd.cluster import interrupts
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, Cells
 from spmd.cluster.deaths import Deaths
-from spmd.cluster.launch import LOOPBACK, SpmdCluster
-from spmd.cluster.lockstep import CellRun
-from spmd.cluster.logs import RankLogs
+from spmd.cluster.launchers import processes, servers, ssh
+from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster
+from spmd.cluster.lockstep.logs import RankLogs
+from spmd.cluster.lockstep.run import CellRun
+from spmd.cluster.lockstep.watchdog import Death
 from spmd.cluster.ranks import Generation, OutOfStep, Ran, Rank, Settings, StartError
 from spmd.cluster.restarts import Restarts
 from spmd.cluster.startup import Startup
-from spmd.cluster.watchdog import Death
 
 __all__ = [
     "AFTER_DEATH_SECONDS",

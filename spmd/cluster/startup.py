@@ -13,13 +13,13 @@ import threading
 import time
 
 from spmd import internals
-from spmd.cluster import forks, processes, remote, servers, ssh
-from spmd.cluster.controller import CURVE_ENV
-from spmd.cluster.launch import LOOPBACK, SpmdCluster, cluster_config
-from spmd.cluster.lockstep import rank_words
-from spmd.cluster.profiles import new_profile_dir, owned_folder
+from spmd.cluster.launchers import forks, processes, remote, servers, ssh
+from spmd.cluster.launchers.controller import CURVE_ENV
+from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config
+from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
+from spmd.cluster.lockstep.run import rank_words
+from spmd.cluster.lockstep.watchdog import last_lines
 from spmd.cluster.ranks import Generation, Rank, StartError
-from spmd.cluster.watchdog import last_lines
 from spmd.engine import bootstrap as engine
 from spmd.engine.address import coordinator_addresses
 from spmd.engine.server import modules_for as server_modules

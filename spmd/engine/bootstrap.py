@@ -236,11 +236,6 @@ def _exit_now(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
-def this_rank() -> int:
-    """This process's rank (the launcher said it, before any backend started)."""
-    return _join.rank
-
-
 def propose_coordinators(toward: str) -> dict[str, str]:
     """Rank 0: for each backend it starts, an address on the interface that reaches
     ``toward`` (the notebook's machine), which the other hosts reach too; ports free now."""

@@ -41,6 +41,11 @@ def place(env=os.environ) -> tuple[int, int, int]:
     return 0, 0, 1
 
 
+def this_rank() -> int:
+    """This process's rank (the launcher said it, before any backend started)."""
+    return place()[0]
+
+
 def _slurm_local_size(env) -> int:
     """Slurm's tasks on this node, from ``SLURM_TASKS_PER_NODE`` ("4(x2),3") and the node's
     index."""

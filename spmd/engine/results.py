@@ -20,7 +20,7 @@ import base64
 import itertools
 import sys
 
-MIME = "application/vnd.spmd.global-array+json"  # (spmd.cluster.outputs.GLOBAL_ARRAY_MIME)
+MIME = "application/vnd.spmd.global-array+json"  # (spmd.cluster.lockstep.outputs.GLOBAL_ARRAY_MIME)
 
 # numpy's print options that decide the printed form (the notebook prints with the rank's)
 _OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "floatmode",

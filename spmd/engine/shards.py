@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from spmd.engine import torch_shards
+from spmd.engine import placement, torch_shards
 
 
 class NotAnArray(TypeError):
@@ -50,9 +50,7 @@ def _array(value: Any, expr: str):
 
 
 def _rank() -> int:
-    from spmd.engine.bootstrap import this_rank
-
-    return this_rank()
+    return placement.this_rank()
 
 
 def any_layout(x, everywhere: bool = False) -> dict:

@@ -1,6 +1,6 @@
 """On a rank: answer "where are you?" with every thread's Python stack, from C.
 
-The notebook reads the dumps (``spmd.cluster.where``).
+The notebook reads the dumps (``spmd.cluster.lockstep.where``).
 """
 
 from __future__ import annotations

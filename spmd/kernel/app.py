@@ -9,7 +9,6 @@ change) say the same; otherwise it cancels it and starts its own.
 from __future__ import annotations
 
 import faulthandler
-import shlex
 import signal
 import sys
 
@@ -19,22 +18,12 @@ _DEFAULTS = {"processes": "4", "devices_per_process": "0", "backend": "jax",
              "torch_backend": "gloo", "cluster": ""}
 
 
-def start_args(processes, devices_per_process, backend, torch_backend, cluster) -> list[str]:
-    """The ``%spmd start`` arguments of a kernel with these settings (its cluster: the
-    kernelspec's --hosts, --launcher... options, as one string)."""
-    args = ["-n", str(processes), "--backend", str(backend)]
-    if int(devices_per_process or 0):
-        args += ["-d", str(devices_per_process)]
-    if "torch" in str(backend):
-        args += ["--torch-backend", str(torch_backend)]
-    return args + shlex.split(cluster or "")
-
-
 def settings_from_argv(argv: list[str]):
     """The cluster's Settings as the kernelspec's argv gives them, or None when they cannot
     be used (the kernel then says why, in its first cell)."""
     from IPython.core.error import UsageError
 
+    from spmd import options
     from spmd.magics.arguments import start_settings
 
     given = dict(_DEFAULTS)
@@ -43,7 +32,7 @@ def settings_from_argv(argv: list[str]):
         if arg.startswith("--SpmdKernel.") and name in given:
             given[name] = value
     try:
-        return start_settings(start_args(**given))[1]
+        return start_settings(options.start_args(**given))[1]
     except (UsageError, ValueError):
         return None
 

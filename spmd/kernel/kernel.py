@@ -22,9 +22,8 @@ from traitlets import Enum, Float, Integer, Unicode
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
-from spmd.kernel.app import start_args
 from spmd.magics.arguments import start_settings
-from spmd.options import BACKENDS, TORCH_BACKENDS
+from spmd.options import BACKENDS, TORCH_BACKENDS, start_args
 
 
 class SpmdKernel(IPythonKernel):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
-from spmd.cluster.remote import LAUNCHERS
+from spmd.cluster.launchers.remote import LAUNCHERS
 from spmd.options import TORCH_BACKENDS, count
 from spmd.options import backend as backend_type
 
@@ -54,8 +54,8 @@ def _hosts(where) -> str:
 def cluster_settings(processes: int, cluster: str, **settings):
     """The Settings a kernel with this ``cluster`` would start (UsageError, in %spmd start's
     words, for options it cannot use)."""
-    from spmd.kernel.app import start_args
     from spmd.magics.arguments import start_settings
+    from spmd.options import start_args
 
     args = start_args(processes, settings.get("devices_per_process"),
                       settings.get("backend", "jax"), settings.get("torch_backend", "gloo"),

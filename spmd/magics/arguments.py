@@ -15,7 +15,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets.config import Config
 
 from spmd import options
-from spmd.cluster import remote
+from spmd.cluster.launchers import remote
 from spmd.cluster.session import Settings
 from spmd.options import count
 

@@ -15,7 +15,7 @@ import numpy as np
 from IPython.core.error import UsageError
 
 from spmd import picture
-from spmd.cluster.lockstep import rank_words
+from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.session import Session
 from spmd.engine import shards
 from spmd.magics.values import numpy_dtype

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import functools
 import os
-import shlex
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -22,10 +21,10 @@ from IPython.core.error import UsageError
 
 from spmd.cluster.ranks import Ran, Rank, Settings
 from spmd.magics.arguments import _Parser
+from spmd.magics.launch_file import Launch
 from spmd.magics.to_python import defined_names, needs_person, plain
 
 LAUNCHERS = ("local", "ssh", "mpi", "slurm", "torchrun")
-DEFAULT_PORT = 29500  # torch's own default MASTER_PORT
 
 # How each launcher tells a process which it is: (rank, process count, rank on its host).
 _WHICH = {
@@ -101,6 +100,11 @@ class Job:
         stem = self.path[:-3] if self.path.endswith(".py") else self.path
         return stem + (".sbatch" if self.launcher == "slurm" else ".sh")
 
+    def launch_file(self) -> Launch:
+        """The file that launches the script (launch_file.py)."""
+        return Launch(self.settings, self.launcher, os.path.abspath(self.path),
+                      self.launch_path, self.python, self.gpus)
+
     @property
     def gpus(self) -> int | None:
         """GPUs each rank had (None: the ranks' GPUs were left alone; 0: they were given none)."""
@@ -123,7 +127,7 @@ class Job:
             f"{'cell' if self.cells == 1 else 'cells'}, in the order they ran. Every process "
             "runs all of it, as every rank did.", 92)
         head = [f'"""{name}: the cells the ranks ran in the notebook, as one program.', "",
-                about, f"Launch: {self.command()}", '"""']
+                about, f"Launch: {self.launch_file().command()}", '"""']
         imports = sorted(i for i in self.imports if i)
         end = []
         if "torch" in self.backends:
@@ -280,150 +284,6 @@ class Job:
             code = f"if rank in {ran.ranks!r}:\n" + "\n".join(body)
         return "\n".join([head, *notes, code.rstrip("\n"), ""])
 
-    # -- the launch ---------------------------------------------------------------------
-
-    def command(self) -> str:
-        name = os.path.basename(self.launch_path)
-        return f"sbatch {name}" if self.launcher == "slurm" else f"bash {name}"
-
-    def launch(self) -> str:
-        s, n = self.settings, self.settings.n
-        script = os.path.abspath(self.path)
-        py_dir = os.path.dirname(self.python) if os.path.isabs(self.python) else ""
-        path_line = [f'export PATH="{py_dir}:$PATH"  # the Python the ranks ran, with its '
-                     "packages"] if py_dir else []
-        here = '"$(dirname "$0")"/' + shlex.quote(os.path.basename(script))
-        store = ([f"rm -f {shlex.quote(script[:-3] + '.torch-store')}  # (torch's file store, "
-                  "fresh for each run)"]
-                 if "torch" in self.backends and s.init_method not in ("tcp", "env")
-                 and self.launcher != "torchrun" else [])
-        port = f"${{MASTER_PORT:-{DEFAULT_PORT}}}"
-        if self.launcher == "slurm":
-            return self._sbatch(path_line + store, script)
-        if self.launcher == "mpi":
-            line = ["mpiexec", "-n", str(n), *self._mpi_hosts(),
-                    "-genv", "MASTER_ADDR", self._master(), "-genv", "MASTER_PORT", port,
-                    "python", here]
-            return _bash(
-                [f"# {os.path.basename(script)} as {n} MPI processes, with MPICH's mpiexec.",
-                 f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
-                 f"-x MASTER_PORT={DEFAULT_PORT} python {os.path.basename(script)})"]
-                + path_line + store + [" ".join(line)])
-        if self.launcher == "torchrun":
-            hosts = s.where.hosts
-            lines = path_line + store
-            if len(hosts) > 1:
-                per = hosts[0][1]
-                lines = [f"# On each of {', '.join(h for h, _ in hosts)} (run this file on "
-                         "every host):"] + lines + [
-                    f"torchrun --nnodes {len(hosts)} --nproc-per-node {per} --rdzv-backend c10d "
-                    f"--rdzv-endpoint {self._master()}:{port} {here}"]
-            else:
-                lines = [f"# {os.path.basename(script)} as {n} processes on this machine."] + \
-                    lines + [f"torchrun --standalone --nproc-per-node {n} {here}"]
-            return _bash(lines)
-        if self.launcher == "ssh":
-            return self._ssh_loop(path_line + store, script, port)
-        return _bash(
-            [f"# {os.path.basename(script)} as {n} processes on this machine, as %spmd start "
-             f"-n {n} ran them.", "# (MASTER_PORT: rank 0's port, where the others join it)"]
-            + path_line + store
-            + [f"export WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
-               "pids=()",
-               f"for rank in $(seq 0 {n - 1}); do",
-               f"  RANK=$rank LOCAL_RANK=$rank python {here} &",
-               "  pids+=($!)",
-               "done", *_WAIT])
-
-    def _master(self) -> str:
-        hosts = self.settings.where.hosts
-        return hosts[0][0].rpartition("@")[2] if hosts else "127.0.0.1"
-
-    def _mpi_hosts(self) -> list[str]:
-        hosts = self.settings.where.hosts
-        args = dict(self.settings.where.launcher_args).get("mpi_args", "")
-        spec = ",".join(f"{h.rpartition('@')[2]}:{c}" for h, c in hosts)
-        return (["-hosts", spec] if hosts else []) + ([args] if args else [])
-
-    def _ssh_loop(self, before: list[str], script: str, port: str) -> str:
-        w, n = self.settings.where, self.settings.n
-        user_args = dict(w.launcher_args)
-        ssh = shlex.join([*(shlex.split(user_args.get("ssh_cmd", "")) or ["ssh"]),
-                          *shlex.split(user_args.get("ssh_args", "")), "-o", "BatchMode=yes"])
-        spread = " ".join(f"{h}:{c}" for h, c in w.hosts)
-        # There, the process runs beside a watcher of the ssh connection's input: without a
-        # terminal, a process whose ssh ended (^C here, or a failed rank) would run on; its
-        # input ends with the connection, and the watcher ends it (SIGKILL after 3 s: jax's
-        # own SIGTERM handler only notes a preemption). (The watcher reads a copy, fd 4: a
-        # background command's own input is /dev/null. The process becomes the shell, $$.)
-        remote = ("cd $(printf %q \"$PWD\") || exit; exec 4<&0; "
-                  "(cat <&4; kill \\$\\$ && sleep 3 && kill -9 \\$\\$) >/dev/null 2>&1 & "
-                  f"RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} MASTER_ADDR=$MASTER_ADDR "
-                  f"MASTER_PORT=$MASTER_PORT exec {shlex.quote(self.python)} "
-                  f"{shlex.quote(script)} </dev/null 4<&-")
-        return _bash(
-            [f"# {os.path.basename(script)} as {n} processes over ssh ({spread}), as %spmd start "
-             "placed them.",
-             "# Every host needs the script and the Python at the same paths (shared storage)."]
-            + before
-            + [f"export MASTER_ADDR={self._master()} MASTER_PORT={port}",
-               "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
-               "# background command's own input is /dev/null, which ends at once)",
-               'pipe=$(mktemp -u) && mkfifo -m 600 "$pipe" && exec 3<>"$pipe" && rm -f "$pipe"',
-               "pids=()",
-               "rank=0",
-               f"for host_count in {spread}; do",
-               "  host=${host_count%:*}",
-               "  for ((local_rank = 0; local_rank < ${host_count##*:}; local_rank++)); do",
-               f'    {ssh} "$host" "{remote}" <&3 &',
-               "    pids+=($!)",
-               "    rank=$((rank + 1))",
-               "  done",
-               "done", *_WAIT])
-
-    def _sbatch(self, before: list[str], script: str) -> str:
-        s = self.settings
-        name = os.path.basename(script)[:-3]
-        options = [f"#SBATCH --job-name={name}", f"#SBATCH --ntasks={s.n}",
-                   f"#SBATCH --output={name}-%j.out"]
-        if self.gpus:
-            options.append(f"#SBATCH --gpus-per-task={self.gpus}")
-        # (the cluster's --launcher-arg options are Slurm's own where it ran under Slurm; an
-        # ssh or mpi cluster's are not sbatch options)
-        for key, value in (s.where.launcher_args if s.where.launcher == "slurm" else ()):
-            option = f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}"
-            if option not in options:
-                options.append(option)
-        lines = ["#!/bin/bash", *options,
-                 f"# {name}.py as {s.n} Slurm tasks, as %spmd start --launcher slurm ran them: "
-                 f"sbatch {name}.sbatch", *before]
-        if "torch" in self.backends:
-            lines += ["# rank 0's node and a port, for torch's rendezvous",
-                      'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
-                      "head -n 1)",
-                      "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
-        lines.append(f"srun python {shlex.quote(script)}")
-        return "\n".join(lines) + "\n"
-
-
-# Wait for every process; when one fails, end the others (they would wait for it forever in
-# their next collective) and exit with its status.
-_WAIT = [
-    "trap 'kill \"${pids[@]}\" 2>/dev/null' INT TERM  # (^C: the processes end too)",
-    "status=0",
-    "for _ in \"${pids[@]}\"; do",
-    "  wait -n && continue",
-    "  code=$?",
-    "  if [ \"$status\" = 0 ]; then status=$code; kill \"${pids[@]}\" 2>/dev/null; fi",
-    "done",
-    "exit \"$status\"",
-]
-
-
-def _bash(lines: list[str]) -> str:
-    return "\n".join(["#!/bin/bash", *lines]) + "\n"
-
-
 def _printed_value(code: str) -> str:
     """The cell's last expression printed as the notebook showed it, the cell's result (its
     repr: ``Array([1., 2.], dtype=float32)``, not ``[1. 2.]``)."""
@@ -461,7 +321,8 @@ def export(session, args: list[str]) -> str:
                          "on this machine: export with --launcher local, mpi, slurm or "
                          "torchrun, or start with --hosts.")
     job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all")
-    script, launch = job.script(list(session.ran)), job.launch()
+    launch_file = job.launch_file()
+    script, launch = job.script(list(session.ran)), launch_file.text()
     replaced = [p for p in (job.path, job.launch_path) if os.path.exists(p)]
     for path, text, mode in ((job.path, script, 0o644), (job.launch_path, launch, 0o755)):
         try:
@@ -487,7 +348,7 @@ def export(session, args: list[str]) -> str:
         count = len(job.notebook)
         lines.append(f"{count} {'cell reads' if count == 1 else 'cells read'} the notebook's own "
                      f"names, flagged in the script: {', '.join(job.notebook)}.")
-    lines += [f"Run it with: {job.command()}", "", launch.rstrip("\n")]
+    lines += [f"Run it with: {launch_file.command()}", "", launch.rstrip("\n")]
     return "\n".join(lines)
 
 

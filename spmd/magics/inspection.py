@@ -8,8 +8,8 @@ import sys
 from IPython.core.error import UsageError
 from IPython.display import display
 
-from spmd.cluster.lockstep import rank_words
-from spmd.cluster.watchdog import stack_section
+from spmd.cluster.lockstep.run import rank_words
+from spmd.cluster.lockstep.watchdog import stack_section
 from spmd.magics.arguments import _cell_parser, _log_parser
 from spmd.magics.panel import Panel, panel_bundle
 from spmd.magics.say import say

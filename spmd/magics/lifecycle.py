@@ -9,7 +9,7 @@ import time
 from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
-from spmd.cluster.logs import RankLogs
+from spmd.cluster.lockstep.logs import RankLogs
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics.arguments import start_settings
 from spmd.magics.background import BackgroundStart

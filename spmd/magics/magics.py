@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import ast
 
-import numpy as np
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
-from IPython.display import display
 
-from spmd.cluster.lockstep import rank_set, rank_words
+from spmd.cluster.lockstep.run import rank_set, rank_words
+from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.session import OutOfStep, Ran, Session
-from spmd.cluster.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
-from spmd.magics import arrays, export, values, widgets
-from spmd.magics.arguments import _cell_parser, _gather_options, _words
+from spmd.magics import arrays, values, widgets
+from spmd.magics.arguments import _cell_parser, _words
 from spmd.magics.automode import AutoMode, is_exit
 from spmd.magics.background import BackgroundStart
 from spmd.magics.inspection import Inspection
@@ -36,10 +34,11 @@ from spmd.magics.render import (
     write,
 )
 from spmd.magics.say import NOT_RUNNING, say
+from spmd.magics.transfers import Transfers
 
 
 @magics_class
-class SpmdMagics(Lifecycle, Inspection, Magics):
+class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
     """The notebook surface. One Session per IPython shell."""
 
     def __init__(self, shell) -> None:
@@ -176,46 +175,6 @@ class SpmdMagics(Lifecycle, Inspection, Magics):
             )
         self.auto.on = False
         say("Auto mode off: cells run in the notebook (%%spmd for the ranks).")
-
-    def _cmd_sharding(self, expr: str) -> None:
-        if not expr:
-            raise UsageError("Say which array: %spmd sharding x draws the layout of x.")
-        session = self._require_session()
-        display(arrays.sharding_bundle(session, expr), raw=True)
-
-    def _cmd_gather(self, text: str):
-        expr, name, max_bytes = _gather_options(text)
-        session = self._require_session()
-        value = arrays.gather(session, expr, max_bytes)
-        if name is None:
-            return value
-        self.shell.user_ns[name] = value
-        what = (
-            f"numpy {value.dtype}{list(value.shape)}"
-            if isinstance(value, np.ndarray)
-            else (f"a list of {len(value)} values, by rank")
-        )
-        say(f"{name} = {what}, from {expr} on the ranks.")
-        return None
-
-    def _cmd_export(self, args: list[str]) -> None:
-        self._take_pending()
-        if self.session is None:
-            raise UsageError(
-                "No cluster has run a cell here yet: %spmd start -n 4, run the cells, then "
-                "%spmd export train.py writes them as a job."
-            )
-        say(export.export(self.session, args))
-
-    def _cmd_push(self, names: list[str]) -> None:
-        if not names or not all(n.isidentifier() for n in names):
-            raise UsageError(
-                "Say which notebook variables: %spmd push x y sends x and y to every rank."
-            )
-        session = self._require_session()
-        say(arrays.push(session, names, self.shell.user_ns))
-        count = self.shell.displayhook.prompt_count
-        session.ran.append(Ran(export.pushed(names, self.shell.user_ns), count, where="push"))
 
     def _no_args(self, command: str, args: list[str]) -> None:
         if args:
@@ -402,10 +361,10 @@ _COMMANDS = {
     "interrupt": Inspection._cmd_interrupt,
     "on": SpmdMagics._cmd_on,
     "off": SpmdMagics._cmd_off,
-    "sharding": SpmdMagics._cmd_sharding,
-    "gather": SpmdMagics._cmd_gather,
-    "push": SpmdMagics._cmd_push,
-    "export": SpmdMagics._cmd_export,
+    "sharding": Transfers._cmd_sharding,
+    "gather": Transfers._cmd_gather,
+    "push": Transfers._cmd_push,
+    "export": Transfers._cmd_export,
 }
 
 

@@ -14,7 +14,7 @@ import time
 import psutil
 from IPython.display import display
 
-from spmd.cluster.lockstep import CellRun, rank_words
+from spmd.cluster.lockstep.run import CellRun, rank_words
 from spmd.cluster.session import Session
 
 _COLOURS = {

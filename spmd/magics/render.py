@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from IPython.display import clear_output, display
 
-from spmd.cluster.lockstep import rank_label, rank_set, rank_words
-from spmd.cluster.outputs import GLOBAL_ARRAY_MIME, Output, RankCell
-from spmd.cluster.watchdog import progress_lines
+from spmd.cluster.lockstep.outputs import GLOBAL_ARRAY_MIME, Output, RankCell
+from spmd.cluster.lockstep.run import rank_label, rank_set, rank_words
+from spmd.cluster.lockstep.watchdog import progress_lines
 
 Group = tuple[list[int], Output]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from spmd.cluster.outputs import RankCell
+from spmd.cluster.lockstep.outputs import RankCell
 from spmd.engine.results import MIME
 
 

@@ -8,7 +8,7 @@ now (``spmd.engine.widgets``) and puts it in the outputs the notebook keeps.
 
 from __future__ import annotations
 
-from spmd.cluster.outputs import RankCell
+from spmd.cluster.lockstep.outputs import RankCell
 from spmd.cluster.session import Session
 from spmd.engine.widgets import text_forms
 from spmd.magics.render import widget_id

@@ -6,7 +6,7 @@ text at every chunk), and it keeps doing so after the request has ended: a threa
 started prints on, under that cell's id, and each such message makes the entry anew (a
 ``defaultdict``) and shows nowhere. Here:
 
-- a running cell's outputs reach the notebook through its own callbacks (lockstep.py), so
+- a running cell's outputs reach the notebook through its own callbacks (lockstep/run.py), so
   ipyparallel's copy of its streams is emptied at every chunk: memory stays bounded;
 - outputs that come after their cell ended (a training loop in a thread, a callback) go to
   ``late``, for the next cell to show and the rank's log to keep, and leave no entry behind.

@@ -14,9 +14,9 @@ import time
 
 import psutil
 
-from spmd.cluster import ssh
-from spmd.cluster.launch import RankedEngineLauncher, RankedEngineSetLauncher
-from spmd.cluster.servers import RankServer, ServerUnavailable, SSHRankServers
+from spmd.cluster.launchers import ssh
+from spmd.cluster.launchers.launch import RankedEngineLauncher, RankedEngineSetLauncher
+from spmd.cluster.launchers.servers import RankServer, ServerUnavailable, SSHRankServers
 
 
 class ForkedEngineLauncher(RankedEngineLauncher):

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher, _ssh_outputs
 from ipyparallel.cluster.shellcmd import ShellCommandSend
 
-from spmd.cluster.profiles import owned_folder
+from spmd.cluster.launchers.profiles import owned_folder
 from spmd.engine import placement
 
 

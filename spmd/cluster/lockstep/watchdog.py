@@ -13,9 +13,10 @@ import signal
 import socket
 from dataclasses import dataclass, field
 
-from spmd.cluster.lockstep import rank_label, rank_words
-from spmd.cluster.outputs import RankCell, drop_chatter
-from spmd.cluster.where import Stack
+from spmd.cluster.launchers.processes import how_it_ended
+from spmd.cluster.lockstep.outputs import RankCell, drop_chatter
+from spmd.cluster.lockstep.run import rank_label, rank_words
+from spmd.cluster.lockstep.where import Stack
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
 RESTART = "%spmd restart"
@@ -70,17 +71,6 @@ class Death:
                 "the next %spmd start)."
             )
         return lines
-
-
-def how_it_ended(code: int) -> str:
-    """A process's end from its exit code (negative: the signal): 'killed by SIGKILL',
-    'exit code 1'."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def with_hint(how: str) -> str:

@@ -19,8 +19,8 @@ from ipyparallel import Cluster
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets.config import Config
 
-from spmd.cluster import remote, ssh
-from spmd.cluster.client import SpmdClient
+from spmd.cluster.launchers import remote, ssh
+from spmd.cluster.launchers.client import SpmdClient
 from spmd.engine import bootstrap as engine
 from spmd.engine import placement
 from spmd.engine.orphans import PARENT_ENV
@@ -128,7 +128,7 @@ def cluster_config(
     c.Cluster.controller_ip = address
     c.Cluster.controller_location = address
     c.Cluster.delay = 0.0
-    c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.cluster.controller"]
+    c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.cluster.launchers.controller"]
     c.LocalControllerLauncher.environment = {PARENT_ENV: str(os.getpid())}
     c.Cluster.controller_args = [
         f"--HeartMonitor.period={heartbeat_ms(n)}",

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 
-from spmd.cluster.profiles import owned_folder
+from spmd.cluster.launchers.profiles import owned_folder
 
 
 class RankLogs:

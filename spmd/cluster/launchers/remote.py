@@ -22,7 +22,7 @@ from ipyparallel.cluster.launcher import (
 from traitlets import Any, Bool, Dict, Float, Integer, List, Unicode
 from traitlets.config import Config
 
-from spmd.cluster import ssh
+from spmd.cluster.launchers import ssh
 from spmd.engine.address import address_toward
 
 LOOPBACK = "127.0.0.1"

@@ -1,10 +1,13 @@
-"""The processes of a cluster on this machine: room for them, and ending them by handle."""
+"""The processes of a cluster on this machine: room for them, ending them by handle, and
+how one ended."""
 
 from __future__ import annotations
 
+import signal
+
 import psutil
 
-from spmd.cluster.launch import SpmdCluster
+from spmd.cluster.launchers.launch import SpmdCluster
 
 
 class StartRefused(RuntimeError):
@@ -77,3 +80,14 @@ def kill_now(launchers, after: float = 0.0) -> None:
     if after and alive:
         _, alive = psutil.wait_procs(alive, timeout=after)
     end(alive)
+
+
+def how_it_ended(code: int) -> str:
+    """A process's end from its exit code (negative: the signal): 'killed by SIGKILL',
+    'exit code 1'."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,4 +1,4 @@
-"""``python -m spmd.cluster.controller``: ipyparallel's controller, ending with the notebook,
+"""``python -m spmd.cluster.launchers.controller``: ipyparallel's controller, ending with the notebook,
 writing its connection files whole, and encrypting its traffic where it leaves the machine.
 """
 

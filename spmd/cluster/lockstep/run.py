@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from spmd.cluster import control
-from spmd.cluster.outputs import Output, RankCell, output_from_message
+from spmd.cluster.lockstep import control
+from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.engine import prompts
 
 _REPLY, _IDLE = "reply", "idle"

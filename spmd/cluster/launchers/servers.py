@@ -23,8 +23,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from spmd.cluster import ssh
-from spmd.cluster.watchdog import how_it_ended
+from spmd.cluster.launchers import ssh
+from spmd.cluster.launchers.processes import how_it_ended
 from spmd.engine.orphans import PARENT_ENV
 
 

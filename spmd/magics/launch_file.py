@@ -1,0 +1,172 @@
+"""The file that launches an exported script (``%spmd export``, export.py): a shell script for
+local processes, ssh, mpiexec or torchrun, or an sbatch script, for the cluster's launcher.
+
+Plain functions of the cluster's settings; runs on the main thread, like every magic.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+from spmd.cluster.ranks import Settings
+
+DEFAULT_PORT = 29500  # torch's own default MASTER_PORT
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How ``script`` is launched: ``settings.n`` processes, by ``launcher``."""
+
+    settings: Settings
+    launcher: str
+    script: str  # the script's absolute path
+    path: str  # where this file is written
+    python: str  # the Python the ranks ran
+    gpus: int | None  # GPUs each rank had (None: left alone)
+
+    @property
+    def backends(self) -> list[str]:
+        return [b for b in self.settings.backend.split(",") if b != "none"]
+
+    def command(self) -> str:
+        name = os.path.basename(self.path)
+        return f"sbatch {name}" if self.launcher == "slurm" else f"bash {name}"
+
+    def text(self) -> str:
+        s, n = self.settings, self.settings.n
+        script = self.script
+        py_dir = os.path.dirname(self.python) if os.path.isabs(self.python) else ""
+        path_line = [f'export PATH="{py_dir}:$PATH"  # the Python the ranks ran, with its '
+                     "packages"] if py_dir else []
+        here = '"$(dirname "$0")"/' + shlex.quote(os.path.basename(script))
+        store = ([f"rm -f {shlex.quote(script[:-3] + '.torch-store')}  # (torch's file store, "
+                  "fresh for each run)"]
+                 if "torch" in self.backends and s.init_method not in ("tcp", "env")
+                 and self.launcher != "torchrun" else [])
+        port = f"${{MASTER_PORT:-{DEFAULT_PORT}}}"
+        if self.launcher == "slurm":
+            return self._sbatch(path_line + store, script)
+        if self.launcher == "mpi":
+            line = ["mpiexec", "-n", str(n), *self._mpi_hosts(),
+                    "-genv", "MASTER_ADDR", self._master(), "-genv", "MASTER_PORT", port,
+                    "python", here]
+            return _bash(
+                [f"# {os.path.basename(script)} as {n} MPI processes, with MPICH's mpiexec.",
+                 f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
+                 f"-x MASTER_PORT={DEFAULT_PORT} python {os.path.basename(script)})"]
+                + path_line + store + [" ".join(line)])
+        if self.launcher == "torchrun":
+            hosts = s.where.hosts
+            lines = path_line + store
+            if len(hosts) > 1:
+                per = hosts[0][1]
+                lines = [f"# On each of {', '.join(h for h, _ in hosts)} (run this file on "
+                         "every host):"] + lines + [
+                    f"torchrun --nnodes {len(hosts)} --nproc-per-node {per} --rdzv-backend c10d "
+                    f"--rdzv-endpoint {self._master()}:{port} {here}"]
+            else:
+                lines = [f"# {os.path.basename(script)} as {n} processes on this machine."] + \
+                    lines + [f"torchrun --standalone --nproc-per-node {n} {here}"]
+            return _bash(lines)
+        if self.launcher == "ssh":
+            return self._ssh_loop(path_line + store, script, port)
+        return _bash(
+            [f"# {os.path.basename(script)} as {n} processes on this machine, as %spmd start "
+             f"-n {n} ran them.", "# (MASTER_PORT: rank 0's port, where the others join it)"]
+            + path_line + store
+            + [f"export WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
+               "pids=()",
+               f"for rank in $(seq 0 {n - 1}); do",
+               f"  RANK=$rank LOCAL_RANK=$rank python {here} &",
+               "  pids+=($!)",
+               "done", *_WAIT])
+
+    def _master(self) -> str:
+        hosts = self.settings.where.hosts
+        return hosts[0][0].rpartition("@")[2] if hosts else "127.0.0.1"
+
+    def _mpi_hosts(self) -> list[str]:
+        hosts = self.settings.where.hosts
+        args = dict(self.settings.where.launcher_args).get("mpi_args", "")
+        spec = ",".join(f"{h.rpartition('@')[2]}:{c}" for h, c in hosts)
+        return (["-hosts", spec] if hosts else []) + ([args] if args else [])
+
+    def _ssh_loop(self, before: list[str], script: str, port: str) -> str:
+        w, n = self.settings.where, self.settings.n
+        user_args = dict(w.launcher_args)
+        ssh = shlex.join([*(shlex.split(user_args.get("ssh_cmd", "")) or ["ssh"]),
+                          *shlex.split(user_args.get("ssh_args", "")), "-o", "BatchMode=yes"])
+        spread = " ".join(f"{h}:{c}" for h, c in w.hosts)
+        # There, the process runs beside a watcher of the ssh connection's input: without a
+        # terminal, a process whose ssh ended (^C here, or a failed rank) would run on; its
+        # input ends with the connection, and the watcher ends it (SIGKILL after 3 s: jax's
+        # own SIGTERM handler only notes a preemption). (The watcher reads a copy, fd 4: a
+        # background command's own input is /dev/null. The process becomes the shell, $$.)
+        remote = ("cd $(printf %q \"$PWD\") || exit; exec 4<&0; "
+                  "(cat <&4; kill \\$\\$ && sleep 3 && kill -9 \\$\\$) >/dev/null 2>&1 & "
+                  f"RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} MASTER_ADDR=$MASTER_ADDR "
+                  f"MASTER_PORT=$MASTER_PORT exec {shlex.quote(self.python)} "
+                  f"{shlex.quote(script)} </dev/null 4<&-")
+        return _bash(
+            [f"# {os.path.basename(script)} as {n} processes over ssh ({spread}), as %spmd start "
+             "placed them.",
+             "# Every host needs the script and the Python at the same paths (shared storage)."]
+            + before
+            + [f"export MASTER_ADDR={self._master()} MASTER_PORT={port}",
+               "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
+               "# background command's own input is /dev/null, which ends at once)",
+               'pipe=$(mktemp -u) && mkfifo -m 600 "$pipe" && exec 3<>"$pipe" && rm -f "$pipe"',
+               "pids=()",
+               "rank=0",
+               f"for host_count in {spread}; do",
+               "  host=${host_count%:*}",
+               "  for ((local_rank = 0; local_rank < ${host_count##*:}; local_rank++)); do",
+               f'    {ssh} "$host" "{remote}" <&3 &',
+               "    pids+=($!)",
+               "    rank=$((rank + 1))",
+               "  done",
+               "done", *_WAIT])
+
+    def _sbatch(self, before: list[str], script: str) -> str:
+        s = self.settings
+        name = os.path.basename(script)[:-3]
+        options = [f"#SBATCH --job-name={name}", f"#SBATCH --ntasks={s.n}",
+                   f"#SBATCH --output={name}-%j.out"]
+        if self.gpus:
+            options.append(f"#SBATCH --gpus-per-task={self.gpus}")
+        # (the cluster's --launcher-arg options are Slurm's own where it ran under Slurm; an
+        # ssh or mpi cluster's are not sbatch options)
+        for key, value in (s.where.launcher_args if s.where.launcher == "slurm" else ()):
+            option = f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}"
+            if option not in options:
+                options.append(option)
+        lines = ["#!/bin/bash", *options,
+                 f"# {name}.py as {s.n} Slurm tasks, as %spmd start --launcher slurm ran them: "
+                 f"sbatch {name}.sbatch", *before]
+        if "torch" in self.backends:
+            lines += ["# rank 0's node and a port, for torch's rendezvous",
+                      'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
+                      "head -n 1)",
+                      "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
+        lines.append(f"srun python {shlex.quote(script)}")
+        return "\n".join(lines) + "\n"
+
+
+# Wait for every process; when one fails, end the others (they would wait for it forever in
+# their next collective) and exit with its status.
+_WAIT = [
+    "trap 'kill \"${pids[@]}\" 2>/dev/null' INT TERM  # (^C: the processes end too)",
+    "status=0",
+    "for _ in \"${pids[@]}\"; do",
+    "  wait -n && continue",
+    "  code=$?",
+    "  if [ \"$status\" = 0 ]; then status=$code; kill \"${pids[@]}\" 2>/dev/null; fi",
+    "done",
+    "exit \"$status\"",
+]
+
+
+def _bash(lines: list[str]) -> str:
+    return "\n".join(["#!/bin/bash", *lines]) + "\n"

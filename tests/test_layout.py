@@ -1,0 +1,148 @@
+"""The package's shape: folders import downward only, no module imports itself back through
+others, and modules and classes stay small enough to read (README, "Layout").
+
+Read from the source with ``ast``: every import counts, also those inside a function (a lazy
+import is still an arrow, and a circle through one is still a circle).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
+
+# Each layer may import from the layers after it in this list (and from itself), never from
+# those before it. engine/ runs inside every rank, with none of the notebook's code.
+LAYERS = [
+    ("spmd.kernel", "the Jupyter kernel"),
+    ("spmd.magics", "the notebook surface"),
+    ("spmd.cluster", "the cluster's life"),
+    ("spmd.cluster.lockstep", "cells in lockstep"),
+    ("spmd.cluster.launchers", "how processes get started"),
+]
+# engine/ and the shared top-level modules sit below every notebook layer.
+BELOW_ALL = ("spmd.engine", "spmd.picture", "spmd.options", "spmd.internals", "spmd")
+
+MODULE_LINES = 500
+CLASS_LINES = 300
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The project's modules that ``name`` imports, anywhere in its text."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != name}
+    return out
+
+
+def _layer(name: str) -> int:
+    """Index in LAYERS of the deepest layer ``name`` belongs to (len(LAYERS) below all)."""
+    best = None
+    for i, (prefix, _) in enumerate(LAYERS):
+        if name == prefix or name.startswith(prefix + "."):
+            if best is None or len(prefix) > len(LAYERS[best][0]):
+                best = i
+    if best is None or any(name == b or name.startswith(b + ".") for b in BELOW_ALL[:-1]):
+        return len(LAYERS)
+    return best
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_no_import_runs_back_up(graph):
+    upward = []
+    for name, targets in graph.items():
+        if name == "spmd":  # the package's entry point: %load_ext spmd loads the magics
+            continue
+        for target in targets:
+            if target in ("spmd",):  # the package's __init__ (version, the extension hook)
+                continue
+            if _layer(target) < _layer(name):
+                upward.append(f"{name} -> {target}")
+            if name.startswith("spmd.engine") and not target.startswith(
+                ("spmd.engine", "spmd.internals", "spmd.picture")
+            ):
+                upward.append(f"{name} -> {target} (engine/ runs in the ranks)")
+    assert not upward, "imports that run back up:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circle(graph):
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if target == "spmd" or name == "spmd":
+                continue  # the package's own __init__ imports lazily, on load_ext
+            if state.get(target) == 1:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_modules_and_classes_stay_small():
+    too_big = []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MODULE_LINES:
+            too_big.append(f"{path.relative_to(ROOT.parent)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > CLASS_LINES:
+                    too_big.append(f"{path.relative_to(ROOT.parent)}: class {node.name}, "
+                                   f"{size} lines")
+    assert not too_big, "over the size limits:\n" + "\n".join(too_big)
+
+
+def test_the_readme_layout_names_every_folder_and_module():
+    readme = (ROOT.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[: layout.index("\n## ", 4)]
+    missing = []
+    for path in ROOT.rglob("*.py"):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = path.relative_to(ROOT.parent)
+        if path.name not in layout:
+            missing.append(str(rel))
+    for folder in {p.parent for p in ROOT.rglob("__init__.py")} - {ROOT}:
+        if f"{folder.name}/" not in layout:
+            missing.append(f"{folder.relative_to(ROOT.parent)}/")
+    assert not missing, "the README's layout section does not name:\n" + "\n".join(missing)
