@@ -89,6 +89,24 @@ INTERNALS = [
              "getpass answered in the notebook (engine/prompts.py)"),
     Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
              "!cmd without a fork in a threaded process (engine/commands.py)"),
+    # ipykernel and debugpy, on a rank that JupyterLab's debugger debugs (checked when it
+    # starts there: start-up hides debugpy)
+    *[Internal(project, module, path, "rank", "JupyterLab's debugger on the ranks "
+               "(engine/debugging.py)", required=False) for project, module, path in (
+        ("ipykernel", "ipykernel.debugger", "Debugger"),
+        ("ipykernel", "ipykernel.debugger", "_is_debugpy_available"),
+        ("ipykernel", "ipykernel.compiler", "get_tmp_directory"),
+        ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.dispatch_debugpy"),
+        ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.poll_stopped_queue"),
+        ("ipykernel", "ipykernel.ipkernel", "IPythonKernel._kernel_modules"),
+        ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.debugpy_stream"),
+        ("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event"),
+        ("ipykernel", "ipykernel.kernelbase", "Kernel.control_thread"),
+        ("debugpy", "debugpy.server.api", "_settrace"),
+    )],
+    # ipykernel, in the SPMD kernel
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",
+             "the ranks' debug events, shown to JupyterLab (kernel/debugger.py)"),
     # jax, on every rank
     Internal("jax", "jax._src.compiler", "_cache_write", "rank",
              "every rank writes its own compilation-cache entries (engine/jit_cache.py)",

@@ -104,8 +104,16 @@ class Cells:
         tick: Callable[[CellRun], None] | None,
     ) -> tuple[str, float | None]:
         """Poll the cell until it finishes ('', None) or a reason to stop waiting."""
+        last = time.monotonic()
         while not run.finished:
             now = time.monotonic()
+            if run.debugger_paused():
+                # (a person steps through the ranks in JupyterLab's debugger: as at a prompt,
+                # neither the timeout nor the grace counts that time)
+                run.paused += now - last
+                if run.first_done is not None:
+                    run.first_done += now - last
+            last = now
             # (the time a person spent at a prompt does not count)
             until = None if timeout is None else run.started + run.paused + timeout
             if self._stopping.is_set():  # (a shutdown from ipykernel's control thread)
@@ -143,6 +151,7 @@ class Cells:
         busy = stall.busy
         # Where the busy ranks are, before an interrupt moves them.
         stall.stacks = self.stacks(busy)
+        stall.in_debugger = run.debugger_paused()
         if reason == DIED:
             self._end_after_death(stall.deaths)
             return stall
@@ -180,9 +189,17 @@ class Cells:
         wait([r for r, s in stacks.items() if s is not None and not s.at_cell_line], 5.0)
 
     def _interrupt(self, run: CellRun, busy: list[int], grace: float = 0.5) -> list[int]:
-        """SIGINT to the busy ranks; the ones still busy after ``grace`` seconds."""
+        """SIGINT to the busy ranks; the ones still busy after ``grace`` seconds. Ranks
+        paused in JupyterLab's debugger go on first: paused, they would never see it."""
+        paused = run.debugger_paused()
+        if paused:
+            control.resume_debugged(self.client, [self.ranks[r].engine_id for r in paused])
         self.signal(signal.SIGINT, busy)
         run.wait(until=time.monotonic() + grace, poll=0.02)
+        again = [r for r in run.busy_ranks if r in paused]
+        if again:  # (one that lands while debugpy lets the rank go is swallowed by it)
+            self.signal(signal.SIGINT, again)
+            run.wait(until=time.monotonic() + grace, poll=0.02)
         left = [r for r in run.busy_ranks if r in busy]
         self.gen.unfinished = run if left else None
         return left

@@ -18,6 +18,8 @@ import queue
 import sys
 import uuid
 
+from spmd.engine import debugging
+
 REQUEST = "application/vnd.spmd.prompt+json"  # the display message that carries a request
 ANSWER = "spmd_prompt_answer"  # the control request that carries the answer
 
@@ -83,7 +85,11 @@ def _stop_here(frame, header: str | None = None) -> None:
 
 
 def breakpoint_hook(*args, **kwargs) -> None:
-    """``breakpoint()``."""
+    """``breakpoint()``: in JupyterLab's debugger where it is attached to this rank, else pdb
+    answered in the notebook."""
+    if debugging.attached():
+        debugging.stop_here(sys._getframe(1))
+        return
     _stop_here(sys._getframe(1))
 
 

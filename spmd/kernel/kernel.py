@@ -7,6 +7,8 @@ does the work, exactly as ``%load_ext spmd`` + ``%spmd start`` would. What the k
 - Tab completion and Shift-Tab inspection answer from rank 0's namespace, where the cells'
   names live, and from the notebook's own (``%%local`` names) when rank 0 knows nothing, is
   busy, or cannot answer within ``answer_seconds``;
+- JupyterLab's debugger debugs the ranks, not this process (debugger.py);
+- it offers no subshells: the ranks run one cell at a time, in order;
 - shutting the kernel down stops the cluster.
 
 Interrupt needs nothing: Jupyter sends the kernel SIGINT, which ends the cell's wait with the
@@ -22,6 +24,7 @@ from traitlets import Enum, Float, Integer, Unicode
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
+from spmd.kernel.debugger import RankDebugger
 from spmd.magics.arguments import start_settings
 from spmd.options import BACKENDS, TORCH_BACKENDS, start_args
 
@@ -72,6 +75,44 @@ class SpmdKernel(IPythonKernel):
             early.cancel()  # a config file said otherwise
             early = None
         self.spmd.start_in_background(settings, started=early, refused=refused)
+        from ipykernel.compiler import get_tmp_directory
+
+        self.rank_debugger = RankDebugger(self, self.spmd, get_tmp_directory())
+
+    # -- what it offers ----------------------------------------------------------------------
+
+    @property
+    def kernel_info(self):
+        info = dict(super().kernel_info)
+        # The debugger is the ranks' (debugger.py); subshells are not offered: a cell sent to
+        # one would run on the ranks beside the main shell's, out of their order.
+        info["supported_features"] = ["debugger"]
+        return info
+
+    async def create_subshell_request(self, socket, ident, parent) -> None:
+        content = {"status": "error", "ename": "SubshellsNotOffered",
+                   "evalue": "The SPMD kernel runs one cell at a time on the ranks, in order: "
+                             "it offers no subshells.", "traceback": []}
+        self.session.send(socket, "create_subshell_reply", content, parent, ident)
+
+    async def do_debug_request(self, msg):
+        debugger = getattr(self, "rank_debugger", None)
+        if debugger is None:
+            return RankDebugger._reply(msg, None, message="The kernel is still starting: turn "
+                                       "the debugger on again in a moment.")
+        return await debugger.process(msg)
+
+    async def do_execute(self, code, silent, *args, **kwargs):
+        debugger = getattr(self, "rank_debugger", None)
+        if debugger is not None and debugger.started and not silent:
+            await debugger.before_cell()
+            # (JupyterLab names a cell by a hash of its text as typed: the ranks compile that
+            # text, not IPython's cleaned-up copy, while the debugger is on)
+            self.spmd.raw_cell = code
+        try:
+            return await super().do_execute(code, silent, *args, **kwargs)
+        finally:
+            self.spmd.raw_cell = None
 
     # -- answered by rank 0 ----------------------------------------------------------------
 

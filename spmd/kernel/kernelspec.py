@@ -112,10 +112,11 @@ def kernel_dict(
         "display_name": display_name or display_name_for(processes, cluster),
         "language": "python",
         # Jupyter's interrupt is SIGINT to the kernel, which the cell's wait turns into the
-        # interrupt report; the debugger (debugpy) would attach to this process, not the ranks.
+        # interrupt report.
         "interrupt_mode": "signal",
         "metadata": {
-            "debugger": False,
+            # JupyterLab offers its debugger from this; it debugs the ranks (debugger.py)
+            "debugger": True,
             "spmd": {"processes": processes, "backend": backend, "cluster": cluster},
         },
     }

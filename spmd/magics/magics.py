@@ -57,6 +57,9 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         self.tabs = False  # outputs that differ per rank as tabs (%spmd start --tabs)
         self.breakpoints = "lowest"  # which ranks stop at breakpoint() (--breakpoint)
         self.failed_ranks: list[int] = []  # ranks that raised in the last cell (%spmd debug)
+        # The cell as the front end sent it, set by the SPMD kernel while JupyterLab's
+        # debugger is on: the ranks compile that text, which JupyterLab names by its hash.
+        self.raw_cell: str | None = None
 
     # -- %spmd / %%spmd -------------------------------------------------------------------
 
@@ -230,9 +233,10 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
                 "them dead: %spmd stop ends the cluster, and exit in a cell of its own ends "
                 "this notebook's kernel (and its cluster)."
             )
+        raw = self.raw_cell
         try:
             run = session.run_cell(
-                cell,
+                raw if raw is not None and cell in (raw, raw + "\n") else cell,
                 ranks=ranks,
                 timeout=opts.timeout,
                 grace=opts.grace,
@@ -284,7 +288,7 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         notes, details, hints = [], [], []
         if stall is not None:
             notes = stall.summary()
-            details = stack_section(stall.busy, stall.stacks)
+            details = stack_section(stall.busy, stall.stacks, stall.in_debugger)
             if stall.deaths:
                 details = ["", *stall.deaths[0].describe(headline=False), *details]
         else:

@@ -19,6 +19,7 @@ from spmd.cluster.session import Session
 
 _COLOURS = {
     "input": "#d0ebff",
+    "debugger": "#d0ebff",
     "busy": "#fff4ce",
     "error": "#fde2e1",
     "dead": "#fde2e1",
@@ -69,6 +70,7 @@ class Panel:
         dead = self.session.dead_ranks() if self.session.running else set()
         cells = run.cells if run is not None else {}
         any_done = any(c.done for c in cells.values())
+        paused = set(run.debugger_paused()) if run is not None else set()
         rows = []
         for r in self.session.ranks:
             cell = cells.get(r.rank)
@@ -76,6 +78,8 @@ class Panel:
                 state = "dead"
             elif run is not None and r.rank in run.prompting:
                 state = "input"  # waits for the person at a prompt
+            elif run is not None and r.rank in paused:
+                state = "debugger"  # paused in JupyterLab's debugger
             elif cell is None:
                 state = "idle" if r.state != "stopped" else "stopped"  # (not in this cell)
             elif not cell.done:
@@ -132,6 +136,10 @@ def headline(rows: list[dict], live: bool | None) -> str:
     asking = [r["rank"] for r in rows if r["state"] == "input"]
     if live and asking:
         return f"Waiting for you: {rank_words(asking)} asked for input."
+    stopped = [r["rank"] for r in rows if r["state"] == "debugger"]
+    if live and stopped:
+        return (f"Waiting for you: {rank_words(stopped)} paused in the debugger (Continue, "
+                "or a step, in its panel).")
     if live and late:
         return f"Running: {rank_words(late)} still busy after the others finished."
     if live:

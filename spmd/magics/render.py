@@ -361,7 +361,8 @@ class LiveView:
             and run.busy_ranks
         ):
             self._looked_at = now
-            self.status = progress_lines(self.where(run.busy_ranks), now - self.started)
+            self.status = progress_lines(self.where(run.busy_ranks), now - self.started,
+                                         run.debugger_paused())
             self._dirty = True
         if not self._dirty or now - self.started < self.delay or now - self._shown_at < self.every:
             return

@@ -11,8 +11,12 @@ started prints on, under that cell's id, and each such message makes the entry a
 - outputs that come after their cell ended (a training loop in a thread, a callback) go to
   ``late``, for the next cell to show and the rank's log to keep, and leave no entry behind.
 
+- a rank's debug events (JupyterLab's debugger, spmd/kernel/debugger.py) go to
+  ``on_debug_event``, and the ranks paused in the debugger are kept in ``paused`` (engine id:
+  its stopped threads), which the watchdog reads: a paused rank is not diverged.
+
 Runs on ipyparallel's IO thread; ``late`` is the only thing it shares with the main thread
-(a queue). ``sync_engines`` is called from the start's thread and hands its update of the
+(a queue); ``paused`` is written here only, and read whole (a copy) by others. ``sync_engines`` is called from the start's thread and hands its update of the
 engine tables to the IO thread.
 """
 
@@ -47,14 +51,36 @@ class SpmdClient(ipyparallel.Client):
         # Which engine each recent request went to: a late output may name only its request
         # (a thread's output carries no engine; the request's status messages did).
         self._engine_of: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.on_debug_event = None  # called with (engine id, the event) on the IO thread
+        self.paused: dict[int, frozenset] = {}  # engine id -> its threads stopped in debugpy
         super().__init__(*args, **kwargs)
 
     @unpack_message
     def _dispatch_iopub(self, msg) -> None:
+        if msg["header"]["msg_type"] == "debug_event":
+            self._debug_event(msg)
+            return
         try:
             _dispatch_iopub(self, msg)
         finally:
             self._after_iopub(msg)
+
+    def _debug_event(self, msg) -> None:
+        engine_id = self._engine(msg.get("metadata", {}).get("engine"))
+        if engine_id is None:
+            return
+        event = msg["content"]
+        body = event.get("body") or {}
+        stopped = self.paused.get(engine_id, frozenset())
+        if event.get("event") == "stopped":
+            self.paused = {**self.paused, engine_id: stopped | {body.get("threadId")}}
+        elif event.get("event") in ("continued", "terminated", "exited"):
+            left = (frozenset() if body.get("allThreadsContinued", True)
+                    else stopped - {body.get("threadId")})
+            self.paused = {e: t for e, t in {**self.paused, engine_id: left}.items() if t}
+        callback = self.on_debug_event
+        if callback is not None:
+            callback(engine_id, event)
 
     def _after_iopub(self, msg) -> None:
         parent = msg.get("parent_header") or {}
@@ -82,6 +108,15 @@ class SpmdClient(ipyparallel.Client):
             if len(self.late) == LATE_KEPT:
                 self.late_dropped += 1
             self.late.append((engine_id, kind, msg["content"]))
+
+    def resume(self, engine_ids: list[int]) -> None:
+        """(any thread) These engines were told to go on in the debugger: not paused now.
+        (debugpy sends no ``continued`` for a continue or a step it was asked for.)"""
+
+        def forget() -> None:
+            self.paused = {e: t for e, t in self.paused.items() if e not in engine_ids}
+
+        self._io_loop.add_callback(forget)
 
     def sync_engines(self, timeout: float = 5.0) -> None:
         """Ask the controller which engines have registered, and add any this client missed.

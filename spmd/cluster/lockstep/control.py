@@ -46,3 +46,15 @@ def signal(client, engine_ids: list[int], signum: int, timeout: float = 1.0) -> 
     """Send ``signum`` to the engines' processes; the engine ids that confirmed it."""
     replies = request(client, engine_ids, control.SIGNAL, {"signum": int(signum)}, timeout)
     return [eid for eid, reply in replies.items() if reply is not None]
+
+
+def resume_debugged(client, engine_ids: list[int], timeout: float = 2.0) -> None:
+    """Ranks paused in JupyterLab's debugger go on (DAP ``continue`` on each stopped thread):
+    an interrupt then reaches their cell."""
+    paused = dict(client.paused)
+    for engine_id in engine_ids:
+        for thread in paused.get(engine_id, ()):
+            request(client, [engine_id], "debug_request",
+                    {"type": "request", "seq": 0, "command": "continue",
+                     "arguments": {"threadId": thread}}, timeout)
+    client.resume(engine_ids)

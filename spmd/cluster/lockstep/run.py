@@ -75,6 +75,12 @@ class CellRun:
         fut.add_done_callback(lambda _f: events.put((rank, _REPLY, None)))
         fut.output.add_done_callback(lambda _f: events.put((rank, _IDLE, None)))
 
+    def debugger_paused(self) -> list[int]:
+        """Ranks of this cell paused in JupyterLab's debugger (the client hears their stops)."""
+        paused = getattr(self.client, "paused", None) or {}
+        return [rank for rank, eid in self.engine_ids.items()
+                if eid in paused and not self.cells[rank].done] if paused else []
+
     @property
     def busy_ranks(self) -> list[int]:
         return sorted(r for r, left in self._pending.items() if left)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from spmd.cluster.launchers.processes import how_it_ended
@@ -111,6 +112,7 @@ class Stall:
     raised: list[int] = field(default_factory=list)  # those of them that raised
     unresponsive: list[int] = field(default_factory=list)  # busy after SIGINT and a grace
     deaths: list[Death] = field(default_factory=list)  # first to die first
+    in_debugger: list[int] = field(default_factory=list)  # busy ranks paused in the debugger
 
     @classmethod
     def at(cls, reason: str, seconds: float | None, cells: dict[int, RankCell], **kw) -> Stall:
@@ -124,6 +126,10 @@ class Stall:
     def summary(self) -> list[str]:
         """The headline, the likely cause and the next step."""
         lines = [self._headline(self.finished, self.raised)]
+        if self.in_debugger:
+            were = "was" if len(self.in_debugger) == 1 else "were"
+            lines.append(f"{rank_words(self.in_debugger).capitalize()} {were} paused in the "
+                         "debugger: the interrupt let them go on, then stopped them.")
         if self.unresponsive:
             lines.append(
                 f"{rank_words(self.unresponsive).capitalize()} did not respond to the interrupt "
@@ -219,24 +225,35 @@ def group_stacks(
     return list(groups.values())
 
 
-def stack_section(ranks: list[int], stacks: dict[int, Stack | None]) -> list[str]:
-    """Where each of ``ranks`` was, grouped; a line for ranks that did not answer."""
+def stack_section(ranks: list[int], stacks: dict[int, Stack | None],
+                  paused: Iterable[int] = ()) -> list[str]:
+    """Where each of ``ranks`` was, grouped; a line for ranks that did not answer
+    (``paused``: ranks that were paused in JupyterLab's debugger)."""
     lines: list[str] = []
+    paused = set(paused)
     for group, stack in group_stacks(ranks, stacks):
         lines.append("")
         if stack is None or not stack.frames:
             lines.append(f"{rank_label(group)} did not say where it was (no stack dump).")
             continue
-        lines.append(f"{rank_label(group)} was running {stack.at_cell_line}".rstrip())
+        doing = "was paused in the debugger" if paused.issuperset(group) else "was running"
+        lines.append(f"{rank_label(group)} {doing} {stack.at_cell_line}".rstrip())
         lines.extend(stack.lines())
     return lines
 
 
-def progress_lines(stacks: dict[int, Stack | None], seconds: float) -> list[str]:
-    """Where the busy ranks of a long cell are, a line per group of ranks on the same line."""
+def progress_lines(stacks: dict[int, Stack | None], seconds: float,
+                   paused: Iterable[int] = ()) -> list[str]:
+    """Where the busy ranks of a long cell are, a line per group of ranks on the same line
+    (``paused``: ranks paused in JupyterLab's debugger)."""
     groups: dict[str, list[int]] = {}
+    paused = set(paused)
     for rank, stack in sorted(stacks.items()):
-        if stack is None:
+        if rank in paused:
+            where = "paused in the debugger"
+            if stack is not None and stack.at_cell_line:
+                where += f" {stack.at_cell_line}"
+        elif stack is None:
             where = "(no stack)"
         else:
             where = stack.at_cell_line or "outside the cell's code"

@@ -1,0 +1,128 @@
+"""On a rank: JupyterLab's debugger, run as ipykernel's own kernel runs it.
+
+An ipyparallel engine is an IPythonKernel: it has kernelbase's ``debug_request`` handler on
+its control channel and ipykernel's ``Debugger``, which answers ``dumpCell``, ``debugInfo``
+and ``inspectVariables`` itself and relays the rest to debugpy. What its app leaves out is the
+debugpy side: no DAP socket, no stopped-event poller, and start-up hides debugpy
+(bootstrap.main), so the kernel made no Debugger at all. ``listen`` adds them, once:
+
+- debugpy listens in this process (with its adapter, a child process), started on the main
+  thread, where ipykernel starts it too (with a silent cell sent to its own shell: an engine's
+  shell socket faces the controller, so the notebook runs ``listen`` on every rank instead);
+- the DAP socket (a zmq STREAM socket, as ipykernel's) lives on the control thread, where
+  ``debug_request`` runs, so a rank paused at a breakpoint still answers;
+- cells are compiled under the notebook's cell folder (JupyterLab's ``tmpFilePrefix``), not
+  under ``ipykernel_<this pid>``: the path JupyterLab computes for a cell then names that cell
+  on every rank, and a breakpoint set in the notebook is a breakpoint on each rank.
+
+Threads: ``listen`` runs on the main thread; the Debugger, its socket and its queues are the
+control thread's from then on. ``attached`` is read by ``breakpoint()`` on the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import threading
+
+_debugger = None  # ipykernel's Debugger, once listen() ran
+
+
+def attached() -> bool:
+    """JupyterLab's debugger is attached to this rank (``breakpoint()`` then stops in it)."""
+    return _debugger is not None and bool(_debugger.is_started)
+
+
+def listen(cells_folder: str) -> dict:
+    """Start debugpy in this rank and give its kernel a Debugger (once; later calls only say
+    so). ``cells_folder``: the notebook's ``tmpFilePrefix`` without its last separator."""
+    global _debugger
+    if _debugger is not None:
+        return {"pid": os.getpid(), "new": False}
+    from spmd import internals
+
+    problems = [p for p in internals.missing("rank") if "debugging.py" in p]
+    if problems:
+        raise RuntimeError(" ".join(problems))
+    from IPython import get_ipython
+
+    kernel = get_ipython().kernel
+    import debugpy
+    import ipykernel.compiler
+    import ipykernel.debugger
+
+    if not ipykernel.debugger._is_debugpy_available:
+        # (imported while start-up hid debugpy: its names were never bound)
+        ipykernel.debugger = importlib.reload(ipykernel.debugger)
+    folder = cells_folder.rstrip(os.sep)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+
+    def cells_here() -> str:
+        return folder
+
+    # (ipykernel.debugger imported these by name; the compiler looks its own up at each cell)
+    ipykernel.compiler.get_tmp_directory = cells_here
+    ipykernel.debugger.get_tmp_directory = cells_here
+
+    loop = kernel.control_thread.io_loop
+    debugger = _on_control_thread(loop, lambda: _make_debugger(kernel, ipykernel.debugger))
+    host, port = debugger.debugpy_client.get_host_port()
+    debugpy.listen((host, int(port)))
+    debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
+    kernel.debugger = debugger
+    asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
+    _debugger = debugger
+    return {"pid": os.getpid(), "new": True}
+
+
+def _make_debugger(kernel, module):
+    """The DAP socket and the Debugger, made on the control thread, whose loop serves them."""
+    import zmq
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    socket = zmq.Context.instance().socket(zmq.STREAM)
+    socket.linger = 1000
+    stream = ZMQStream(socket, kernel.control_thread.io_loop)
+    kernel.debugpy_stream = stream
+    stream.on_recv(kernel.dispatch_debugpy, copy=False)
+    return module.Debugger(
+        kernel.log,
+        stream,
+        kernel._publish_debug_event,
+        None,  # (the shell socket of ipykernel's silent start cell: listen() did that)
+        kernel.session,
+        kernel._kernel_modules,
+        kernel.debug_just_my_code,
+        kernel.filter_internal_frames,
+    )
+
+
+def _on_control_thread(loop, fn):
+    done = threading.Event()
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # (raised again on the caller's thread)
+            box.append((False, exc))
+        finally:
+            done.set()
+
+    loop.add_callback(run)
+    if not done.wait(30):
+        raise RuntimeError("this rank's control thread did not answer within 30 s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def stop_here(frame) -> None:
+    """``breakpoint()`` while JupyterLab's debugger is attached: stop in it, in ``frame``
+    (the cell's), as debugpy.breakpoint() does in its caller's."""
+    from debugpy.server import api
+
+    api._settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False,
+                  stop_at_frame=frame)

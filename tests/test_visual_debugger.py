@@ -1,0 +1,269 @@
+"""JupyterLab's debugger on the ranks, driven over the debug protocol as JupyterLab drives it
+(``debug_request`` on the control channel, ``debug_event`` on IOPub), against the SPMD kernel
+with 2 real ranks running real debugpy. The request sequence follows ipykernel's own
+tests/test_debugger.py; the cell path is the one JupyterLab computes itself.
+
+Each test starts its own kernel and leaves no process and no paused rank behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+
+import pytest
+from conftest import kernel_stream, spmd_kernel
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("spmd_kernelspec")]
+
+CELL = """import jax
+rank = jax.process_index()
+x = 1
+y = rank * 10 + 5
+print('after', y)"""
+
+_seq = itertools.count(1)
+
+
+def murmur2_x86(data: str, seed: int) -> int:
+    """JupyterLab's hash of a cell's text (packages/debugger/src/hash.ts), written again here
+    so that the test computes the path as the front end does, not as the kernel does."""
+    from ipykernel.compiler import murmur2_x86 as ipykernel_murmur2
+
+    return ipykernel_murmur2(data, seed)
+
+
+def debug(kc, command: str, arguments: dict | None = None, timeout: float = 60) -> dict:
+    """One debug request, and its reply's content (the events that come meanwhile are kept
+    for ``event``)."""
+    msg = kc.session.msg("debug_request", {"type": "request", "seq": next(_seq),
+                                           "command": command, "arguments": arguments or {}})
+    kc.control_channel.send(msg)
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_control_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            return reply["content"]
+
+
+_kept: dict[int, list] = {}  # per client: IOPub messages read while looking for an event
+
+
+def event(kc, name: str, timeout: float = 60) -> dict:
+    """The next ``debug_event`` called ``name`` on IOPub (the cells' messages read meanwhile
+    are kept for ``reply_to``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["msg_type"] != "debug_event":
+            _kept.setdefault(id(kc), []).append(msg)
+        elif msg["content"]["event"] == name:
+            return msg["content"]
+
+
+def reply_to(kc, msg_id: str, timeout: float = 120) -> tuple[dict, str]:
+    """The execute reply of ``msg_id`` and the text its cell printed."""
+    deadline = time.monotonic() + timeout
+    text = []
+    kept = _kept.pop(id(kc), [])
+    while True:
+        msg = kept.pop(0) if kept else kc.get_iopub_msg(
+            timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id:
+            if msg["msg_type"] == "stream":
+                text.append(msg["content"]["text"])
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+    return kc.get_shell_msg(timeout=timeout), "".join(text)
+
+
+@contextlib.contextmanager
+def debugged_kernel():
+    """The SPMD kernel with its 2 ranks up and JupyterLab's start sequence done."""
+    with spmd_kernel() as (km, kc):
+        reply, _ = kernel_stream(kc, "import jax")  # (waits for the kernel's own cluster)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        info = debug(kc, "debugInfo")
+        assert info["success"] and not info["body"]["isStarted"]
+        r = debug(kc, "initialize", {"clientID": "test-client", "clientName": "testClient",
+                                     "adapterID": "", "pathFormat": "path",
+                                     "linesStartAt1": True, "columnsStartAt1": True,
+                                     "supportsVariableType": True,
+                                     "supportsVariablePaging": True, "locale": "en"})
+        assert r["success"], r
+        assert debug(kc, "attach", {})["success"]
+        r = debug(kc, "setExceptionBreakpoints", {"filters": []})
+        assert r["success"], r
+        yield km, kc
+
+
+def cell_path(kc, code: str) -> str:
+    info = debug(kc, "debugInfo")["body"]
+    return (info["tmpFilePrefix"] + str(murmur2_x86(code, info["hashSeed"]))
+            + info["tmpFileSuffix"])
+
+
+def stop_at(kc, code: str, line: int) -> tuple[str, str, dict]:
+    """dumpCell, a breakpoint at ``line``, and the cell sent: (its path, its msg_id, the first
+    ``stopped`` event)."""
+    dumped = debug(kc, "dumpCell", {"code": code})
+    path = dumped["body"]["sourcePath"]
+    assert path == cell_path(kc, code)  # JupyterLab's own computation names the same file
+    r = debug(kc, "setBreakpoints", {"source": {"path": path}, "sourceModified": False,
+                                     "breakpoints": [{"line": line}]})
+    assert r["success"] and r["body"]["breakpoints"][0]["verified"], r
+    assert debug(kc, "configurationDone")["success"]
+    msg_id = kc.execute(code)
+    return path, msg_id, event(kc, "stopped")
+
+
+def show(kc, rank: int, timeout: float = 30) -> dict:
+    """``%rank N`` in the Evaluate box, once rank N has stopped: its ``stopped`` event."""
+    deadline = time.monotonic() + timeout
+    while True:
+        said = debug(kc, "evaluate", {"expression": f"%rank {rank}", "context": "repl"})
+        assert said["success"], said
+        if said["body"]["result"] == f"showing rank {rank}":
+            return event(kc, "stopped")
+        assert "is not paused" in said["body"]["result"], said
+        assert time.monotonic() < deadline, said
+        time.sleep(0.1)
+
+
+def rank_of(kc, thread_id: int) -> int:
+    threads = debug(kc, "threads")["body"]["threads"]
+    name = next(t["name"] for t in threads if t["id"] == thread_id)
+    return int(name.split(":")[0].removeprefix("rank "))
+
+
+def value_of(kc, thread_id: int, name: str) -> str:
+    frames = debug(kc, "stackTrace", {"threadId": thread_id})["body"]["stackFrames"]
+    scopes = debug(kc, "scopes", {"frameId": frames[0]["id"]})["body"]["scopes"]
+    ref = next(s["variablesReference"] for s in scopes if s["name"] in ("Locals", "Globals"))
+    variables = debug(kc, "variables", {"variablesReference": ref})["body"]["variables"]
+    return next(v["value"] for v in variables if v["name"] == name)
+
+
+def test_breakpoints_stop_every_rank_and_show_each_ranks_values():
+    with debugged_kernel() as (km, kc):
+        assert "debugger" in kc.kernel_info(reply=True)["content"]["supported_features"]
+        path, msg_id, stopped = stop_at(kc, CELL, 4)
+        assert stopped["body"]["reason"] == "breakpoint"
+        first = stopped["body"]["threadId"]
+        threads = debug(kc, "threads")["body"]["threads"]
+        names = [t["name"] for t in threads]
+        assert any(n.startswith("rank 0: MainThread") for n in names), names
+        assert any(n.startswith("rank 1: MainThread") for n in names), names
+        assert len({t["id"] for t in threads}) == len(threads)  # (no id names two threads)
+        frames = debug(kc, "stackTrace", {"threadId": first})["body"]["stackFrames"]
+        assert frames[0]["line"] == 4 and frames[0]["source"]["path"] == path
+        # rank 1 is paused too: `%rank 1` in the Evaluate box shows it
+        mains = {int(n.split(":")[0][5:]): t["id"] for n, t in zip(names, threads)
+                 if n.endswith("MainThread")}
+        assert show(kc, 1)["body"]["threadId"] == mains[1]
+        # y is not assigned yet at line 4: step over it on every paused rank
+        assert debug(kc, "next", {"threadId": mains[1]})["success"]
+        again = event(kc, "stopped")
+        assert again["body"]["reason"] == "step"
+        values = {rank_of(kc, again["body"]["threadId"]):
+                  value_of(kc, again["body"]["threadId"], "y")}
+        other = 1 - next(iter(values))
+        thread = show(kc, other)["body"]["threadId"]
+        assert rank_of(kc, thread) == other
+        values[other] = value_of(kc, thread, "y")
+        assert values == {0: "5", 1: "15"}
+        frames = debug(kc, "stackTrace", {"threadId": mains[1]})["body"]["stackFrames"]
+        evaluated = debug(kc, "evaluate", {"expression": "y * 2", "frameId": frames[0]["id"],
+                                           "context": "repl"})
+        assert evaluated["body"]["result"] == "30"
+        # continue: every rank finishes the cell
+        assert debug(kc, "continue", {"threadId": mains[0]})["success"]
+        reply, text = reply_to(kc, msg_id)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert "[rank 0] after 5" in text and "[rank 1] after 15" in text
+        # the breakpoints cleared, the same cell runs through
+        r = debug(kc, "setBreakpoints", {"source": {"path": path}, "breakpoints": []})
+        assert r["success"] and not debug(kc, "debugInfo")["body"]["breakpoints"]
+        reply, text = kernel_stream(kc, CELL, timeout=60)
+        assert reply["content"]["status"] == "ok" and "after 15" in text
+        assert debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})["success"]
+        reply, text = kernel_stream(kc, "print(rank)")
+        assert text == "[rank 0] 0\n[rank 1] 1\n"
+
+
+def test_no_cluster_no_debugger_one_sentence():
+    with spmd_kernel() as (km, kc):
+        reply, _ = kernel_stream(kc, "%spmd stop")
+        assert reply["content"]["status"] == "ok", reply["content"]
+        r = debug(kc, "initialize", {"clientID": "test"})
+        assert not r["success"] and "No cluster runs" in r["message"]
+        assert "kernel subshells" not in kc.kernel_info(reply=True)["content"][
+            "supported_features"]
+
+
+def test_interrupt_while_ranks_are_paused_ends_the_pause_and_the_cell():
+    with debugged_kernel() as (km, kc):
+        _, msg_id, _ = stop_at(kc, CELL + "\nimport time; time.sleep(60)", 4)
+        time.sleep(1)
+        km.interrupt_kernel()
+        reply, _ = reply_to(kc, msg_id, timeout=60)
+        assert reply["content"]["status"] == "error"
+        assert "KeyboardInterrupt" in "\n".join(reply["content"]["traceback"]) or \
+            "Interrupted" in "\n".join(reply["content"]["traceback"])
+        assert not debug(kc, "debugInfo")["body"]["stoppedThreads"]
+        reply, text = kernel_stream(kc, "%spmd restart")
+        reply, text = kernel_stream(kc, "print('fine')")
+        assert text == "[ranks 0-1] fine\n"
+
+
+def test_a_restart_while_ranks_are_paused_leaves_none_paused_and_breakpoints_work_again():
+    with debugged_kernel() as (km, kc):
+        path, msg_id, _ = stop_at(kc, CELL, 4)
+        # a front end's restart is a shutdown of the cell: %spmd restart needs the main
+        # thread, which waits in the cell; Interrupt first, as a person would
+        km.interrupt_kernel()
+        reply_to(kc, msg_id, timeout=60)
+        reply, text = kernel_stream(kc, "%spmd restart")
+        assert reply["content"]["status"] == "ok", text
+        assert not debug(kc, "debugInfo")["body"]["stoppedThreads"]
+        # the new ranks get the debugger and its breakpoint before the next cell
+        msg_id = kc.execute(CELL)
+        stopped = event(kc, "stopped")
+        frames = debug(kc, "stackTrace", {"threadId": stopped["body"]["threadId"]})
+        assert frames["body"]["stackFrames"][0]["source"]["path"] == path
+        assert debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})["success"]
+        reply, text = reply_to(kc, msg_id)
+        assert reply["content"]["status"] == "ok", reply["content"]
+
+
+def test_breakpoint_stops_in_the_visual_debugger_while_it_is_attached():
+    with debugged_kernel() as (km, kc):
+        assert debug(kc, "configurationDone")["success"]
+        code = "z = 7\nbreakpoint()\nprint('z is', z)"
+        msg_id = kc.execute(code)
+        stopped = event(kc, "stopped")
+        frames = debug(kc, "stackTrace", {"threadId": stopped["body"]["threadId"]})
+        top = frames["body"]["stackFrames"][0]
+        assert top["source"]["path"] == cell_path(kc, code), top
+        show(kc, 1 - rank_of(kc, stopped["body"]["threadId"]))  # (both ranks stopped there)
+        assert debug(kc, "continue", {"threadId": stopped["body"]["threadId"]})["success"]
+        reply, text = reply_to(kc, msg_id)
+        assert reply["content"]["status"] == "ok" and "z is 7" in text
+
+
+def test_a_rank_paused_in_the_debugger_is_not_diverged():
+    """Rank 1 stops at a breakpoint that rank 0 never reaches; rank 0 ends the cell. Past the
+    watchdog's grace (2 s) nothing is reported: a person is debugging rank 1."""
+    with debugged_kernel() as (km, kc):
+        code = "import jax\nrank = jax.process_index()\nif rank == 1:\n    w = 'one'\nprint('done')"
+        _, msg_id, stopped = stop_at(kc, code, 4)
+        time.sleep(5)  # (past two graces)
+        with pytest.raises(Exception):  # the cell has not ended: no reply yet
+            kc.get_shell_msg(timeout=0.5)
+        assert rank_of(kc, stopped["body"]["threadId"]) == 1
+        assert debug(kc, "continue", {"threadId": stopped["body"]["threadId"]})["success"]
+        reply, text = reply_to(kc, msg_id)
+        assert reply["content"]["status"] == "ok", text
+        assert text == "[ranks 0-1] done\n" or sorted(text.splitlines()) == [
+            "[rank 0] done", "[rank 1] done"]
