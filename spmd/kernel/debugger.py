@@ -17,20 +17,20 @@ whose threads are the ranks' threads:
   rank's, named ``rank 1: MainThread``).
 
 References: each rank numbers its threads, frames and variables from 1, so every id a rank
-gives is swapped for one of this relay's (a table per kind; 0 stays 0), and back on the way in.
+gives is swapped for one of this relay's (references.py), and back on the way in.
 
 JupyterLab shows one stopped thread at a time, the one its last ``stopped`` event named, and
 never asks for ``threads``: the relay tells it of one rank's stop at a time, and after
 ``continue`` or a step it names another paused rank, if one is left, with a new ``stopped``.
 
 Threads: requests run on ipykernel's control thread, one at a time; events come on
-ipyparallel's IO thread. Both hold ``_lock`` while they touch the tables and ``_stopped``.
+ipyparallel's IO thread. Both hold ``_lock`` while they touch ``_stopped`` and ``shown``;
+the reference tables have a lock of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import re
 import sys
 import threading
@@ -38,6 +38,7 @@ import threading
 from IPython.core.inputtransformer2 import leading_empty_lines
 
 from spmd.engine import debugging
+from spmd.kernel.references import References
 
 BROADCAST = ("initialize", "attach", "configurationDone", "setBreakpoints",
              "setExceptionBreakpoints", "setFunctionBreakpoints", "dumpCell", "disconnect")
@@ -58,9 +59,7 @@ class RankDebugger:
         self.magics = magics
         self.cells_folder = cells_folder  # JupyterLab's tmpFilePrefix, without the last '/'
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._out: dict[tuple[str, int, int], int] = {}  # (kind, rank, rank's id) -> ours
-        self._in: dict[tuple[str, int], tuple[int, int]] = {}  # (kind, ours) -> (rank, id)
+        self.refs = References()  # every rank's thread, frame and variable ids, made ours
         self._stopped: dict[int, tuple[int, dict]] = {}  # rank -> (its thread, its event)
         self.shown: int | None = None  # the rank whose stop JupyterLab shows
         self.started = False
@@ -76,7 +75,11 @@ class RankDebugger:
         self._prune()
         try:
             if command == "debugInfo":
-                return self._reply(request, self._debug_info())
+                with self._lock:
+                    stopped = [self.refs.ours("thread", r, t)
+                               for r, (t, _) in self._stopped.items()]
+                return reply(request, debug_info(self.started, self.cells_folder,
+                                                 self.breakpoints, stopped))
             session = self._session(command)
             if command == "initialize":
                 await self._listen(session)
@@ -92,7 +95,7 @@ class RankDebugger:
                 return await self._pause(session, request)
             return await self._one(session, request)
         except NoRanks as exc:
-            return self._reply(request, None, message=str(exc))
+            return reply(request, None, message=str(exc))
 
     def _session(self, command: str):
         session = self.magics.session if self.magics.pending is None else None
@@ -115,8 +118,7 @@ class RankDebugger:
         with self._lock:
             self._stopped.clear()
             self.shown = None
-            self._out.clear()
-            self._in.clear()
+            self.refs.clear()
         loop = asyncio.get_running_loop()
         try:
             await asyncio.gather(*[loop.run_in_executor(None, lambda r=rank.rank: session.call(
@@ -139,7 +141,7 @@ class RankDebugger:
                 paused = client.paused
                 gone = [r for r in self._stopped
                         if r >= len(session.ranks) or session.ranks[r].engine_id not in paused]
-            threads = [self._out.get(("thread", r, self._stopped.pop(r)[0])) for r in gone]
+            threads = [self.refs.ours("thread", r, self._stopped.pop(r)[0]) for r in gone]
             if self.shown in gone:
                 self.shown = None
         for thread in filter(None, threads):
@@ -166,21 +168,21 @@ class RankDebugger:
         await self._listen(session)
         for command in ("initialize", "attach", "setExceptionBreakpoints"):
             if command in self._setup:
-                await self._all(session, self._setup[command])
+                await ask_all(session, self._setup[command])
         for path, breakpoints in self.breakpoints.items():
-            await self._all(session, {"type": "request", "seq": 0, "command": "setBreakpoints",
+            await ask_all(session, {"type": "request", "seq": 0, "command": "setBreakpoints",
                                       "arguments": {"source": {"path": path},
                                                     "breakpoints": breakpoints}})
 
     async def _broadcast(self, session, request: dict) -> dict:
         command = request["command"]
-        replies = await self._all(session, request)
+        replies = await ask_all(session, request)
         first = replies[0]
         if not first.get("success", True):
             return first
-        failed = [r for r, reply in replies.items() if not reply.get("success", True)]
+        failed = [r for r, said in replies.items() if not said.get("success", True)]
         if failed:
-            return self._reply(request, None, message=f"rank {failed[0]}: "
+            return reply(request, None, message=f"rank {failed[0]}: "
                                + str(replies[failed[0]].get("message", "failed")))
         if command in ("initialize", "attach", "setExceptionBreakpoints"):
             self._setup[command] = request
@@ -201,8 +203,7 @@ class RankDebugger:
             with self._lock:
                 self._stopped.clear()
                 self.shown = None
-                self._out.clear()
-                self._in.clear()
+            self.refs.clear()
             if self._client is not None:
                 self._client.resume(list(self._client.paused))
         return first
@@ -211,9 +212,9 @@ class RankDebugger:
         """Continue or step every paused rank, each its own stopped thread."""
         with self._lock:
             stopped = dict(self._stopped)
-            asked = self._local("thread", request["arguments"].get("threadId", 0))
+            asked = self.refs.rank_and_id("thread", request["arguments"].get("threadId", 0))
         if not stopped:
-            return self._reply(request, {"allThreadsContinued": True})
+            return reply(request, {"allThreadsContinued": True})
         sends = {}
         for rank, (thread, _) in stopped.items():
             sends[rank] = _with(request, threadId=thread)
@@ -221,26 +222,26 @@ class RankDebugger:
         with self._lock:
             for rank in stopped:
                 self._stopped.pop(rank, None)
-            self._forget_frames()
+            self.refs.forget_frames()
             self.shown = None
         self._client.resume([session.ranks[r].engine_id for r in stopped])
-        replies = await self._each(session, sends)
+        replies = await ask_each(session, sends)
         asked_rank = asked[0] if asked else min(stopped)
-        reply = replies.get(asked_rank) or next(iter(replies.values()))
-        return self._out_refs(asked_rank, reply)
+        said = replies.get(asked_rank) or next(iter(replies.values()))
+        return self.refs.from_rank(asked_rank, said)
 
     async def _pause(self, session, request: dict) -> dict:
-        replies = await self._each(session, {
+        replies = await ask_each(session, {
             r.rank: _with(request, threadId=self._main_thread(r.rank)) for r in session.ranks})
         return replies[0]
 
     async def _threads(self, session, request: dict) -> dict:
         threads = []
-        for rank, reply in (await self._all(session, request)).items():
-            for thread in reply.get("body", {}).get("threads", []):
-                threads.append({"id": self._global("thread", rank, thread["id"]),
+        for rank, said in (await ask_all(session, request)).items():
+            for thread in said.get("body", {}).get("threads", []):
+                threads.append({"id": self.refs.ours("thread", rank, thread["id"]),
                                 "name": f"rank {rank}: {thread['name']}"})
-        return self._reply(request, {"threads": threads})
+        return reply(request, {"threads": threads})
 
     def _pick(self, session, request: dict) -> dict:
         """``%rank N`` in the Evaluate box: JupyterLab shows rank N's stop."""
@@ -252,16 +253,19 @@ class RankDebugger:
                 paused = sorted(self._stopped)
             said = (f"rank {rank} is not paused; paused: {', '.join(map(str, paused))}"
                     if paused else f"rank {rank} is not paused, and no rank is")
-            return self._reply(request, {"result": said, "variablesReference": 0})
+            return reply(request, {"result": said, "variablesReference": 0})
         self._show(rank)
-        return self._reply(request, {"result": f"showing rank {rank}", "variablesReference": 0})
+        return reply(request, {"result": f"showing rank {rank}", "variablesReference": 0})
 
     async def _one(self, session, request: dict) -> dict:
-        rank, request = self._in_refs(request)
+        try:
+            rank, request = self.refs.to_rank(request)
+        except LookupError as exc:
+            raise NoRanks(str(exc)) from None
         if rank is None:
             rank = self._rank_shown(session)
-        reply = (await self._each(session, {rank: request}))[rank]
-        return self._out_refs(rank, reply)
+        said = (await ask_each(session, {rank: request}))[rank]
+        return self.refs.from_rank(rank, said)
 
     # -- events (ipyparallel's IO thread) -------------------------------------------------
 
@@ -284,9 +288,9 @@ class RankDebugger:
             with self._lock:
                 self._stopped.pop(rank, None)
         if "threadId" in body:
-            body["threadId"] = self._global("thread", rank, body["threadId"])
+            body["threadId"] = self.refs.ours("thread", rank, body["threadId"])
         if "variablesReference" in body:
-            body["variablesReference"] = self._global("var", rank, body["variablesReference"])
+            body["variablesReference"] = self.refs.ours("var", rank, body["variablesReference"])
         self.kernel._publish_debug_event({**event, "body": body})
 
     def _show(self, rank: int) -> None:
@@ -295,7 +299,7 @@ class RankDebugger:
             thread, event = self._stopped[rank]
             self.shown = rank
         body = dict(event.get("body") or {})
-        body["threadId"] = self._global("thread", rank, thread)
+        body["threadId"] = self.refs.ours("thread", rank, thread)
         body["description"] = f"rank {rank}: " + str(body.get("description") or body.get(
             "reason", "paused"))
         body["allThreadsStopped"] = False
@@ -310,95 +314,7 @@ class RankDebugger:
         elif not keep and leading_empty_lines not in cleanup:
             cleanup.insert(0, leading_empty_lines)
 
-    # -- references ------------------------------------------------------------------------
-
-    def _global(self, kind: str, rank: int, local: int) -> int:
-        if not local:
-            return 0
-        with self._lock:
-            key = (kind, rank, local)
-            ours = self._out.get(key)
-            if ours is None:
-                ours = self._out[key] = next(self._ids)
-                self._in[(kind, ours)] = (rank, local)
-            return ours
-
-    def _local(self, kind: str, ours: int) -> tuple[int, int] | None:
-        return self._in.get((kind, ours)) if ours else None
-
-    def _forget_frames(self) -> None:
-        """(with _lock) Frames and variables live while a rank is stopped (DAP's rule)."""
-        for key in [k for k in self._out if k[0] in ("frame", "var")]:
-            self._in.pop((key[0], self._out.pop(key)), None)
-
-    def _in_refs(self, request: dict) -> tuple[int | None, dict]:
-        args = dict(request.get("arguments") or {})
-        rank = None
-        for field, kind in (("threadId", "thread"), ("frameId", "frame"),
-                            ("srcFrameId", "frame"), ("variablesReference", "var")):
-            if args.get(field):
-                with self._lock:
-                    found = self._local(kind, args[field])
-                if found is None:
-                    raise NoRanks(f"{field} {args[field]} names nothing any rank holds now")
-                rank, args[field] = found
-        source = args.get("source")
-        if isinstance(source, dict) and source.get("sourceReference"):
-            with self._lock:
-                found = self._local("source", source["sourceReference"])
-            if found is not None:
-                rank = found[0]
-                args["source"] = {**source, "sourceReference": found[1]}
-        return rank, {**request, "arguments": args}
-
-    def _out_refs(self, rank: int, reply: dict) -> dict:
-        body = reply.get("body")
-        if not isinstance(body, dict):
-            return reply
-        body = dict(body)
-        for frame_list in ("stackFrames",):
-            if frame_list in body:
-                body[frame_list] = [self._frame(rank, f) for f in body[frame_list]]
-        for ref_list in ("scopes", "variables"):
-            if ref_list in body:
-                body[ref_list] = [_with_ref(v, self._global("var", rank,
-                                                            v.get("variablesReference", 0)))
-                                  for v in body[ref_list]]
-        if "variablesReference" in body:
-            body["variablesReference"] = self._global("var", rank, body["variablesReference"])
-        return {**reply, "body": body}
-
-    def _frame(self, rank: int, frame: dict) -> dict:
-        frame = {**frame, "id": self._global("frame", rank, frame["id"])}
-        source = frame.get("source")
-        if isinstance(source, dict) and source.get("sourceReference"):
-            frame["source"] = {**source, "sourceReference": self._global(
-                "source", rank, source["sourceReference"])}
-        return frame
-
     # -- sending ---------------------------------------------------------------------------
-
-    async def _all(self, session, request: dict) -> dict[int, dict]:
-        return await self._each(session, {r.rank: request for r in session.ranks})
-
-    async def _each(self, session, requests: dict[int, dict]) -> dict[int, dict]:
-        """Each rank's debug_reply to its request, in rank order."""
-        client = session.client
-        futures = {}
-        for rank, request in requests.items():
-            ident = client._engines[session.ranks[rank].engine_id].encode("utf8")
-            futures[rank] = asyncio.wrap_future(
-                client._send(client._control_stream, "debug_request", content=request,
-                             ident=ident))
-        replies = {}
-        for rank, future in futures.items():
-            try:
-                msg = await asyncio.wait_for(future, ANSWER_SECONDS)
-            except asyncio.TimeoutError:
-                raise NoRanks(f"rank {rank} did not answer the debugger within "
-                              f"{ANSWER_SECONDS:.0f} s") from None
-            replies[rank] = msg["content"]
-        return replies
 
     def _rank_shown(self, session) -> int:
         with self._lock:
@@ -422,40 +338,60 @@ class RankDebugger:
             stop = self._stopped.get(rank)
         return stop[0] if stop else 1  # (debugpy numbers the main thread 1)
 
-    def _debug_info(self) -> dict:
-        from ipykernel.compiler import get_tmp_hash_seed
-
-        with self._lock:
-            stopped = [self._out.get(("thread", r, t)) for r, (t, _) in self._stopped.items()]
-        return {
-            "isStarted": self.started,
-            "hashMethod": "Murmur2",
-            "hashSeed": get_tmp_hash_seed(),
-            "tmpFilePrefix": self.cells_folder + "/",
-            "tmpFileSuffix": ".py",
-            "breakpoints": [{"source": path, "breakpoints": b}
-                            for path, b in self.breakpoints.items()],
-            "stoppedThreads": [t for t in stopped if t],
-            "richRendering": True,
-            "exceptionPaths": ["Python Exceptions"],
-            "copyToGlobals": True,
-        }
-
-    @staticmethod
-    def _reply(request: dict, body: dict | None, message: str = "") -> dict:
-        reply = {"type": "response", "request_seq": request.get("seq", 0), "seq": 0,
-                 "command": request.get("command", ""), "success": not message}
-        if message:
-            reply["message"] = message
-            reply["body"] = {"error": {"id": 1, "format": message}}
-        else:
-            reply["body"] = body or {}
-        return reply
-
-
 def _with(request: dict, **arguments) -> dict:
     return {**request, "arguments": {**(request.get("arguments") or {}), **arguments}}
 
 
-def _with_ref(item: dict, ref: int) -> dict:
-    return {**item, "variablesReference": ref} if "variablesReference" in item else item
+async def ask_all(session, request: dict) -> dict[int, dict]:
+    """Every rank's debug_reply to ``request``."""
+    return await ask_each(session, {r.rank: request for r in session.ranks})
+
+
+async def ask_each(session, requests: dict[int, dict]) -> dict[int, dict]:
+    """Each rank's debug_reply to its request, in rank order."""
+    client = session.client
+    futures = {}
+    for rank, request in requests.items():
+        ident = client._engines[session.ranks[rank].engine_id].encode("utf8")
+        futures[rank] = asyncio.wrap_future(
+            client._send(client._control_stream, "debug_request", content=request,
+                         ident=ident))
+    replies = {}
+    for rank, future in futures.items():
+        try:
+            msg = await asyncio.wait_for(future, ANSWER_SECONDS)
+        except asyncio.TimeoutError:
+            raise NoRanks(f"rank {rank} did not answer the debugger within "
+                          f"{ANSWER_SECONDS:.0f} s") from None
+        replies[rank] = msg["content"]
+    return replies
+
+
+def reply(request: dict, body: dict | None, message: str = "") -> dict:
+    """A DAP response to ``request``: ``body``, or a failure that says ``message``."""
+    said = {"type": "response", "request_seq": request.get("seq", 0), "seq": 0,
+            "command": request.get("command", ""), "success": not message}
+    if message:
+        said["message"] = message
+        said["body"] = {"error": {"id": 1, "format": message}}
+    else:
+        said["body"] = body or {}
+    return said
+
+
+def debug_info(started: bool, cells_folder: str, breakpoints: dict, stopped: list) -> dict:
+    """``debugInfo``'s body, as ipykernel's own, for one cell folder shared by every rank."""
+    from ipykernel.compiler import get_tmp_hash_seed
+
+    return {
+        "isStarted": started,
+        "hashMethod": "Murmur2",
+        "hashSeed": get_tmp_hash_seed(),
+        "tmpFilePrefix": cells_folder + "/",
+        "tmpFileSuffix": ".py",
+        "breakpoints": [{"source": path, "breakpoints": b} for path, b in breakpoints.items()],
+        "stoppedThreads": [t for t in stopped if t],
+        "richRendering": True,
+        "exceptionPaths": ["Python Exceptions"],
+        "copyToGlobals": True,
+    }

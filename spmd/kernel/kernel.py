@@ -24,6 +24,7 @@ from traitlets import Enum, Float, Integer, Unicode
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
+from spmd.kernel import debugger as rank_debugging
 from spmd.kernel.debugger import RankDebugger
 from spmd.magics.arguments import start_settings
 from spmd.options import BACKENDS, TORCH_BACKENDS, start_args
@@ -98,7 +99,7 @@ class SpmdKernel(IPythonKernel):
     async def do_debug_request(self, msg):
         debugger = getattr(self, "rank_debugger", None)
         if debugger is None:
-            return RankDebugger._reply(msg, None, message="The kernel is still starting: turn "
+            return rank_debugging.reply(msg, None, message="The kernel is still starting: turn "
                                        "the debugger on again in a moment.")
         return await debugger.process(msg)
 
