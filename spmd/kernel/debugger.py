@@ -43,7 +43,8 @@ from spmd.kernel.references import References
 BROADCAST = ("initialize", "attach", "configurationDone", "setBreakpoints",
              "setExceptionBreakpoints", "setFunctionBreakpoints", "dumpCell", "disconnect")
 STEPS = ("continue", "next", "stepIn", "stepOut", "stepBack", "reverseContinue")
-ANSWER_SECONDS = 30.0  # (attach starts debugpy's adapter; an evaluate may compute)
+ANSWER_SECONDS = 30.0
+START_SECONDS = 120.0  # how long the debugger waits for the kernel's own start  # (attach starts debugpy's adapter; an evaluate may compute)
 _PICK = re.compile(r"^\s*%rank\s+(\d+)\s*$")
 
 
@@ -75,12 +76,12 @@ class RankDebugger:
         self._prune()
         try:
             if command == "debugInfo":
-                with self._lock:
-                    stopped = [self.refs.ours("thread", r, t)
-                               for r, (t, _) in self._stopped.items()]
+                with self._lock:  # (the rank shown first: JupyterLab takes the first)
+                    stopped = [self.refs.ours("thread", r, t) for r, (t, _) in sorted(
+                        self._stopped.items(), key=lambda item: item[0] != self.shown)]
                 return reply(request, debug_info(self.started, self.cells_folder,
                                                  self.breakpoints, stopped))
-            session = self._session(command)
+            session = await self._session(command)
             if command == "initialize":
                 await self._listen(session)
             if command in BROADCAST:
@@ -97,8 +98,13 @@ class RankDebugger:
         except NoRanks as exc:
             return reply(request, None, message=str(exc))
 
-    def _session(self, command: str):
-        session = self.magics.session if self.magics.pending is None else None
+    async def _session(self, command: str):
+        pending = self.magics.pending  # (the kernel's own start, not yet taken by a cell)
+        if pending is not None:
+            deadline = asyncio.get_running_loop().time() + START_SECONDS
+            while not pending.done and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)  # (JupyterLab turns the debugger on at once)
+        session = self._live()
         if session is None or not session.running:
             raise NoRanks("No cluster runs, and the debugger debugs the ranks: "
                           "%spmd start (or %spmd restart) starts them, then turn the "
@@ -131,7 +137,7 @@ class RankDebugger:
     def _prune(self) -> None:
         """Forget the stops of ranks that went on without this relay (an interrupt ended the
         pause) or are gone (a restart, a stop); JupyterLab is told they continued."""
-        session = self.magics.session
+        session = self._live()
         client = self._client
         with self._lock:
             if client is None or session is None or session.client is not client \
@@ -152,7 +158,7 @@ class RankDebugger:
     async def before_cell(self) -> None:
         """(the kernel's main thread, before a cell while the debugger is on) Ranks started
         since the debugger was turned on are brought up too, with its breakpoints."""
-        session = self.magics.session if self.magics.pending is None else None
+        session = self._live()
         if session is None or not session.running:
             return
         if self._gen is session.gen and self._client is session.client:
@@ -188,7 +194,7 @@ class RankDebugger:
             self._setup[command] = request
             if not self.started:
                 self.started = True
-                self._keep_leading_lines(True)
+                keep_leading_lines(self.kernel.shell, True)
         if command == "setBreakpoints":
             path = request["arguments"]["source"]["path"]
             self.breakpoints[path] = [{"line": b["line"]}
@@ -197,7 +203,7 @@ class RankDebugger:
                 del self.breakpoints[path]
         if command == "disconnect":
             self.started = False
-            self._keep_leading_lines(False)
+            keep_leading_lines(self.kernel.shell, False)
             self.breakpoints.clear()
             self._setup.clear()
             with self._lock:
@@ -264,13 +270,18 @@ class RankDebugger:
             raise NoRanks(str(exc)) from None
         if rank is None:
             rank = self._rank_shown(session)
+        if request["command"] == "stackTrace":
+            with self._lock:
+                running = rank not in self._stopped
+            if running:  # (a rank going on from a step: its stack would be the old one)
+                return reply(request, {"stackFrames": [], "totalFrames": 0})
         said = (await ask_each(session, {rank: request}))[rank]
         return self.refs.from_rank(rank, said)
 
     # -- events (ipyparallel's IO thread) -------------------------------------------------
 
     def _event(self, engine_id: int, event: dict) -> None:
-        rank = self._rank_of(engine_id)
+        rank = rank_of(self._live(), engine_id)
         if rank is None:
             return
         name = event.get("event")
@@ -285,8 +296,12 @@ class RankDebugger:
                 self._show(rank)
             return
         if name == "continued":
+            # (not passed on: JupyterLab clears its Variables at any thread's continued, and
+            # it lets go of the thread it steps by itself; a rank that went on otherwise is
+            # told by _prune)
             with self._lock:
                 self._stopped.pop(rank, None)
+            return
         if "threadId" in body:
             body["threadId"] = self.refs.ours("thread", rank, body["threadId"])
         if "variablesReference" in body:
@@ -298,21 +313,15 @@ class RankDebugger:
         with self._lock:
             thread, event = self._stopped[rank]
             self.shown = rank
+        # (new ids for its frames: JupyterLab refreshes its Variables only for a frame it has
+        # not shown yet, and it emptied them at the last evaluate)
+        self.refs.forget_frames(rank)
         body = dict(event.get("body") or {})
         body["threadId"] = self.refs.ours("thread", rank, thread)
         body["description"] = f"rank {rank}: " + str(body.get("description") or body.get(
             "reason", "paused"))
         body["allThreadsStopped"] = False
         self.kernel._publish_debug_event({**event, "body": body})
-
-    def _keep_leading_lines(self, keep: bool) -> None:
-        """While the debugger is on, a cell's leading blank lines stay (as ipykernel's own
-        debugger does): the ranks' line numbers are then the editor's."""
-        cleanup = self.kernel.shell.input_transformer_manager.cleanup_transforms
-        if keep and leading_empty_lines in cleanup:
-            cleanup.remove(leading_empty_lines)
-        elif not keep and leading_empty_lines not in cleanup:
-            cleanup.insert(0, leading_empty_lines)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -324,14 +333,13 @@ class RankDebugger:
                 return min(self._stopped)
         return 0
 
-    def _rank_of(self, engine_id: int) -> int | None:
-        session = self.magics.session
-        if session is None:
-            return None
-        for r in session.ranks:
-            if r.engine_id == engine_id:
-                return r.rank
-        return None
+    def _live(self):
+        """The session whose ranks run cells: the kernel's own start's until a cell takes it
+        (any thread: a read)."""
+        pending = self.magics.pending
+        if pending is not None:
+            return pending.session if pending.done and pending.error is None else None
+        return self.magics.session
 
     def _main_thread(self, rank: int) -> int:
         with self._lock:
@@ -395,3 +403,21 @@ def debug_info(started: bool, cells_folder: str, breakpoints: dict, stopped: lis
         "exceptionPaths": ["Python Exceptions"],
         "copyToGlobals": True,
     }
+
+
+def keep_leading_lines(shell, keep: bool) -> None:
+    """While the debugger is on, a cell's leading blank lines stay (as ipykernel's own
+    debugger does): the ranks' line numbers are then the editor's."""
+    cleanup = shell.input_transformer_manager.cleanup_transforms
+    if keep and leading_empty_lines in cleanup:
+        cleanup.remove(leading_empty_lines)
+    elif not keep and leading_empty_lines not in cleanup:
+        cleanup.insert(0, leading_empty_lines)
+
+
+def rank_of(session, engine_id: int) -> int | None:
+    """The rank whose engine is ``engine_id`` now (None: none, or no session)."""
+    for r in session.ranks if session is not None else ():
+        if r.engine_id == engine_id:
+            return r.rank
+    return None

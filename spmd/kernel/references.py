@@ -45,11 +45,12 @@ class References:
         with self._lock:
             return self._theirs.get((kind, ours)) if ours else None
 
-    def forget_frames(self) -> None:
+    def forget_frames(self, rank: int | None = None) -> None:
         """Frames and variables live while a rank is stopped (DAP's rule): forgotten when it
-        goes on, so the tables stay small."""
+        goes on, so the tables stay small (``rank``: that rank's only)."""
         with self._lock:
-            for key in [k for k in self._ours if k[0] in ("frame", "var")]:
+            for key in [k for k in self._ours if k[0] in ("frame", "var")
+                        and rank in (None, k[1])]:
                 self._theirs.pop((key[0], self._ours.pop(key)), None)
 
     def clear(self) -> None:
@@ -96,7 +97,9 @@ class References:
         return {**item, "variablesReference": self.ours("var", rank, item["variablesReference"])}
 
     def _frame(self, rank: int, frame: dict) -> dict:
-        frame = {**frame, "id": self.ours("frame", rank, frame["id"])}
+        # (named by rank: JupyterLab's call stack shows one rank's frames at a time)
+        frame = {**frame, "id": self.ours("frame", rank, frame["id"]),
+                 "name": f"[rank {rank}] {frame.get('name', '')}"}
         source = frame.get("source")
         if isinstance(source, dict) and source.get("sourceReference"):
             frame["source"] = {**source, "sourceReference": self.ours(

@@ -260,7 +260,8 @@ def progress_lines(stacks: dict[int, Stack | None], seconds: float,
             if stack.waiting_in:
                 where += f"   (waiting inside {stack.waiting_in})"
         groups.setdefault(where, []).append(rank)
-    lines = [f"Still running after {seconds:.0f} s:"]
+    lines = [f"Paused in the debugger after {seconds:.0f} s:" if paused >= set(stacks)
+             else f"Still running after {seconds:.0f} s:"]
     lines += [f"  {rank_words(ranks)} {where}" for where, ranks in groups.items()]
     if len(groups) > 1:
         lines.append(

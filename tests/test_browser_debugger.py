@@ -1,0 +1,121 @@
+"""JupyterLab's own debugger on the ranks, in a real JupyterLab and a real (headless) chromium:
+the bug button, a breakpoint clicked in a cell's gutter, the cell run, each rank's values in
+the Variables panel, a step, and Continue. Screenshots stay in the test's folder
+(``SPMD_SCREENSHOTS=DIR`` copies them there too, for the README).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import nbformat
+import pytest
+from conftest import JUPYTER_DIR, SPMD_KERNEL
+from lab import Lab, browser_page, kernel_stacks, needs_browser, save_shot
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+KERNEL_NAME = "Python 3 (SPMD, 2 processes)"
+CELL = "import jax\nrank = jax.process_index()\nx = 1\ny = rank * 10 + 5\nprint('after', y)"
+
+
+def _variable(page, name: str):
+    """The Variables panel's row of ``name`` (its text: 'name: value')."""
+    return page.locator(".jp-DebuggerVariables").get_by_role(
+        "treeitem", name=re.compile(rf"^{name}:")).first
+
+
+def _number(text: str) -> int:
+    """The value of a Variables row's text ('y: 15', or 'y\n: 15')."""
+    return int(re.search(r"(\d+)\s*$", text.strip()).group(1))
+
+
+def _evaluate(page, code: str) -> None:
+    """``code`` in the debugger's console (Evaluate Code, from the command palette)."""
+    prompt = page.locator(".jp-DebugConsole .jp-CodeConsole-promptCell .cm-content, "
+                          ".jp-CodeConsole-promptCell .cm-content").last
+    if not prompt.is_visible():
+        page.keyboard.press("Control+Shift+c")
+        page.locator(".lm-CommandPalette-input").fill("Evaluate Code")
+        page.locator(".lm-CommandPalette-item", has_text="Evaluate Code").first.click()
+        prompt.wait_for()
+    prompt.click()
+    page.keyboard.type(code)
+    page.keyboard.press("Shift+Enter")
+
+
+def _show_rank(page, rank: int) -> None:
+    """``%rank N`` in the debugger's console until rank N has stopped and is shown."""
+    said = page.locator(".jp-CodeConsole-content .jp-OutputArea-output")
+    for _ in range(60):
+        before = said.count()
+        _evaluate(page, f"%rank {rank}")
+        said.nth(before).wait_for()
+        if said.nth(before).inner_text().strip() == f"showing rank {rank}":
+            break
+        page.wait_for_timeout(500)
+    page.locator(".jp-DebuggerVariables").get_by_role(
+        "treeitem", name=re.compile(rf"^rank: {rank}")).first.wait_for(timeout=30_000)
+
+
+def test_browser_visual_debugger_on_the_ranks(tmp_path) -> None:
+    needs_browser()
+    data = tmp_path / ".jupyter-data"
+    shutil.copytree(os.path.join(JUPYTER_DIR, "kernels", SPMD_KERNEL),
+                    data / "kernels" / SPMD_KERNEL)
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(data), JUPYTER_PATH=str(data))
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+        "name": SPMD_KERNEL, "display_name": KERNEL_NAME, "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(CELL)]
+    nbformat.write(nb, str(tmp_path / "debug.ipynb"))
+    shots = str(tmp_path)
+    with Lab(str(tmp_path), env=env) as lab, browser_page(width=1400, height=900) as page:
+        page.goto(lab.url("lab/tree/debug.ipynb"))
+        page.locator(".jp-Notebook").wait_for()
+        page.locator(".jp-StatusBar-TextItem", has_text="| Idle").wait_for(timeout=120_000)
+        try:
+            # the bug button: JupyterLab offers it (kernelspec metadata) and turns it on
+            bug = page.locator(".jp-DebuggerBugButton").first
+            bug.wait_for()
+            bug.click()
+            page.locator(".jp-DebuggerBugButton[aria-pressed='true']").first.wait_for(
+                timeout=120_000)
+            cell = page.locator(".jp-Notebook .jp-Cell").first
+            cell.locator(".jp-InputArea-editor").click()
+            # a breakpoint on line 4 (y = rank * 10 + 5), clicked in the gutter
+            gutter = cell.locator(".cm-gutters > .cm-gutter.cm-breakpoint-gutter > "
+                                  ".cm-gutterElement")
+            gutter.nth(4).click(position={"x": 5, "y": 5})
+            cell.locator(".cm-breakpoint-icon:visible").first.wait_for()
+            page.locator(".jp-DebuggerBreakpoint").first.wait_for()
+            page.keyboard.press("Shift+Enter")
+            # every rank stops; the one shown first is in the call stack and Variables
+            page.locator(".jp-DebuggerCallstackFrame").first.wait_for(timeout=120_000)
+            _variable(page, "x").wait_for(timeout=60_000)
+            first = _number(_variable(page, "rank").inner_text())
+            save_shot(page, shots, "debugger-stopped")
+            # rank 1's values: `%rank 1` in the debugger's console shows that rank's stop
+            _show_rank(page, 1)
+            _show_rank(page, 0)  # (both ranks are paused now)
+            # a step over line 4 (every paused rank steps): y appears
+            page.locator("jp-button[title^=Next]").first.click()
+            _variable(page, "y").wait_for(timeout=60_000)
+            y_shown = _number(_variable(page, "y").inner_text())
+            rank_shown = _number(_variable(page, "rank").inner_text())
+            assert y_shown == rank_shown * 10 + 5, (rank_shown, y_shown)
+            _show_rank(page, 1)
+            page.locator(".jp-DebuggerVariables").get_by_role(
+                "treeitem", name=re.compile(r"^y: 15")).first.wait_for(timeout=30_000)
+            save_shot(page, shots, "debugger-rank-1")
+            # Continue: the cell ends on every rank
+            page.locator("jp-button[title^=Continue]").first.click()
+            cell.get_by_text("[rank 1] after 15").wait_for(timeout=60_000)
+            cell.get_by_text("[rank 0] after 5").wait_for(timeout=10_000)
+            assert first in (0, 1)
+            save_shot(page, shots, "debugger-done")
+        except Exception:
+            save_shot(page, shots, "debugger-failed")
+            raise AssertionError(
+                f"see {shots}; the kernel's threads:\n{kernel_stacks(lab)}") from None
