@@ -28,6 +28,7 @@ from ipyparallel import Cluster
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
+from benchmarks import debugger
 from benchmarks.flood import flood
 from benchmarks.floor import EchoServers, bare_processes, bare_torch_processes
 from benchmarks.kernel import KernelBench
@@ -445,6 +446,7 @@ TARGETS = [
     ("cell_n4/spmd", "cell_n4/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n8/spmd", "cell_n8/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
+    ("debugger_cell_n4/attached", "debugger_cell_n4/detached", 1.2, "≤ 1.2 × detached"),
     ("value_cell/global_8x4", "value_cell/none", None, ""),
     ("value_cell/global_8192sq", "value_cell/none", None, ""),
     ("value_cell/dtensor_8x4", "value_cell/dtensor_none", None, ""),
@@ -469,6 +471,7 @@ DETECTION = [
     ("divergence_report_beyond_grace/spmd", 2.0, "≤ 2 s"),
     ("death_report_rank0/spmd", 2.0, "≤ 2 s"),
     ("death_report_rank3/spmd", 2.0, "≤ 2 s"),
+    ("debugger_stop_n4/execute_to_stopped", 1.0, "≤ 1 s"),
     ("start_to_ready/spmd_n64_none", 5.0, "≤ 5 s"),
     ("restart/spmd_n64_none", 2.0, "≤ 2 s"),
 ]
@@ -549,6 +552,10 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
     for n in sizes:
         print(f"per-cell overhead, {n} ranks", file=sys.stderr, flush=True)
         bench.per_cell(n, cells)
+    print("JupyterLab's debugger, 4 ranks", file=sys.stderr, flush=True)
+    for name, xs in debugger.measure(cells=cells, stops=5 if quick else 10).items():
+        for x in xs:
+            bench.record(name, x)
     print("a global array as a cell's value", file=sys.stderr, flush=True)
     bench.value_cells(cells=20 if quick else 50)
     if _has_torch():
