@@ -18,6 +18,7 @@ options as ``%spmd start`` does, and refuses what it would refuse, in the same w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -115,8 +116,9 @@ def kernel_dict(
         # interrupt report.
         "interrupt_mode": "signal",
         "metadata": {
-            # JupyterLab offers its debugger from this; it debugs the ranks (debugger.py)
-            "debugger": True,
+            # JupyterLab offers its debugger from this; it debugs the ranks (debugger.py),
+            # which run debugpy where it is installed (ipykernel needs it: it usually is)
+            "debugger": importlib.util.find_spec("debugpy") is not None,
             "spmd": {"processes": processes, "backend": backend, "cluster": cluster},
         },
     }
