@@ -1,6 +1,6 @@
 """JupyterLab's debugger on 4 ranks, driven as JupyterLab drives it (debug_request on the
 control channel): a trivial cell's round trip with the debugger attached and no breakpoint,
-beside the same cell detached, in one kernel; and the time from a cell's execute_request to
+beside the same cell detached, and before the debugger was ever on, in one kernel; and the time from a cell's execute_request to
 the ``stopped`` event of its breakpoint.
 
 ``python -m benchmarks.debugger`` runs it alone; ``make bench`` runs it with the rest.
@@ -85,7 +85,12 @@ def measure(cells: int = 100, stops: int = 10) -> dict[str, list[float]]:
                 _cell(kc, "import jax")
                 for _ in range(5):
                     _cell(kc, "x = 1")
-                # detached and attached alternate in blocks, so that drift hits both alike
+                # before the debugger ever came: ranks with no debugpy loaded
+                for _ in range(cells // 5):
+                    samples.setdefault("debugger_cell_n4/never_attached", []).append(
+                        _cell(kc, "x = 1"))
+                # detached (debugpy loaded in the ranks, no client) and attached alternate in
+                # blocks, so that drift hits both alike
                 blocks = 5
                 _debug(kc, "initialize", {"clientID": "bench", "adapterID": "",
                                           "pathFormat": "path", "linesStartAt1": True,

@@ -447,6 +447,7 @@ TARGETS = [
     ("cell_n8/spmd", "cell_n8/px", 1.0, "≤ 1.0 × %px"),
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
     ("debugger_cell_n4/attached", "debugger_cell_n4/detached", 1.2, "≤ 1.2 × detached"),
+    ("debugger_cell_n4/attached", "debugger_cell_n4/never_attached", None, ""),
     ("value_cell/global_8x4", "value_cell/none", None, ""),
     ("value_cell/global_8192sq", "value_cell/none", None, ""),
     ("value_cell/dtensor_8x4", "value_cell/dtensor_none", None, ""),

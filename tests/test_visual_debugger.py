@@ -28,8 +28,8 @@ _seq = itertools.count(1)
 
 
 def murmur2_x86(data: str, seed: int) -> int:
-    """JupyterLab's hash of a cell's text (packages/debugger/src/hash.ts), written again here
-    so that the test computes the path as the front end does, not as the kernel does."""
+    """The hash JupyterLab names a cell by (packages/debugger/src/hash.ts); ipykernel's copy
+    of the same function. (The browser test checks JupyterLab's own.)"""
     from ipykernel.compiler import murmur2_x86 as ipykernel_murmur2
 
     return ipykernel_murmur2(data, seed)
@@ -48,9 +48,6 @@ def debug(kc, command: str, arguments: dict | None = None, timeout: float = 60) 
             return reply["content"]
 
 
-_kept: dict[int, list] = {}  # per client: IOPub messages read while looking for an event
-
-
 def event(kc, name: str, timeout: float = 60) -> dict:
     """The next ``debug_event`` called ``name`` on IOPub (the cells' messages read meanwhile
     are kept for ``reply_to``)."""
@@ -58,7 +55,7 @@ def event(kc, name: str, timeout: float = 60) -> dict:
     while True:
         msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
         if msg["msg_type"] != "debug_event":
-            _kept.setdefault(id(kc), []).append(msg)
+            kc.spmd_kept = [*getattr(kc, "spmd_kept", []), msg]
         elif msg["content"]["event"] == name:
             return msg["content"]
 
@@ -67,10 +64,13 @@ def reply_to(kc, msg_id: str, timeout: float = 120) -> tuple[dict, str]:
     """The execute reply of ``msg_id`` and the text its cell printed."""
     deadline = time.monotonic() + timeout
     text = []
-    kept = _kept.pop(id(kc), [])
+    kept, kc.spmd_kept = getattr(kc, "spmd_kept", []), []
+    kc.spmd_events = []  # (the debug events that came meanwhile)
     while True:
         msg = kept.pop(0) if kept else kc.get_iopub_msg(
             timeout=max(0.1, deadline - time.monotonic()))
+        if msg["msg_type"] == "debug_event":
+            kc.spmd_events.append(msg["content"])
         if msg["parent_header"].get("msg_id") == msg_id:
             if msg["msg_type"] == "stream":
                 text.append(msg["content"]["text"])
@@ -208,12 +208,18 @@ def test_interrupt_while_ranks_are_paused_ends_the_pause_and_the_cell():
         _, msg_id, _ = stop_at(kc, CELL + "\nimport time; time.sleep(60)", 4)
         time.sleep(1)
         km.interrupt_kernel()
-        reply, _ = reply_to(kc, msg_id, timeout=60)
+        reply, text = reply_to(kc, msg_id, timeout=60)
+        # JupyterLab is told, without asking, that the paused ranks went on
+        assert any(e["event"] == "continued" for e in kc.spmd_events), kc.spmd_events
         assert reply["content"]["status"] == "error"
-        assert "KeyboardInterrupt" in "\n".join(reply["content"]["traceback"]) or \
-            "Interrupted" in "\n".join(reply["content"]["traceback"])
+        report = "\n".join(reply["content"]["traceback"])
+        assert "Ranks 0-1 were paused in the debugger: the interrupt let them go on" in report
+        # (raised in the cell: the pause ended first, and nobody is left stuck)
+        assert "KeyboardInterrupt" in text + report, text + report
+        assert "did not respond" not in report, report
         assert not debug(kc, "debugInfo")["body"]["stoppedThreads"]
         reply, text = kernel_stream(kc, "%spmd restart")
+        assert reply["content"]["status"] == "ok", text
         reply, text = kernel_stream(kc, "print('fine')")
         assert text == "[ranks 0-1] fine\n"
 

@@ -107,7 +107,7 @@ class Cells:
         last = time.monotonic()
         while not run.finished:
             now = time.monotonic()
-            if run.debugger_paused():
+            if run.debugger_paused() and not run.prompting:  # (a prompt counts itself)
                 # (a person steps through the ranks in JupyterLab's debugger: as at a prompt,
                 # neither the timeout nor the grace counts that time)
                 run.paused += now - last

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import sys
 import threading
 
 _debugger = None  # ipykernel's Debugger, once listen() ran
@@ -55,6 +56,9 @@ def listen(cells_folder: str) -> dict:
     if not ipykernel.debugger._is_debugpy_available:
         # (imported while start-up hid debugpy: its names were never bound)
         ipykernel.debugger = importlib.reload(ipykernel.debugger)
+        ipkernel = sys.modules.get("ipykernel.ipkernel")
+        if ipkernel is not None and hasattr(ipkernel, "_is_debugpy_available"):
+            ipkernel._is_debugpy_available = True  # (ipykernel 6 bound it at import too)
     folder = cells_folder.rstrip(os.sep)
     os.makedirs(folder, mode=0o700, exist_ok=True)
 
@@ -66,8 +70,8 @@ def listen(cells_folder: str) -> dict:
     ipykernel.debugger.get_tmp_directory = cells_here
 
     loop = kernel.control_thread.io_loop
-    debugger = _on_control_thread(loop, lambda: _make_debugger(kernel, ipykernel.debugger))
-    host, port = debugger.debugpy_client.get_host_port()
+    debugger, (host, port) = _on_control_thread(
+        loop, lambda: _make_debugger(kernel, ipykernel.debugger))
     debugpy.listen((host, int(port)))
     debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
     kernel.debugger = debugger
@@ -86,7 +90,7 @@ def _make_debugger(kernel, module):
     stream = ZMQStream(socket, kernel.control_thread.io_loop)
     kernel.debugpy_stream = stream
     stream.on_recv(kernel.dispatch_debugpy, copy=False)
-    return module.Debugger(
+    debugger = module.Debugger(
         kernel.log,
         stream,
         kernel._publish_debug_event,
@@ -96,6 +100,8 @@ def _make_debugger(kernel, module):
         kernel.debug_just_my_code,
         kernel.filter_internal_frames,
     )
+    # (a free port for debugpy, found by binding this socket once: on its own thread)
+    return debugger, debugger.debugpy_client.get_host_port()
 
 
 def _on_control_thread(loop, fn):

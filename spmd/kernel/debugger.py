@@ -19,40 +19,40 @@ whose threads are the ranks' threads:
 References: each rank numbers its threads, frames and variables from 1, so every id a rank
 gives is swapped for one of this relay's (references.py), and back on the way in.
 
-JupyterLab shows one stopped thread at a time, the one its last ``stopped`` event named, and
-never asks for ``threads``: the relay tells it of one rank's stop at a time, and after
-``continue`` or a step it names another paused rank, if one is left, with a new ``stopped``.
+JupyterLab shows one stopped thread at a time: which rank's stop it is told of is shown.py's.
 
-Threads: requests run on ipykernel's control thread, one at a time; events come on
-ipyparallel's IO thread. Both hold ``_lock`` while they touch ``_stopped`` and ``shown``;
-the reference tables have a lock of their own.
+Threads: requests run on ipykernel's control thread; events come on ipyparallel's IO thread;
+the kernel's main thread calls ``before_cell`` (new ranks after a restart get the debugger)
+and ``after_cell``. All hold ``_lock`` while they touch ``_stopped`` and ``shown``, and read
+``breakpoints`` and ``_setup`` (the control thread's) as copies; the reference tables have a
+lock of their own. Nothing here waits for the session's lock, which a running cell holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 import threading
 
 from IPython.core.inputtransformer2 import leading_empty_lines
 
 from spmd.engine import debugging
+from spmd.kernel.dap import reply, with_arguments
 from spmd.kernel.references import References
+from spmd.kernel.shown import PICK, Shown
 
 BROADCAST = ("initialize", "attach", "configurationDone", "setBreakpoints",
              "setExceptionBreakpoints", "setFunctionBreakpoints", "dumpCell", "disconnect")
 STEPS = ("continue", "next", "stepIn", "stepOut", "stepBack", "reverseContinue")
-ANSWER_SECONDS = 30.0
-START_SECONDS = 120.0  # how long the debugger waits for the kernel's own start  # (attach starts debugpy's adapter; an evaluate may compute)
-_PICK = re.compile(r"^\s*%rank\s+(\d+)\s*$")
+ANSWER_SECONDS = 30.0  # a rank's reply (attach starts debugpy's adapter; evaluate computes)
+START_SECONDS = 15.0  # how long the debugger waits for the kernel's own start
 
 
 class NoRanks(RuntimeError):
     """The debugger cannot reach the ranks now; the text says why and what to do."""
 
 
-class RankDebugger:
+class RankDebugger(Shown):
     """The SPMD kernel's debugger: one per kernel, made at its start."""
 
     def __init__(self, kernel, magics, cells_folder: str) -> None:
@@ -72,31 +72,42 @@ class RankDebugger:
     # -- requests (ipykernel's control thread) -------------------------------------------
 
     async def process(self, request: dict) -> dict:
+        """The reply to one of JupyterLab's requests; never raises (JupyterLab would wait for
+        a reply for ever)."""
         command = request.get("command", "")
         self._prune()
         try:
-            if command == "debugInfo":
-                with self._lock:  # (the rank shown first: JupyterLab takes the first)
-                    stopped = [self.refs.ours("thread", r, t) for r, (t, _) in sorted(
-                        self._stopped.items(), key=lambda item: item[0] != self.shown)]
-                return reply(request, debug_info(self.started, self.cells_folder,
-                                                 self.breakpoints, stopped))
-            session = await self._session(command)
-            if command == "initialize":
-                await self._listen(session)
-            if command in BROADCAST:
-                return await self._broadcast(session, request)
-            if command in STEPS:
-                return await self._step(session, request)
-            if command == "threads":
-                return await self._threads(session, request)
-            if command == "evaluate" and _PICK.match(request["arguments"].get("expression", "")):
-                return self._pick(session, request)
-            if command == "pause":
-                return await self._pause(session, request)
-            return await self._one(session, request)
+            return await self._process(command, request)
         except NoRanks as exc:
             return reply(request, None, message=str(exc))
+        except Exception as exc:  # (a rank gone between two lines, a closed client)
+            return reply(request, None, message=f"The debugger could not do {command} on the "
+                         f"ranks ({type(exc).__name__}: {exc}).")
+
+    async def _process(self, command: str, request: dict) -> dict:
+        if command == "debugInfo":
+            with self._lock:  # (the rank shown first: JupyterLab takes the first)
+                stopped = [self.refs.ours("thread", r, t) for r, (t, _) in sorted(
+                    self._stopped.items(), key=lambda item: item[0] != self.shown)]
+            return reply(request, debug_info(self.started, self.cells_folder,
+                                             self.breakpoints, stopped))
+        session = await self._session(command)
+        if command == "initialize":
+            await self._listen(session)
+        elif self.started and not self._listening(session):
+            await self.bring_up(session)  # (new ranks since: a restart)
+        if command in BROADCAST:
+            return await self._broadcast(session, request)
+        if command in STEPS:
+            return await self._step(session, request)
+        if command == "threads":
+            return await self._threads(session, request)
+        expression = (request.get("arguments") or {}).get("expression", "")
+        if command == "evaluate" and PICK.match(expression):
+            return self._pick(session, request)
+        if command == "pause":
+            return await self._pause(session, request)
+        return await self._one(session, request)
 
     async def _session(self, command: str):
         pending = self.magics.pending  # (the kernel's own start, not yet taken by a cell)
@@ -104,19 +115,32 @@ class RankDebugger:
             deadline = asyncio.get_running_loop().time() + START_SECONDS
             while not pending.done and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.1)  # (JupyterLab turns the debugger on at once)
+            if not pending.done:
+                raise NoRanks("The ranks are still starting: turn the debugger on again in a "
+                              "moment.")
         session = self._live()
         if session is None or not session.running:
             raise NoRanks("No cluster runs, and the debugger debugs the ranks: "
                           "%spmd start (or %spmd restart) starts them, then turn the "
                           "debugger on again.")
-        if command == "initialize" and session.busy_ranks():
-            raise NoRanks("The ranks are still running an earlier cell: turn the debugger "
-                          "on once it has ended.")
+        if not self._listening(session) and (command in ("initialize", "attach")
+                                               or self.started):
+            # (the ranks start debugpy between cells, on their main thread; never wait here
+            # for the cell's lock: this is ipykernel's control thread, which shutdown needs)
+            free = session._life.acquire(blocking=False)
+            if free:
+                session._life.release()
+            if not free or session.gen.unfinished is not None:
+                raise NoRanks("A cell is running on the ranks: turn the debugger on once it "
+                              "has ended.")
         return session
+
+    def _listening(self, session) -> bool:
+        return self._gen is session.gen and self._client is session.client
 
     async def _listen(self, session) -> None:
         """Every rank runs debugpy (once per generation of ranks)."""
-        if self._gen is session.gen and self._client is session.client:
+        if self._listening(session):
             return
         client = session.client
         client.on_debug_event = self._event
@@ -134,27 +158,6 @@ class RankDebugger:
             self._gen = None
             raise NoRanks(f"The ranks could not start debugpy ({type(exc).__name__}: {exc}).") from None
 
-    def _prune(self) -> None:
-        """Forget the stops of ranks that went on without this relay (an interrupt ended the
-        pause) or are gone (a restart, a stop); JupyterLab is told they continued."""
-        session = self._live()
-        client = self._client
-        with self._lock:
-            if client is None or session is None or session.client is not client \
-                    or session.gen is not self._gen:
-                gone = list(self._stopped)
-            else:
-                paused = client.paused
-                gone = [r for r in self._stopped
-                        if r >= len(session.ranks) or session.ranks[r].engine_id not in paused]
-            threads = [self.refs.ours("thread", r, self._stopped.pop(r)[0]) for r in gone]
-            if self.shown in gone:
-                self.shown = None
-        for thread in filter(None, threads):
-            self.kernel._publish_debug_event({"type": "event", "seq": 0, "event": "continued",
-                                              "body": {"threadId": thread,
-                                                       "allThreadsContinued": True}})
-
     async def before_cell(self) -> None:
         """(the kernel's main thread, before a cell while the debugger is on) Ranks started
         since the debugger was turned on are brought up too, with its breakpoints."""
@@ -165,28 +168,34 @@ class RankDebugger:
             return
         try:
             await self.bring_up(session)
-        except NoRanks as exc:
+        except Exception as exc:  # (the cell runs all the same, without the debugger)
             print(f"The debugger is not on the new ranks: {exc}", file=sys.stderr)
 
     async def bring_up(self, session) -> None:
         """New ranks (after a restart) while the debugger is on: they listen and get what
         the ranks before them were told (attach, breakpoints)."""
         await self._listen(session)
+        setup, breakpoints_now = dict(self._setup), dict(self.breakpoints)
         for command in ("initialize", "attach", "setExceptionBreakpoints"):
-            if command in self._setup:
-                await ask_all(session, self._setup[command])
-        for path, breakpoints in self.breakpoints.items():
+            if command in setup:
+                await ask_all(session, setup[command])
+        for path, breakpoints in breakpoints_now.items():
             await ask_all(session, {"type": "request", "seq": 0, "command": "setBreakpoints",
                                       "arguments": {"source": {"path": path},
                                                     "breakpoints": breakpoints}})
 
     async def _broadcast(self, session, request: dict) -> dict:
         command = request["command"]
+        if command == "disconnect":
+            try:
+                return (await ask_all(session, request))[0]
+            finally:
+                self._disconnected()
         replies = await ask_all(session, request)
         first = replies[0]
-        if not first.get("success", True):
+        if first.get("success") is False:
             return first
-        failed = [r for r, said in replies.items() if not said.get("success", True)]
+        failed = [r for r, said in replies.items() if not said.get("success")]
         if failed:
             return reply(request, None, message=f"rank {failed[0]}: "
                                + str(replies[failed[0]].get("message", "failed")))
@@ -201,18 +210,22 @@ class RankDebugger:
                                       for b in first.get("body", {}).get("breakpoints", [])]
             if not self.breakpoints[path]:
                 del self.breakpoints[path]
-        if command == "disconnect":
-            self.started = False
-            keep_leading_lines(self.kernel.shell, False)
-            self.breakpoints.clear()
-            self._setup.clear()
-            with self._lock:
-                self._stopped.clear()
-                self.shown = None
-            self.refs.clear()
-            if self._client is not None:
-                self._client.resume(list(self._client.paused))
         return first
+
+    def _disconnected(self) -> None:
+        """The debugger is off, whatever the ranks said: nothing kept, no rank paused."""
+        self.started = False
+        keep_leading_lines(self.kernel.shell, False)
+        self.breakpoints.clear()
+        self._setup.clear()
+        with self._lock:
+            threads = [self.refs.ours("thread", r, t) for r, (t, _) in self._stopped.items()]
+            self._stopped.clear()
+            self.shown = None
+        self._tell_continued(threads)
+        self.refs.clear()
+        if self._client is not None:
+            self._client.resume(list(self._client.paused))
 
     async def _step(self, session, request: dict) -> dict:
         """Continue or step every paused rank, each its own stopped thread."""
@@ -223,7 +236,7 @@ class RankDebugger:
             return reply(request, {"allThreadsContinued": True})
         sends = {}
         for rank, (thread, _) in stopped.items():
-            sends[rank] = _with(request, threadId=thread)
+            sends[rank] = with_arguments(request, threadId=thread)
         # (forgotten before the ranks go on: a step's own stop may come before its reply)
         with self._lock:
             for rank in stopped:
@@ -238,7 +251,7 @@ class RankDebugger:
 
     async def _pause(self, session, request: dict) -> dict:
         replies = await ask_each(session, {
-            r.rank: _with(request, threadId=self._main_thread(r.rank)) for r in session.ranks})
+            r.rank: with_arguments(request, threadId=self._main_thread(r.rank)) for r in session.ranks})
         return replies[0]
 
     async def _threads(self, session, request: dict) -> dict:
@@ -248,20 +261,6 @@ class RankDebugger:
                 threads.append({"id": self.refs.ours("thread", rank, thread["id"]),
                                 "name": f"rank {rank}: {thread['name']}"})
         return reply(request, {"threads": threads})
-
-    def _pick(self, session, request: dict) -> dict:
-        """``%rank N`` in the Evaluate box: JupyterLab shows rank N's stop."""
-        rank = int(_PICK.match(request["arguments"]["expression"]).group(1))
-        with self._lock:
-            stop = self._stopped.get(rank)
-        if stop is None:
-            with self._lock:
-                paused = sorted(self._stopped)
-            said = (f"rank {rank} is not paused; paused: {', '.join(map(str, paused))}"
-                    if paused else f"rank {rank} is not paused, and no rank is")
-            return reply(request, {"result": said, "variablesReference": 0})
-        self._show(rank)
-        return reply(request, {"result": f"showing rank {rank}", "variablesReference": 0})
 
     async def _one(self, session, request: dict) -> dict:
         try:
@@ -278,60 +277,8 @@ class RankDebugger:
         said = (await ask_each(session, {rank: request}))[rank]
         return self.refs.from_rank(rank, said)
 
-    # -- events (ipyparallel's IO thread) -------------------------------------------------
-
-    def _event(self, engine_id: int, event: dict) -> None:
-        rank = rank_of(self._live(), engine_id)
-        if rank is None:
-            return
-        name = event.get("event")
-        if name in ("initialized", "process", "terminated", "exited") and rank != 0:
-            return  # (one debuggee, as JupyterLab sees it)
-        body = dict(event.get("body") or {})
-        if name == "stopped":
-            with self._lock:
-                self._stopped[rank] = (body.get("threadId", 0), event)
-                showing = self.shown is not None and self.shown in self._stopped
-            if not showing:
-                self._show(rank)
-            return
-        if name == "continued":
-            # (not passed on: JupyterLab clears its Variables at any thread's continued, and
-            # it lets go of the thread it steps by itself; a rank that went on otherwise is
-            # told by _prune)
-            with self._lock:
-                self._stopped.pop(rank, None)
-            return
-        if "threadId" in body:
-            body["threadId"] = self.refs.ours("thread", rank, body["threadId"])
-        if "variablesReference" in body:
-            body["variablesReference"] = self.refs.ours("var", rank, body["variablesReference"])
-        self.kernel._publish_debug_event({**event, "body": body})
-
-    def _show(self, rank: int) -> None:
-        """Tell JupyterLab of rank ``rank``'s stop: it then asks for that rank's stack."""
-        with self._lock:
-            thread, event = self._stopped[rank]
-            self.shown = rank
-        # (new ids for its frames: JupyterLab refreshes its Variables only for a frame it has
-        # not shown yet, and it emptied them at the last evaluate)
-        self.refs.forget_frames(rank)
-        body = dict(event.get("body") or {})
-        body["threadId"] = self.refs.ours("thread", rank, thread)
-        body["description"] = f"rank {rank}: " + str(body.get("description") or body.get(
-            "reason", "paused"))
-        body["allThreadsStopped"] = False
-        self.kernel._publish_debug_event({**event, "body": body})
 
     # -- sending ---------------------------------------------------------------------------
-
-    def _rank_shown(self, session) -> int:
-        with self._lock:
-            if self.shown is not None:
-                return self.shown
-            if self._stopped:
-                return min(self._stopped)
-        return 0
 
     def _live(self):
         """The session whose ranks run cells: the kernel's own start's until a cell takes it
@@ -341,13 +288,6 @@ class RankDebugger:
             return pending.session if pending.done and pending.error is None else None
         return self.magics.session
 
-    def _main_thread(self, rank: int) -> int:
-        with self._lock:
-            stop = self._stopped.get(rank)
-        return stop[0] if stop else 1  # (debugpy numbers the main thread 1)
-
-def _with(request: dict, **arguments) -> dict:
-    return {**request, "arguments": {**(request.get("arguments") or {}), **arguments}}
 
 
 async def ask_all(session, request: dict) -> dict[int, dict]:
@@ -360,7 +300,11 @@ async def ask_each(session, requests: dict[int, dict]) -> dict[int, dict]:
     client = session.client
     futures = {}
     for rank, request in requests.items():
-        ident = client._engines[session.ranks[rank].engine_id].encode("utf8")
+        try:
+            ident = client._engines[session.ranks[rank].engine_id].encode("utf8")
+        except (KeyError, IndexError):
+            raise NoRanks(f"rank {rank} is gone: %spmd restart starts the ranks again, then "
+                          "turn the debugger on again.") from None
         futures[rank] = asyncio.wrap_future(
             client._send(client._control_stream, "debug_request", content=request,
                          ident=ident))
@@ -373,18 +317,6 @@ async def ask_each(session, requests: dict[int, dict]) -> dict[int, dict]:
                           f"{ANSWER_SECONDS:.0f} s") from None
         replies[rank] = msg["content"]
     return replies
-
-
-def reply(request: dict, body: dict | None, message: str = "") -> dict:
-    """A DAP response to ``request``: ``body``, or a failure that says ``message``."""
-    said = {"type": "response", "request_seq": request.get("seq", 0), "seq": 0,
-            "command": request.get("command", ""), "success": not message}
-    if message:
-        said["message"] = message
-        said["body"] = {"error": {"id": 1, "format": message}}
-    else:
-        said["body"] = body or {}
-    return said
 
 
 def debug_info(started: bool, cells_folder: str, breakpoints: dict, stopped: list) -> dict:
@@ -413,11 +345,3 @@ def keep_leading_lines(shell, keep: bool) -> None:
         cleanup.remove(leading_empty_lines)
     elif not keep and leading_empty_lines not in cleanup:
         cleanup.insert(0, leading_empty_lines)
-
-
-def rank_of(session, engine_id: int) -> int | None:
-    """The rank whose engine is ``engine_id`` now (None: none, or no session)."""
-    for r in session.ranks if session is not None else ():
-        if r.engine_id == engine_id:
-            return r.rank
-    return None

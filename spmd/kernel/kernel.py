@@ -13,6 +13,9 @@ does the work, exactly as ``%load_ext spmd`` + ``%spmd start`` would. What the k
 
 Interrupt needs nothing: Jupyter sends the kernel SIGINT, which ends the cell's wait with the
 same report as with the magic.
+
+Threads are ipykernel's: cells (``do_execute``) on the main thread, debug requests and
+shutdown on the control thread; what they share is the magics' and the debugger's to guard.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from traitlets import Enum, Float, Integer, Unicode
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine import introspect
-from spmd.kernel import debugger as rank_debugging
+from spmd.kernel import dap
 from spmd.kernel.debugger import RankDebugger
 from spmd.magics.arguments import start_settings
 from spmd.options import BACKENDS, TORCH_BACKENDS, start_args
@@ -87,7 +90,7 @@ class SpmdKernel(IPythonKernel):
         info = dict(super().kernel_info)
         # The debugger is the ranks' (debugger.py); subshells are not offered: a cell sent to
         # one would run on the ranks beside the main shell's, out of their order.
-        info["supported_features"] = ["debugger"]
+        info["supported_features"] = ["debugger"] if _has_debugpy() else []
         return info
 
     async def create_subshell_request(self, socket, ident, parent) -> None:
@@ -99,7 +102,7 @@ class SpmdKernel(IPythonKernel):
     async def do_debug_request(self, msg):
         debugger = getattr(self, "rank_debugger", None)
         if debugger is None:
-            return rank_debugging.reply(msg, None, message="The kernel is still starting: turn "
+            return dap.reply(msg, None, message="The kernel is still starting: turn "
                                        "the debugger on again in a moment.")
         return await debugger.process(msg)
 
@@ -114,6 +117,8 @@ class SpmdKernel(IPythonKernel):
             return await super().do_execute(code, silent, *args, **kwargs)
         finally:
             self.spmd.raw_cell = None
+            if debugger is not None:
+                debugger.after_cell()
 
     # -- answered by rank 0 ----------------------------------------------------------------
 
@@ -164,3 +169,9 @@ class SpmdKernel(IPythonKernel):
         if magics is not None:
             magics.shutdown()
         return super().do_shutdown(restart)
+
+
+def _has_debugpy() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("debugpy") is not None

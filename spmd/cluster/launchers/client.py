@@ -80,7 +80,10 @@ class SpmdClient(ipyparallel.Client):
             self.paused = {e: t for e, t in {**self.paused, engine_id: left}.items() if t}
         callback = self.on_debug_event
         if callback is not None:
-            callback(engine_id, event)
+            try:
+                callback(engine_id, event)
+            except Exception:  # (this is ipyparallel's IO thread: it must go on)
+                self.log.exception("a rank's debug event could not be passed on")
 
     def _after_iopub(self, msg) -> None:
         parent = msg.get("parent_header") or {}

@@ -1,0 +1,139 @@
+"""Which paused rank JupyterLab shows: the relay's stops, and the events that tell of them.
+
+JupyterLab shows one stopped thread at a time, the one its last ``stopped`` event named, and
+never asks for ``threads``. So every rank's stop is kept here, and JupyterLab is told of one
+at a time: the first to stop, another when none is shown, or the one ``%rank N`` picks in
+the debugger's console; and that a rank went on when it went on without being asked (an
+interrupt) or is gone (a restart).
+
+A mixin of RankDebugger (debugger.py), whose state it uses; the threads' rules are there:
+``_stopped`` and ``shown`` are touched under ``_lock`` only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from spmd.kernel.dap import reply
+
+PICK = re.compile(r"^\s*%rank\s+(\d+)\s*$")
+
+
+class Shown:
+    """RankDebugger's stops (a mixin: the state is RankDebugger's, see debugger.py)."""
+
+    def _prune(self) -> None:
+        """Forget the stops of ranks that went on without this relay (an interrupt ended the
+        pause) or are gone (a restart, a stop); JupyterLab is told they continued."""
+        session = self._live()
+        client = self._client
+        with self._lock:
+            if client is None or session is None or session.client is not client \
+                    or session.gen is not self._gen:
+                gone = list(self._stopped)
+            else:
+                paused = client.paused
+                gone = [r for r in self._stopped
+                        if r >= len(session.ranks) or session.ranks[r].engine_id not in paused]
+            threads = [self.refs.ours("thread", r, self._stopped.pop(r)[0]) for r in gone]
+            if self.shown in gone:
+                self.shown = None
+        self._tell_continued(threads)
+
+    def _tell_continued(self, threads: list) -> None:
+        """JupyterLab lets go of these threads (ranks that went on, or are gone)."""
+        for thread in filter(None, threads):
+            self.kernel._publish_debug_event({"type": "event", "seq": 0, "event": "continued",
+                                              "body": {"threadId": thread,
+                                                       "allThreadsContinued": True}})
+
+    def after_cell(self) -> None:
+        """(the kernel's main thread, when a cell has ended) Ranks that an interrupt let go
+        on are no longer shown as paused."""
+        if self.started:
+            self._prune()
+
+    def _pick(self, session, request: dict) -> dict:
+        """``%rank N`` in the Evaluate box: JupyterLab shows rank N's stop."""
+        rank = int(PICK.match(request["arguments"]["expression"]).group(1))
+        with self._lock:
+            stop = self._stopped.get(rank)
+        if stop is None:
+            with self._lock:
+                paused = sorted(self._stopped)
+            said = (f"rank {rank} is not paused; paused: {', '.join(map(str, paused))}"
+                    if paused else f"rank {rank} is not paused, and no rank is")
+            return reply(request, {"result": said, "variablesReference": 0})
+        self._show(rank)
+        return reply(request, {"result": f"showing rank {rank}", "variablesReference": 0})
+
+    def _event(self, engine_id: int, event: dict) -> None:
+        rank = rank_of(self._live(), engine_id)
+        if rank is None:
+            return
+        name = event.get("event")
+        if name in ("initialized", "process", "terminated", "exited") and rank != 0:
+            return  # (one debuggee, as JupyterLab sees it)
+        body = dict(event.get("body") or {})
+        if name == "stopped":
+            with self._lock:
+                self._stopped[rank] = (body.get("threadId", 0), event)
+                showing = self.shown is not None and self.shown in self._stopped
+            if not showing:
+                self._show(rank)
+            return
+        if name == "continued":
+            # Passed on only for a rank that went on without being asked here (an interrupt):
+            # JupyterLab empties its Variables at any thread's continued, and lets go of the
+            # threads it steps by itself (those left _stopped before the step was sent).
+            with self._lock:
+                stop = self._stopped.pop(rank, None)
+                if stop is not None and self.shown == rank:
+                    self.shown = None
+            if stop is not None:
+                self._tell_continued([self.refs.ours("thread", rank, stop[0])])
+            return
+        if "threadId" in body:
+            body["threadId"] = self.refs.ours("thread", rank, body["threadId"])
+        if "variablesReference" in body:
+            body["variablesReference"] = self.refs.ours("var", rank, body["variablesReference"])
+        self.kernel._publish_debug_event({**event, "body": body})
+
+    def _show(self, rank: int) -> None:
+        """Tell JupyterLab of rank ``rank``'s stop: it then asks for that rank's stack."""
+        with self._lock:
+            stop = self._stopped.get(rank)
+            if stop is None:  # (it went on meanwhile)
+                return
+            thread, event = stop
+            self.shown = rank
+        # (new ids for its frames: JupyterLab refreshes its Variables only for a frame it has
+        # not shown yet, and it emptied them at the last evaluate)
+        self.refs.forget_frames(rank)
+        body = dict(event.get("body") or {})
+        body["threadId"] = self.refs.ours("thread", rank, thread)
+        body["description"] = f"rank {rank}: " + str(body.get("description") or body.get(
+            "reason", "paused"))
+        body["allThreadsStopped"] = False
+        self.kernel._publish_debug_event({**event, "body": body})
+
+    def _rank_shown(self, session) -> int:
+        with self._lock:
+            if self.shown is not None:
+                return self.shown
+            if self._stopped:
+                return min(self._stopped)
+        return 0
+
+    def _main_thread(self, rank: int) -> int:
+        with self._lock:
+            stop = self._stopped.get(rank)
+        return stop[0] if stop else 1  # (debugpy numbers the main thread 1)
+
+
+def rank_of(session, engine_id: int) -> int | None:
+    """The rank whose engine is ``engine_id`` now (None: none, or no session)."""
+    for r in session.ranks if session is not None else ():
+        if r.engine_id == engine_id:
+            return r.rank
+    return None
