@@ -4,9 +4,11 @@ for torch. Each job prints what the notebook's ranks printed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -102,7 +104,7 @@ def jax_notebook(module_shell, folder):
 def test_export_runs_as_4_local_processes_printing_what_the_ranks_printed(jax_notebook, folder):
     printed, said = jax_notebook
     assert "Run it with: bash train_local.sh" in said["local"]
-    assert "python \"$(dirname \"$0\")\"/train_local.py &" in said["local"]  # (the launch, shown)
+    assert f'{sys.executable} "$(dirname "$0")"/train_local.py &' in said["local"]  # (shown)
     out = run_job(["bash", "train_local.sh"], cwd=folder)
     assert tagged(out) == printed
     # the three runs of z's cells, in the order they ran, and !echo's expansion of {z}
@@ -131,7 +133,7 @@ def test_export_runs_as_an_sbatch_job_on_slurm(jax_notebook, folder, slurm):
     assert "Run it with: sbatch train_slurm.sbatch" in said["slurm"]
     with open(f"{folder}/train_slurm.sbatch") as f:
         batch = f.read()
-    assert "#SBATCH --ntasks=4" in batch and "srun python" in batch
+    assert "#SBATCH --ntasks=4" in batch and f"srun {sys.executable}" in batch
     submitted = run_job(["sbatch", "--wait", "--parsable", "train_slurm.sbatch"], cwd=folder,
                         env=slurm.env)
     job = submitted.strip().split(";")[0]
@@ -363,3 +365,123 @@ def test_cells_that_read_the_notebooks_own_names_are_flagged(tmp_path):
     assert "# needs the notebook: In, Out (a script has no IPython): write the value it reads " \
            "here.\ny = Out[1] + len(In)" in script
     compile(script, "names.py", "exec")
+
+
+# -- the local launch ends its processes as a terminal user expects -------------------------
+
+def _local_job(folder, cells: list[str], backend: str = "jax", python: str = "") -> str:
+    """An exported job of 2 local processes running ``cells``; the path of its launch."""
+    from spmd.cluster.launchers.remote import Placement
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    settings = Settings(n=2, backend=backend, where=Placement(python=python))
+    job = Job(settings, "local", [Rank(r, r) for r in range(2)], os.path.join(folder, "job.py"))
+    with open(job.path, "w") as f:
+        f.write(job.script([Ran(c) for c in cells]))
+    launch = job.launch_file()
+    with open(launch.path, "w") as f:
+        f.write(launch.text())
+    return launch.path
+
+
+def _start(launch: str, cwd: str, env: dict | None = None) -> subprocess.Popen:
+    """``bash LAUNCH`` in a process group of its own, as a terminal runs a command."""
+    return subprocess.Popen(["bash", launch], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, MASTER_PORT=str(free_port()),
+                                     PYTHONUNBUFFERED="1", **(env or {})))
+
+
+def _job_processes(job: subprocess.Popen) -> list:
+    import psutil
+
+    return psutil.Process(job.pid).children(recursive=True)
+
+
+def _wait_for_lines(job: subprocess.Popen, word: str, count: int, timeout: float = 120) -> str:
+    """What the job printed, once ``word`` came ``count`` times."""
+    import select
+    import time
+
+    out, deadline = b"", time.monotonic() + timeout
+    while out.decode(errors="replace").count(word) < count:
+        assert time.monotonic() < deadline, out.decode(errors="replace")
+        if select.select([job.stdout], [], [], 1.0)[0]:
+            chunk = os.read(job.stdout.fileno(), 65536)
+            assert chunk or job.poll() is None, out.decode(errors="replace")
+            out += chunk
+    return out.decode(errors="replace")
+
+
+READY = [f"import time\nprint('{TAG} ready', jax.process_index(), flush=True)\ntime.sleep(120)"]
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_ends_every_process_of_a_jax_job(presses, tmp_path):
+    """^C (SIGINT to the job's process group, as a terminal sends it) one second after every
+    rank said ready: no process of the job is left 10 s later, though jax's ranks ignore
+    SIGTERM; a second ^C at once kills them at once. The status is ^C's."""
+    import psutil
+
+    launch = _local_job(str(tmp_path), READY)
+    job = _start(launch, str(tmp_path))
+    try:
+        _wait_for_lines(job, f"{TAG} ready", 2)
+        procs = _job_processes(job)
+        assert len([p for p in procs if "job.py" in " ".join(p.cmdline())]) == 2
+        import time
+
+        time.sleep(1)
+        for _ in range(presses):
+            os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(timeout=10) == 130
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+def test_a_failed_rank_ends_the_job_with_its_status(tmp_path):
+    """Rank 1 exits with code 3 while rank 0 waits, ignoring SIGTERM as jax's ranks do: the
+    launch ends within 10 s with status 3, and no process is left. (A jax rank that raises
+    does not exit yet: jax's own exit waits for the others; see the closing note.)"""
+    import psutil
+
+    cells = ["import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (as jax's own handler does)\n"
+             f"print('{TAG} ready', rank, flush=True)\n"
+             "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
+             "time.sleep(120)"]
+    launch = _local_job(str(tmp_path), cells, backend="none")
+    job = _start(launch, str(tmp_path))
+    try:
+        _wait_for_lines(job, f"{TAG} ready", 2)
+        procs = _job_processes(job)
+        assert job.wait(timeout=10) == 3
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+def test_the_launch_runs_the_ranks_interpreter_by_its_path(tmp_path):
+    """A notebook whose Python is not called `python` (here the base interpreter by another
+    name), launched with PATH=/usr/bin:/bin: the job runs that interpreter, not whatever
+    `python` the PATH finds."""
+    base = os.path.realpath(sys._base_executable)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "py3").symlink_to(base)
+    launch = _local_job(str(tmp_path), [f"import sys\nprint('{TAG} ran', rank, sys.executable)"],
+                        backend="none", python=str(bin_dir / "py3"))
+    done = subprocess.run(["bash", launch], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PATH="/usr/bin:/bin",
+                                               PYTHONUNBUFFERED="",
+                                               MASTER_PORT=str(free_port())))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert tagged(done.stdout) == [f"{TAG} ran {r} {bin_dir / 'py3'}" for r in range(2)]

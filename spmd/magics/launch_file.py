@@ -38,8 +38,11 @@ class Launch:
         s, n = self.settings, self.settings.n
         script = self.script
         py_dir = os.path.dirname(self.python) if os.path.isabs(self.python) else ""
+        # (the processes run the ranks' own interpreter by its path, whatever `python` is
+        # here; PATH is for the tools beside it: torchrun, and the cells' commands)
         path_line = [f'export PATH="{py_dir}:$PATH"  # the Python the ranks ran, with its '
                      "packages"] if py_dir else []
+        python = shlex.quote(self.python)
         here = '"$(dirname "$0")"/' + shlex.quote(os.path.basename(script))
         store = ([f"rm -f {shlex.quote(script[:-3] + '.torch-store')}  # (torch's file store, "
                   "fresh for each run)"]
@@ -47,15 +50,15 @@ class Launch:
                  and self.launcher != "torchrun" else [])
         port = f"${{MASTER_PORT:-{DEFAULT_PORT}}}"
         if self.launcher == "slurm":
-            return self._sbatch(path_line + store, script)
+            return self._sbatch(path_line + store, script, python)
         if self.launcher == "mpi":
             line = ["mpiexec", "-n", str(n), *self._mpi_hosts(),
                     "-genv", "MASTER_ADDR", self._master(), "-genv", "MASTER_PORT", port,
-                    "python", here]
+                    python, here]
             return _bash(
                 [f"# {os.path.basename(script)} as {n} MPI processes, with MPICH's mpiexec.",
                  f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
-                 f"-x MASTER_PORT={DEFAULT_PORT} python {os.path.basename(script)})"]
+                 f"-x MASTER_PORT={DEFAULT_PORT} {python} {os.path.basename(script)})"]
                 + path_line + store + [" ".join(line)])
         if self.launcher == "torchrun":
             hosts = s.where.hosts
@@ -79,7 +82,7 @@ class Launch:
             + [f"export WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
                "pids=()",
                f"for rank in $(seq 0 {n - 1}); do",
-               f"  RANK=$rank LOCAL_RANK=$rank python {here} &",
+               f"  RANK=$rank LOCAL_RANK=$rank {python} {here} &",
                "  pids+=($!)",
                "done", *_WAIT])
 
@@ -129,7 +132,7 @@ class Launch:
                "  done",
                "done", *_WAIT])
 
-    def _sbatch(self, before: list[str], script: str) -> str:
+    def _sbatch(self, before: list[str], script: str, python: str) -> str:
         s = self.settings
         name = os.path.basename(script)[:-3]
         options = [f"#SBATCH --job-name={name}", f"#SBATCH --ntasks={s.n}",
@@ -150,21 +153,36 @@ class Launch:
                       'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
                       "head -n 1)",
                       "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
-        lines.append(f"srun python {shlex.quote(script)}")
+        lines.append(f"srun {python} {shlex.quote(script)}")
         return "\n".join(lines) + "\n"
 
 
 # Wait for every process; when one fails, end the others (they would wait for it forever in
 # their next collective) and exit with its status.
 _WAIT = [
-    "trap 'kill \"${pids[@]}\" 2>/dev/null' INT TERM  # (^C: the processes end too)",
-    "status=0",
-    "for _ in \"${pids[@]}\"; do",
-    "  wait -n && continue",
-    "  code=$?",
-    "  if [ \"$status\" = 0 ]; then status=$code; kill \"${pids[@]}\" 2>/dev/null; fi",
+    "# The job's processes end together: at ^C, or when one fails, each is sent SIGINT and",
+    "# SIGTERM, then SIGKILL 3 s later (jax's own SIGTERM handler only notes a preemption);",
+    "# a second ^C kills at once. The job's status is the first failure's.",
+    "status= killer=",
+    "stop() {",
+    "  if [ -n \"$killer\" ]; then kill -9 \"${running[@]}\" 2>/dev/null; return; fi",
+    "  kill -INT \"${running[@]}\" 2>/dev/null; kill -TERM \"${running[@]}\" 2>/dev/null",
+    "  (sleep 3; kill -9 \"${running[@]}\" 2>/dev/null) & killer=$!",
+    "}",
+    "trap 'status=${status:-130}; stop' INT",
+    "trap 'status=${status:-143}; stop' TERM",
+    "running=(\"${pids[@]}\")",
+    "while [ ${#running[@]} -gt 0 ]; do",
+    "  wait -n \"${running[@]}\" 2>/dev/null; code=$?",
+    "  still=()",
+    "  for pid in \"${running[@]}\"; do kill -0 \"$pid\" 2>/dev/null && still+=(\"$pid\"); done",
+    "  if [ ${#still[@]} -lt ${#running[@]} ] && [ -z \"$status\" ] && [ \"$code\" != 0 ]; then",
+    "    status=$code; stop  # (one failed: the others would wait for it for ever)",
+    "  fi",
+    "  running=(\"${still[@]}\")",
     "done",
-    "exit \"$status\"",
+    "[ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null",
+    "exit \"${status:-0}\"",
 ]
 
 
