@@ -346,6 +346,21 @@ def test_every_kind_of_cell_leaves_a_script_that_compiles(tmp_path):
     assert done.stdout == "42\nafter 2\n", done.stdout + done.stderr
 
 
+def test_a_value_with_non_ascii_text_and_a_comment_is_printed_whole(tmp_path):
+    """ast gives columns in UTF-8 bytes: a value line with non-ASCII text and a comment after
+    it was cut inside the comment, and the cell became a SyntaxError, commented out whole."""
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    job = Job(Settings(n=2, backend="none"), "local", [Rank(r, r) for r in range(2)],
+              str(tmp_path / "text.py"))
+    script = job.script([Ran('word = "café"\nword + " 日本語"  # a note', showed_value=True)])
+    assert 'print(repr(word + " 日本語"))  # a note' in script
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, RANK="0", WORLD_SIZE="2"))
+    assert done.stdout == "'café 日本語'\n", done.stdout + done.stderr
+
+
 def test_cells_that_read_the_notebooks_own_names_are_flagged(tmp_path):
     """Out, In and get_ipython() are the notebook's: a cell that reads one is flagged (a magic
     the export translated is not, nor a name the script itself defines)."""

@@ -299,7 +299,8 @@ def _printed_value(code: str) -> str:
         return code  # (on a line with another statement: left as it is)
     lines = code.splitlines()
     expression = ast.get_source_segment(code, last.value) or ""
-    after = lines[last.end_lineno - 1][last.end_col_offset:]  # (a comment, or a ';')
+    # (a comment, or a ';'; ast counts a line's columns in UTF-8 bytes, not characters)
+    after = lines[last.end_lineno - 1].encode()[last.end_col_offset:].decode()
     after = "" if after.strip() in ("", ";") else "  " + after.strip()
     return "\n".join(lines[: last.lineno - 1] + [f"print(repr({expression})){after}"]) + "\n"
 
