@@ -408,10 +408,27 @@ def _start(launch: str, cwd: str, env: dict | None = None) -> subprocess.Popen:
                                      PYTHONUNBUFFERED="1", **(env or {})))
 
 
-def _job_processes(job: subprocess.Popen) -> list:
+@contextlib.contextmanager
+def _running(launch: str, cwd: str):
+    """The job of ``bash LAUNCH`` once every rank printed 'ready', and its processes then;
+    whatever the test leaves running is killed by its process group."""
     import psutil
 
-    return psutil.Process(job.pid).children(recursive=True)
+    job = _start(launch, cwd)
+    try:
+        _wait_for_lines(job, f"{TAG} ready", 2)
+        yield job, psutil.Process(job.pid).children(recursive=True)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+def _none_left(procs: list) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
 
 
 def _wait_for_lines(job: subprocess.Popen, word: str, count: int, timeout: float = 120) -> str:
@@ -437,51 +454,30 @@ def test_ctrl_c_ends_every_process_of_a_jax_job(presses, tmp_path):
     """^C (SIGINT to the job's process group, as a terminal sends it) one second after every
     rank said ready: no process of the job is left 10 s later, though jax's ranks ignore
     SIGTERM; a second ^C at once kills them at once. The status is ^C's."""
-    import psutil
+    import time
 
-    launch = _local_job(str(tmp_path), READY)
-    job = _start(launch, str(tmp_path))
-    try:
-        _wait_for_lines(job, f"{TAG} ready", 2)
-        procs = _job_processes(job)
+    with _running(_local_job(str(tmp_path), READY), str(tmp_path)) as (job, procs):
         assert len([p for p in procs if "job.py" in " ".join(p.cmdline())]) == 2
-        import time
-
         time.sleep(1)
         for _ in range(presses):
             os.killpg(job.pid, signal.SIGINT)
         assert job.wait(timeout=10) == 130
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+        _none_left(procs)
 
 
 def test_a_failed_rank_ends_the_job_with_its_status(tmp_path):
     """Rank 1 exits with code 3 while rank 0 waits, ignoring SIGTERM as jax's ranks do: the
     launch ends within 10 s with status 3, and no process is left. (A jax rank that raises
     does not exit yet: jax's own exit waits for the others; see the closing note.)"""
-    import psutil
-
     cells = ["import signal, sys, time\n"
              "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (as jax's own handler does)\n"
              f"print('{TAG} ready', rank, flush=True)\n"
              "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
              "time.sleep(120)"]
     launch = _local_job(str(tmp_path), cells, backend="none")
-    job = _start(launch, str(tmp_path))
-    try:
-        _wait_for_lines(job, f"{TAG} ready", 2)
-        procs = _job_processes(job)
+    with _running(launch, str(tmp_path)) as (job, procs):
         assert job.wait(timeout=10) == 3
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+        _none_left(procs)
 
 
 def test_the_launch_runs_the_ranks_interpreter_by_its_path(tmp_path):

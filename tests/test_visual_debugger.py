@@ -15,6 +15,7 @@ import time
 
 import pytest
 from conftest import kernel_stream, spmd_kernel
+from ipykernel.compiler import murmur2_x86  # (JupyterLab's hash; the browser test checks its)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("spmd_kernelspec")]
 
@@ -25,14 +26,6 @@ y = rank * 10 + 5
 print('after', y)"""
 
 _seq = itertools.count(1)
-
-
-def murmur2_x86(data: str, seed: int) -> int:
-    """The hash JupyterLab names a cell by (packages/debugger/src/hash.ts); ipykernel's copy
-    of the same function. (The browser test checks JupyterLab's own.)"""
-    from ipykernel.compiler import murmur2_x86 as ipykernel_murmur2
-
-    return ipykernel_murmur2(data, seed)
 
 
 def debug(kc, command: str, arguments: dict | None = None, timeout: float = 60) -> dict:

@@ -64,8 +64,8 @@ class Shown:
             said = (f"rank {rank} is not paused; paused: {', '.join(map(str, paused))}"
                     if paused else f"rank {rank} is not paused, and no rank is")
             return reply(request, {"result": said, "variablesReference": 0})
-        self._show(rank)
-        return reply(request, {"result": f"showing rank {rank}", "variablesReference": 0})
+        said = f"showing rank {rank}" if self._show(rank) else f"rank {rank} went on meanwhile"
+        return reply(request, {"result": said, "variablesReference": 0})
 
     def _event(self, engine_id: int, event: dict) -> None:
         rank = rank_of(self._live(), engine_id)
@@ -99,12 +99,12 @@ class Shown:
             body["variablesReference"] = self.refs.ours("var", rank, body["variablesReference"])
         self.kernel._publish_debug_event({**event, "body": body})
 
-    def _show(self, rank: int) -> None:
+    def _show(self, rank: int) -> bool:
         """Tell JupyterLab of rank ``rank``'s stop: it then asks for that rank's stack."""
         with self._lock:
             stop = self._stopped.get(rank)
             if stop is None:  # (it went on meanwhile)
-                return
+                return False
             thread, event = stop
             self.shown = rank
         # (new ids for its frames: JupyterLab refreshes its Variables only for a frame it has
@@ -116,6 +116,7 @@ class Shown:
             "reason", "paused"))
         body["allThreadsStopped"] = False
         self.kernel._publish_debug_event({**event, "body": body})
+        return True
 
     def _rank_shown(self, session) -> int:
         with self._lock:
