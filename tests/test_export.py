@@ -361,9 +361,10 @@ def test_a_value_with_non_ascii_text_and_a_comment_is_printed_whole(tmp_path):
     assert done.stdout == "'café 日本語'\n", done.stdout + done.stderr
 
 
-def test_cells_that_read_the_notebooks_own_names_are_flagged(tmp_path):
-    """Out, In and get_ipython() are the notebook's: a cell that reads one is flagged (a magic
-    the export translated is not, nor a name the script itself defines)."""
+def test_cells_that_read_the_notebooks_own_names_are_left_out(tmp_path):
+    """Out, In and get_ipython() are the notebook's: a cell that reads one is left out, with its
+    text commented for a person to rewrite (kept, it ended every process with a NameError); a
+    magic the export translated is kept, as is a name the script itself defines."""
     from spmd.cluster.ranks import Ran, Rank, Settings
     from spmd.magics.export import Job
 
@@ -376,10 +377,71 @@ def test_cells_that_read_the_notebooks_own_names_are_flagged(tmp_path):
         Ran("%env GREETING=hi\n!echo $GREETING", count=4),
         Ran("Out = {1: x}\nprint(Out[1])", count=5),
     ])
-    assert job.notebook == ["In [2] (In, Out)", "In [3] (get_ipython())"]
-    assert "# needs the notebook: In, Out (a script has no IPython): write the value it reads " \
-           "here.\ny = Out[1] + len(In)" in script
-    compile(script, "names.py", "exec")
+    assert job.left_out == ["In [2] (reads In, Out)", "In [3] (reads get_ipython())"]
+    assert "# -- In [2]: left out, it reads the notebook's own In, Out, which a script does " \
+           "not have;\n# write here the value it read:\n# y = Out[1] + len(In)\n" in script
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, RANK="0", WORLD_SIZE="2"))
+    assert done.returncode == 0 and done.stdout.endswith("hi\n42\n"), done.stdout + done.stderr
+
+
+def test_writefile_expands_the_home_folder_as_ipython_does(tmp_path):
+    from spmd.magics.to_python import plain
+
+    cell = plain("%%writefile ~/note.txt\nhello", set())
+    source = "".join(f"import {m}\n" for m in sorted(cell.imports)) + cell.code
+    subprocess.run([sys.executable, "-c", source], check=True, timeout=60,
+                   env=dict(os.environ, HOME=str(tmp_path)))
+    assert (tmp_path / "note.txt").read_text() == "hello\n"
+
+
+# -- cells whose script form differed from what the notebook did, run for real -----------
+
+CASES = [
+    "import jax\nr = jax.process_index()",
+    # %%writefile as IPython: {expr} and $name in the file name, the text's last newline
+    "%%writefile helpers{r}.py\ndef helper(r):\n    return f'helper of {r}'",
+    "%%writefile notes{r}\nfirst",
+    "%%writefile -a notes$r\nsecond",
+    # %run keeps the file's names
+    "%run helpers{r}.py",
+    f"print('{TAG} run', helper(r), open(f'notes{{r}}').read().splitlines())",
+    # a --ranks cell: the lines of a string keep their text
+    f'%%spmd --ranks 0\ntext = """a\n  b"""\nprint("{TAG} ranks", repr(text))',
+    # the notebook's own names: a script has none (left out, not a NameError in the job)
+    f"print('{TAG} history', len(In) > 0)",
+    f"print('{TAG} end', r)",
+]
+
+
+@pytest.fixture(scope="module")
+def cases_job(module_shell, folder):
+    """CASES run on 2 ranks in ``folder`` since a restart, and exported; what the ranks
+    printed, and the job's folder."""
+    shell = ready_cluster(module_shell, "start -n 2")
+    assert run(shell, "%spmd restart").error is None
+    where = os.path.join(folder, "cases")
+    os.makedirs(where)
+    for cell in [f"%cd {where}", *CASES, "%cd -"]:
+        out = run(shell, cell)
+        assert out.error is None, out.stdout + out.stderr
+    out = run(shell, f"%spmd export {where}/cases.py --launcher local")
+    assert out.error is None, out.stdout + out.stderr
+    for name in os.listdir(where):  # (the job writes them afresh)
+        if not name.startswith("cases."):
+            os.remove(os.path.join(where, name))
+    return printed_by_ranks(shell, 2), out.stdout, where
+
+
+def test_the_job_does_what_the_cells_did(cases_job):
+    """%%writefile's names and newlines, %run's names, a --ranks cell's string: the job prints
+    the lines the ranks printed, but for the cell that read the notebook's In, left out."""
+    printed, said, where = cases_job
+    assert "Left out: In [" in said and "(reads In)" in said, said
+    job = run_job(["bash", "cases.sh"], cwd=where)
+    assert tagged(job) == [line for line in printed if "history" not in line]
+    assert f"{TAG} ranks 'a\\n  b'" in printed and f"{TAG} end 1" in printed
+    assert f"{TAG} run helper of 0 ['first', 'second']" in printed
 
 
 # -- the local launch ends its processes as a terminal user expects -------------------------
@@ -477,6 +539,31 @@ def test_a_failed_rank_ends_the_job_with_its_status(tmp_path):
     launch = _local_job(str(tmp_path), cells, backend="none")
     with _running(launch, str(tmp_path)) as (job, procs):
         assert job.wait(timeout=10) == 3
+        _none_left(procs)
+
+
+@pytest.mark.parametrize(("fails", "status"), [("sys.exit(3)", 3), ("1 / 0", 1)])
+def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, tmp_path):
+    """Rank 1 of a jax job exits with code 3 (or raises) while rank 0 waits for it in a
+    collective: rank 1 leaves at once, not after jax's exit barrier (which waits for rank 0),
+    and the launch ends within 10 s with rank 1's status, with no process left."""
+    cells = ["import sys, time\nfrom jax.experimental import multihost_utils\n"
+             f"print('{TAG} ready', rank, flush=True)\n"
+             f"if rank == 1:\n    time.sleep(1)\n    {fails}\n"
+             "multihost_utils.sync_global_devices('wait for rank 1')"]
+    with _running(_local_job(str(tmp_path), cells), str(tmp_path)) as (job, procs):
+        assert job.wait(timeout=10) == status
+        _none_left(procs)
+
+
+def test_a_jax_job_that_ends_normally_exits_0(tmp_path):
+    """The end of the script undoes the leave-at-once: a process that finished first waits for
+    the others at jax's exit barrier, and the job's status is 0."""
+    cells = ["import time\n"
+             f"print('{TAG} ready', rank, flush=True)\n"
+             "time.sleep(2 * rank)  # (rank 0 done first)"]
+    with _running(_local_job(str(tmp_path), cells), str(tmp_path)) as (job, procs):
+        assert job.wait(timeout=60) == 0
         _none_left(procs)
 
 

@@ -81,7 +81,6 @@ class Job:
     imports: set[str] = field(default_factory=lambda: {"os"})
     left_out: list[str] = field(default_factory=list)  # 'In [4] (ZeroDivisionError on rank 1)'
     person: list[str] = field(default_factory=list)  # 'In [6] (input() waits ...)'
-    notebook: list[str] = field(default_factory=list)  # 'In [7] (Out)'
     cells: int = 0
     # names the script has defined so far (a shell command's $name expands only for these)
     known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
@@ -130,10 +129,13 @@ class Job:
                 about, f"Launch: {self.launch_file().command()}", '"""']
         imports = sorted(i for i in self.imports if i)
         end = []
+        if "jax" in self.backends:
+            end = ["", "# -- End " + "-" * 72, "atexit.unregister(leave_at_once)  # (done: the "
+                   "exit waits for every process, as jax's does)"]
         if "torch" in self.backends:
             # (a process that leaves while a peer's gloo threads still talk to it aborts that
             # peer: "terminate called without an active exception", seen in 4 of 6 runs)
-            end = ["", "# -- End " + "-" * 72,
+            end = (end or ["", "# -- End " + "-" * 72]) + [
                    "if dist.is_initialized():",
                    "    dist.barrier()  # (every process done before any leaves)",
                    "    dist.destroy_process_group()"]
@@ -186,7 +188,8 @@ class Job:
                 lines += ["# To keep compiled cells across runs (the notebook's ranks used a "
                           "folder of their own):",
                           '# jax.config.update("jax_compilation_cache_dir", "/shared/jax-cache")']
-            lines += self._jax_initialize(both)
+            lines += self._jax_initialize(both) + _FAIL_FAST
+            self.imports |= {"atexit", "sys"}
         if "torch" in self.backends:
             lines += ["", "import torch", "import torch.distributed as dist", ""]
             lines += self._torch_init()
@@ -249,12 +252,18 @@ class Job:
         if ran.failed and not self.keep_failed:
             self.left_out.append(f"{label} ({ran.failed})")
             return f"# -- {label}: left out, it failed in the notebook: {ran.failed}\n"
-        self.cells += 1
         head = f"# -- {label} " + "-" * max(4, 80 - 7 - len(label))
         if ran.where == "push":
+            self.cells += 1
             self.known |= defined_names(ran.code)
             return f"{head}\n# (%spmd push: from the notebook)\n{ran.code}"
         cell = plain(ran.code, self.known)
+        if cell.notebook:  # (it would end every process with a NameError)
+            self.left_out.append(f"{label} (reads {cell.notebook})")
+            return (f"# -- {label}: left out, it reads the notebook's own {cell.notebook}, "
+                    "which a script does not have;\n# write here the value it read:\n"
+                    + textwrap.indent(ran.code.rstrip("\n") + "\n", "# ", lambda _: True))
+        self.cells += 1
         self.known = cell.known  # (with the names this cell defines)
         self.imports |= cell.imports
         code = _printed_value(cell.code) if ran.showed_value else cell.code
@@ -266,10 +275,6 @@ class Job:
         if cell.person:
             self.person.append(f"{label} ({cell.person.split(':')[0]})")
             notes.append(f"# needs a person: {cell.person}.")
-        if cell.notebook:
-            self.notebook.append(f"{label} ({cell.notebook})")
-            notes.append(f"# needs the notebook: {cell.notebook} (a script has no IPython): "
-                         "write the value it reads here.")
         try:
             compile(code, label, "exec")
         except SyntaxError as exc:  # (a failed cell kept, top-level await: not a script's)
@@ -278,11 +283,49 @@ class Job:
             code = textwrap.indent(code, "# ", lambda _: True)
         if ran.ranks is not None:
             notes.append(f"# (%%spmd --ranks {','.join(map(str, ran.ranks))}: these ranks only)")
-            body = [f"    {line}" if line.strip() else "" for line in code.splitlines()]
+            inside = _inside_strings(code)  # (a string's own lines keep their text)
+            body = [line if i in inside else f"    {line}" if line.strip() else ""
+                    for i, line in enumerate(code.splitlines(), 1)]
             if not any(line.strip() and not line.strip().startswith("#") for line in body):
                 body.append("    pass")
             code = f"if rank in {ran.ranks!r}:\n" + "\n".join(body)
         return "\n".join([head, *notes, code.rstrip("\n"), ""])
+
+# A process that fails leaves at once, with its status, so that the launch ends the others.
+# jax's own exit waits (5 minutes) at a barrier for every process, and the failed process's
+# peers never come: they wait for it in their next collective. (atexit runs the last handler
+# first: this one, before jax's.)
+_FAIL_FAST = [
+    "",
+    "# A process that fails (an error, or sys.exit before the end) leaves at once, with its",
+    "# status, and the launch ends the others: jax's own exit would wait for them at a",
+    "# barrier, and they wait for this one in their next collective. (Undone at the end.)",
+    "exit_status = 1",
+    "def on_error(kind, value, trace, show=sys.excepthook):",
+    "    global exit_status",
+    "    exit_status = 1",
+    "    show(kind, value, trace)",
+    "def on_exit(code=0, exit=sys.exit):",
+    "    global exit_status",
+    "    exit_status = code if isinstance(code, int) else int(code is not None)",
+    "    exit(code)",
+    "def leave_at_once():",
+    "    sys.stdout.flush(), sys.stderr.flush()",
+    "    os._exit(exit_status)",
+    "sys.excepthook, sys.exit = on_error, on_exit",
+    "atexit.register(leave_at_once)",
+]
+
+
+def _inside_strings(code: str) -> set[int]:
+    """The lines of ``code`` (from 1) that continue a string begun on a line before."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    return {line for node in ast.walk(tree) if isinstance(node, (ast.Constant, ast.JoinedStr))
+            for line in range(node.lineno + 1, node.end_lineno + 1)}
+
 
 def _printed_value(code: str) -> str:
     """The cell's last expression printed as the notebook showed it, the cell's result (its
@@ -345,10 +388,6 @@ def export(session, args: list[str]) -> str:
         count = len(job.person)
         lines.append(f"{count} {'cell needs' if count == 1 else 'cells need'} a person, "
                      f"flagged in the script: {', '.join(job.person)}.")
-    if job.notebook:
-        count = len(job.notebook)
-        lines.append(f"{count} {'cell reads' if count == 1 else 'cells read'} the notebook's own "
-                     f"names, flagged in the script: {', '.join(job.notebook)}.")
     lines += [f"Run it with: {launch_file.command()}", "", launch.rstrip("\n")]
     return "\n".join(lines)
 

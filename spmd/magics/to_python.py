@@ -148,11 +148,18 @@ def _cell_magic(line: str, body: str, out: PlainCell) -> str:
         except ValueError:  # (a quote left open: IPython refused it too)
             return _commented(f"%%{line.strip()}", body, "its file name has a quote left open")
         append = words and words[0] in ("-a", "--append")
-        path = words[-1] if words else ""
+        # (as IPython: the line's {expr} and $name expanded, ~ too, and the cell's text ends
+        # with a newline, so that -a cells add whole lines)
+        path = ast.unparse(_command(ast.Constant(words[-1] if words else ""), out.known))
+        if path.lstrip("f'\"").startswith("~"):
+            out.imports.add("os")
+            path = f"os.path.expanduser({path})"
+        text = body if not body or body.endswith("\n") else body + "\n"
         if append:
-            return f"with open({path!r}, 'a') as f:\n    f.write({body!r})\n"
+            return (f"with open({path}, 'a', encoding='utf-8') as f:\n"
+                    f"    f.write({text!r})\n")
         out.imports.add("pathlib")
-        return f"pathlib.Path({path!r}).write_text({body!r})\n"
+        return f"pathlib.Path({path}).write_text({text!r}, encoding='utf-8')\n"
     if name in ("bash", "sh") or (name == "script" and arg in ("bash", "sh")):
         out.imports.add("subprocess")
         shell = name if name != "script" else arg
@@ -351,8 +358,10 @@ class _Escapes(ast.NodeTransformer):
         except ValueError:
             run_words = []
         if len(run_words) == 1 and not run_words[0].startswith("-"):
+            # (IPython's %run keeps the file's names in the namespace: so does the script)
             self.out.imports.add("runpy")
-            return _call("runpy.run_path({}, run_name='__main__')",
+            return _call("globals().update((k, v) for k, v in runpy.run_path({}, "
+                         "run_name='__main__').items() if not k.startswith('__'))",
                          _command(ast.Constant(run_words[0]), self.out.known))
         if name in _INSTALLERS:
             raise _NoPython(magic, f"install it in the job's environment before the run "
