@@ -30,6 +30,7 @@ from conftest import (
 )
 from hosts import Hosts, why_not
 from IPython.core.error import UsageError
+from jobs import write_job
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -187,6 +188,41 @@ def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+    assert nothing_left_on(hosts) == []
+
+
+@pytest.mark.parametrize("how", ["rank 1 fails", "two ^C at once"])
+def test_an_ssh_job_ends_on_every_host(how, hosts):
+    """The exported job over ssh, one process on each namespace host, rank 0 waiting for rank 1
+    in a collective: when rank 1 exits with code 3, or at two ^C at once, the launch ends
+    within 10 s with that status (3, or ^C's 130) and nothing is left on either host."""
+    folder = os.path.join(hosts.folder, f"ends-{how[0]}")
+    os.makedirs(folder, exist_ok=True)
+    cells = ["import sys, time\nfrom jax.experimental import multihost_utils\n"
+             "print('job ready', rank, flush=True)\n"
+             f"if rank == 1:\n    time.sleep({1 if how.startswith('rank') else 120})\n"
+             "    sys.exit(3)\n"
+             "multihost_utils.sync_global_devices('rank 0 waits')"]
+    launch = write_job(folder, cells, launcher="ssh", python=hosts.python,
+                       hosts=(("node1", 1), ("node2", 1)),
+                       launcher_args=(("ssh_args", f"-F {hosts.ssh_config}"),))
+    job = subprocess.Popen(["bash", launch], cwd=folder, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, start_new_session=True,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        said = b""
+        while said.count(b"job ready") < 2:
+            chunk = job.stdout.read1(65536)
+            assert chunk, said.decode()
+            said += chunk
+        if how == "two ^C at once":
+            os.killpg(job.pid, signal.SIGINT)
+            os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(timeout=10) == (3 if how.startswith("rank") else 130)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
     assert nothing_left_on(hosts) == []
 
 

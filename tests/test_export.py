@@ -18,6 +18,7 @@ import pytest
 import slurm as test_slurm
 from conftest import ready_cluster, run, session
 from IPython.core.error import UsageError
+from jobs import write_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -446,22 +447,6 @@ def test_the_job_does_what_the_cells_did(cases_job):
 
 # -- the local launch ends its processes as a terminal user expects -------------------------
 
-def _local_job(folder, cells: list[str], backend: str = "jax", python: str = "") -> str:
-    """An exported job of 2 local processes running ``cells``; the path of its launch."""
-    from spmd.cluster.launchers.remote import Placement
-    from spmd.cluster.ranks import Ran, Rank, Settings
-    from spmd.magics.export import Job
-
-    settings = Settings(n=2, backend=backend, where=Placement(python=python))
-    job = Job(settings, "local", [Rank(r, r) for r in range(2)], os.path.join(folder, "job.py"))
-    with open(job.path, "w") as f:
-        f.write(job.script([Ran(c) for c in cells]))
-    launch = job.launch_file()
-    with open(launch.path, "w") as f:
-        f.write(launch.text())
-    return launch.path
-
-
 def _start(launch: str, cwd: str, env: dict | None = None) -> subprocess.Popen:
     """``bash LAUNCH`` in a process group of its own, as a terminal runs a command."""
     return subprocess.Popen(["bash", launch], cwd=cwd, stdout=subprocess.PIPE,
@@ -508,18 +493,26 @@ def _wait_for_lines(job: subprocess.Popen, word: str, count: int, timeout: float
     return out.decode(errors="replace")
 
 
-READY = [f"import time\nprint('{TAG} ready', jax.process_index(), flush=True)\ntime.sleep(120)"]
+# (rank 0 waits for rank 1 in a collective, where a SIGINT waits too; rank 1 sleeps)
+READY = [f"import time\nfrom jax.experimental import multihost_utils\n"
+         f"print('{TAG} ready', jax.process_index(), flush=True)\n"
+         "if rank == 1:\n    time.sleep(120)\n"
+         "multihost_utils.sync_global_devices('rank 0 waits')"]
 
 
+@pytest.mark.parametrize("launcher", ["local", "mpi"])
 @pytest.mark.parametrize("presses", [1, 2])
-def test_ctrl_c_ends_every_process_of_a_jax_job(presses, tmp_path):
+def test_ctrl_c_ends_every_process_of_a_jax_job(presses, launcher, tmp_path):
     """^C (SIGINT to the job's process group, as a terminal sends it) one second after every
     rank said ready: no process of the job is left 10 s later, though jax's ranks ignore
     SIGTERM; a second ^C at once kills them at once. The status is ^C's."""
     import time
 
-    with _running(_local_job(str(tmp_path), READY), str(tmp_path)) as (job, procs):
-        assert len([p for p in procs if "job.py" in " ".join(p.cmdline())]) == 2
+    if launcher == "mpi" and not shutil.which("mpiexec"):
+        pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
+    launch = write_job(str(tmp_path), READY, launcher=launcher)
+    with _running(launch, str(tmp_path)) as (job, procs):
+        assert len([p for p in procs if "python" in p.name()]) == 2
         time.sleep(1)
         for _ in range(presses):
             os.killpg(job.pid, signal.SIGINT)
@@ -536,14 +529,15 @@ def test_a_failed_rank_ends_the_job_with_its_status(tmp_path):
              f"print('{TAG} ready', rank, flush=True)\n"
              "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
              "time.sleep(120)"]
-    launch = _local_job(str(tmp_path), cells, backend="none")
+    launch = write_job(str(tmp_path), cells, backend="none")
     with _running(launch, str(tmp_path)) as (job, procs):
         assert job.wait(timeout=10) == 3
         _none_left(procs)
 
 
+@pytest.mark.parametrize("launcher", ["local", "mpi"])
 @pytest.mark.parametrize(("fails", "status"), [("sys.exit(3)", 3), ("1 / 0", 1)])
-def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, tmp_path):
+def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, launcher, tmp_path):
     """Rank 1 of a jax job exits with code 3 (or raises) while rank 0 waits for it in a
     collective: rank 1 leaves at once, not after jax's exit barrier (which waits for rank 0),
     and the launch ends within 10 s with rank 1's status, with no process left."""
@@ -551,7 +545,10 @@ def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, tmp_pa
              f"print('{TAG} ready', rank, flush=True)\n"
              f"if rank == 1:\n    time.sleep(1)\n    {fails}\n"
              "multihost_utils.sync_global_devices('wait for rank 1')"]
-    with _running(_local_job(str(tmp_path), cells), str(tmp_path)) as (job, procs):
+    if launcher == "mpi" and not shutil.which("mpiexec"):
+        pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
+    launch = write_job(str(tmp_path), cells, launcher=launcher)
+    with _running(launch, str(tmp_path)) as (job, procs):
         assert job.wait(timeout=10) == status
         _none_left(procs)
 
@@ -562,9 +559,31 @@ def test_a_jax_job_that_ends_normally_exits_0(tmp_path):
     cells = ["import time\n"
              f"print('{TAG} ready', rank, flush=True)\n"
              "time.sleep(2 * rank)  # (rank 0 done first)"]
-    with _running(_local_job(str(tmp_path), cells), str(tmp_path)) as (job, procs):
+    with _running(write_job(str(tmp_path), cells), str(tmp_path)) as (job, procs):
         assert job.wait(timeout=60) == 0
         _none_left(procs)
+
+
+def test_the_ssh_launch_quotes_paths_with_quotes_dollars_and_backticks(tmp_path):
+    """A script and a Python in a folder named with ', $ and a backtick, launched over ssh (an
+    ssh that runs the command as sshd does, with the login shell, here): each path reaches
+    the remote shell whole, and nothing in it is expanded on this machine."""
+    where = tmp_path / "it's $HOME `echo x`"
+    where.mkdir()
+    (where / "py3").symlink_to(os.path.realpath(sys._base_executable))
+    # (options, then the host, then the command, run by a shell whose input ends with this
+    # ssh, as sshd's does)
+    ssh = tmp_path / "ssh"
+    ssh.write_text(f"#!{sys.executable}\nimport subprocess, sys\nargs = sys.argv[1:]\n"
+                   "while args[0] == '-o':\n    args = args[2:]\n"
+                   "shell = subprocess.Popen(['bash', '-c', ' '.join(args[1:])], "
+                   "stdin=subprocess.PIPE)\nsys.exit(shell.wait())\n")
+    ssh.chmod(0o755)
+    launch = write_job(str(where), [f"import sys\nprint('{TAG} ran', rank, sys.executable)"],
+                       backend="none", launcher="ssh", python=str(where / "py3"),
+                       hosts=(("here", 2),), launcher_args=(("ssh_cmd", str(ssh)),))
+    out = run_job(["bash", launch], cwd=str(where))
+    assert tagged(out) == [f"{TAG} ran {r} {where / 'py3'}" for r in range(2)], out
 
 
 def test_the_launch_runs_the_ranks_interpreter_by_its_path(tmp_path):
@@ -575,7 +594,7 @@ def test_the_launch_runs_the_ranks_interpreter_by_its_path(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "py3").symlink_to(base)
-    launch = _local_job(str(tmp_path), [f"import sys\nprint('{TAG} ran', rank, sys.executable)"],
+    launch = write_job(str(tmp_path), [f"import sys\nprint('{TAG} ran', rank, sys.executable)"],
                         backend="none", python=str(bin_dir / "py3"))
     done = subprocess.run(["bash", launch], cwd=str(tmp_path), capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, PATH="/usr/bin:/bin",

@@ -130,15 +130,18 @@ class Job:
         imports = sorted(i for i in self.imports if i)
         end = []
         if "jax" in self.backends:
-            end = ["", "# -- End " + "-" * 72, "atexit.unregister(leave_at_once)  # (done: the "
-                   "exit waits for every process, as jax's does)"]
+            end += ["atexit.unregister(leave_at_once)  # (done: the exit waits for every "
+                    "process, as jax's does)"]
         if "torch" in self.backends:
             # (a process that leaves while a peer's gloo threads still talk to it aborts that
             # peer: "terminate called without an active exception", seen in 4 of 6 runs)
-            end = (end or ["", "# -- End " + "-" * 72]) + [
-                   "if dist.is_initialized():",
-                   "    dist.barrier()  # (every process done before any leaves)",
-                   "    dist.destroy_process_group()"]
+            end += ["if dist.is_initialized():",
+                    "    dist.barrier()  # (every process done before any leaves)",
+                    "    dist.destroy_process_group()"]
+        if self.launcher == "mpi":
+            end += ["if pmi >= 0:  # (a goodbye to mpiexec)",
+                    '    os.write(pmi, b"cmd=finalize\\n"), os.read(pmi, 1024)']
+        end = ["", "# -- End " + "-" * 72, *end] if end else []
         return "\n".join(
             head + [f"import {i}" for i in imports if " " not in i]
             + [i for i in imports if " " in i] + ["", *start, *body, *end]
@@ -158,6 +161,16 @@ class Job:
     def _startup(self) -> list[str]:
         s, lines = self.settings, ["# -- Start-up: what %spmd start did in every rank " + "-" * 30]
         lines += self._which()
+        if self.launcher == "mpi":
+            lines += [
+                "# MPICH's mpiexec ends the job at once when a process that said hello to it",
+                "# leaves without a goodbye (its PMI); a failed process that did not would leave",
+                "# the others waiting for it.",
+                'pmi = int(os.environ.get("PMI_FD", -1))',
+                "if pmi >= 0:",
+                '    os.write(pmi, b"cmd=init pmi_version=1 pmi_subversion=1\\n"), '
+                "os.read(pmi, 1024)",
+            ]
         k = self.gpus
         if k == 0:
             lines += ["# No GPU for any process, as %spmd start gave them (--gpus-per-process 0).",
@@ -303,7 +316,7 @@ _FAIL_FAST = [
     "exit_status = 1",
     "def on_error(kind, value, trace, show=sys.excepthook):",
     "    global exit_status",
-    "    exit_status = 1",
+    "    exit_status = 130 if issubclass(kind, KeyboardInterrupt) else 1  # (as Python's own)",
     "    show(kind, value, trace)",
     "def on_exit(code=0, exit=sys.exit):",
     "    global exit_status",

@@ -59,7 +59,7 @@ class Launch:
                 [f"# {os.path.basename(script)} as {n} MPI processes, with MPICH's mpiexec.",
                  f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
                  f"-x MASTER_PORT={DEFAULT_PORT} {python} {os.path.basename(script)})"]
-                + path_line + store + [" ".join(line)])
+                + path_line + store + [" ".join(line) + " &", "job=$!", *_MPI_WAIT])
         if self.launcher == "torchrun":
             hosts = s.where.hosts
             lines = path_line + store
@@ -106,18 +106,21 @@ class Launch:
         # terminal, a process whose ssh ended (^C here, or a failed rank) would run on; its
         # input ends with the connection, and the watcher ends it (SIGKILL after 3 s: jax's
         # own SIGTERM handler only notes a preemption). (The watcher reads a copy, fd 4: a
-        # background command's own input is /dev/null. The process becomes the shell, $$.)
+        # background command's own input is /dev/null. The process becomes the shell, $$.
+        # The paths are quoted for the remote shell by printf %q here, whatever they hold.)
         remote = ("cd $(printf %q \"$PWD\") || exit; exec 4<&0; "
                   "(cat <&4; kill \\$\\$ && sleep 3 && kill -9 \\$\\$) >/dev/null 2>&1 & "
                   f"RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} MASTER_ADDR=$MASTER_ADDR "
-                  f"MASTER_PORT=$MASTER_PORT exec {shlex.quote(self.python)} "
-                  f"{shlex.quote(script)} </dev/null 4<&-")
+                  "MASTER_PORT=$MASTER_PORT exec $(printf %q \"$python\") "
+                  "$(printf %q \"$script\") </dev/null 4<&-")
         return _bash(
             [f"# {os.path.basename(script)} as {n} processes over ssh ({spread}), as %spmd start "
              "placed them.",
              "# Every host needs the script and the Python at the same paths (shared storage)."]
             + before
-            + [f"export MASTER_ADDR={self._master()} MASTER_PORT={port}",
+            + [f"python={shlex.quote(self.python)}",
+               f"script={shlex.quote(script)}",
+               f"export MASTER_ADDR={self._master()} MASTER_PORT={port}",
                "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
                "# background command's own input is /dev/null, which ends at once)",
                'pipe=$(mktemp -u) && mkfifo -m 600 "$pipe" && exec 3<>"$pipe" && rm -f "$pipe"',
@@ -183,6 +186,28 @@ _WAIT = [
     "done",
     "[ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null",
     "exit \"${status:-0}\"",
+]
+
+
+# mpiexec ends the job when one process fails (the script says hello to it, so it knows);
+# at ^C it sends SIGINT to every process, and a second SIGINT makes it kill them all.
+_MPI_WAIT = [
+    "# At ^C, mpiexec sends every process SIGINT; 3 s later, a second SIGINT makes it kill",
+    "# them (a process waiting in a collective sees no SIGINT); a second ^C kills at once.",
+    "# When one process fails, mpiexec ends the others; the job's status is that process's.",
+    "status= killer=",
+    "stop() {",
+    "  kill -INT \"$job\" 2>/dev/null",
+    "  [ -n \"$killer\" ] || { (sleep 3; kill -INT \"$job\" 2>/dev/null) & killer=$!; }",
+    "}",
+    "trap 'status=${status:-130}; stop' INT",
+    "trap 'status=${status:-143}; stop' TERM",
+    "while :; do",
+    "  wait \"$job\"; code=$?",
+    "  kill -0 \"$job\" 2>/dev/null || break  # (else a trap ended the wait)",
+    "done",
+    "[ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null",
+    "exit \"${status:-$code}\"",
 ]
 
 
