@@ -153,7 +153,13 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
 
 def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
     # (the hosts share this machine's files, but not its /tmp: the script goes in theirs)
-    out = run(fresh, ssh_start(hosts, n=4))
+    # node1 is named by an alias of this machine's ssh config, which the hosts cannot
+    # resolve: the job's ranks reach rank 0 at the address they reached it at in the notebook
+    alias = os.path.join(hosts.folder, "alias_config")
+    with open(alias, "w") as f:
+        f.write(f"Include {hosts.ssh_config}\nHost first\n  HostName {hosts.addresses[0]}\n")
+    out = run(fresh, f"%spmd start -n 4 --hosts first,node2 --python {hosts.python} "
+                     f'--launcher-arg "ssh_args=-F {alias}"')
     assert out.error is None, out.stdout + out.stderr
     assert run(fresh, SETUP).error is None
     assert run(fresh, "print('export', socket.gethostname(), rank, psum(jnp.ones(1)))").error is None
@@ -163,7 +169,8 @@ def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
     assert run(fresh, f"time.sleep(600 if os.path.exists({linger!r}) else 0)").error is None
     out = run(fresh, f"%spmd export {hosts.folder}/job.py")
     assert out.error is None, out.error
-    assert "Run it with: bash job.sh" in out.stdout and "for host_count in node1:2 node2:2" in out.stdout
+    assert "Run it with: bash job.sh" in out.stdout and "for host_count in first:2 node2:2" in out.stdout
+    assert f"export MASTER_ADDR={hosts.addresses[0]} " in out.stdout
     run(fresh, "%spmd stop")
     job = subprocess.run(["bash", "job.sh"], cwd=hosts.folder, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONUNBUFFERED=""))

@@ -251,6 +251,35 @@ def test_torch_export_runs_under_torchrun(module_shell, folder):
     assert tagged(job) == printed
 
 
+def test_torchrun_on_hosts_of_different_sizes_gives_each_its_count_and_place(tmp_path):
+    """A cluster of 1 rank on host a and 2 on host b, exported for torchrun: each host's launch
+    runs its own count with its place (--node-rank), and the world is 3 in the ranks' order.
+    The two hosts are played here by two launches on this machine, rank 0's address given."""
+    pytest.importorskip("torch")
+    from spmd.cluster.launchers.remote import Placement
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    where = Placement(launcher="ssh", hosts=(("a", 1), ("b", 2)))
+    job = Job(Settings(n=3, backend="torch", where=where), "torchrun",
+              [Rank(r, r) for r in range(3)], str(tmp_path / "nodes.py"), master="127.0.0.1")
+    (tmp_path / "nodes.py").write_text(job.script([Ran(
+        f"print('{TAG} node', rank, dist.get_rank(), dist.get_world_size(), flush=True)")]))
+    launch = job.launch_file()
+    (tmp_path / "nodes.sh").write_text(launch.text())
+    assert launch.command() == "bash nodes.sh 0 on a, bash nodes.sh 1 on b"
+    env = dict(os.environ, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(["bash", "nodes.sh", str(i)], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    out = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], out
+    assert tagged(out[0]) == [f"{TAG} node 0 0 3"]
+    assert tagged(out[1]) == [f"{TAG} node {r} {r} 3" for r in (1, 2)]
+    done = subprocess.run(["bash", "nodes.sh"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode != 0 and "give this host's place: 0 on a (1 process), 1 on b (2 processes)" in done.stderr
+
+
 def test_translated_magics_run_as_plain_python(tmp_path):
     """The Python each magic and shell escape became, run by a Python without IPython."""
     from spmd.magics.to_python import plain

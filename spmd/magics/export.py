@@ -82,6 +82,7 @@ class Job:
     left_out: list[str] = field(default_factory=list)  # 'In [4] (ZeroDivisionError on rank 1)'
     person: list[str] = field(default_factory=list)  # 'In [6] (input() waits ...)'
     cells: int = 0
+    master: str = ""  # rank 0's address as the others reached it ('': unknown)
     # names the script has defined so far (a shell command's $name expands only for these)
     known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
                                                      "jax", "torch", "dist"})
@@ -102,7 +103,7 @@ class Job:
     def launch_file(self) -> Launch:
         """The file that launches the script (launch_file.py)."""
         return Launch(self.settings, self.launcher, os.path.abspath(self.path),
-                      self.launch_path, self.python, self.gpus)
+                      self.launch_path, self.python, self.gpus, self.master)
 
     @property
     def gpus(self) -> int | None:
@@ -361,6 +362,11 @@ def _printed_value(code: str) -> str:
     return "\n".join(lines[: last.lineno - 1] + [f"print(repr({expression})){after}"]) + "\n"
 
 
+def _address(coordinator: str) -> str:
+    """The host part of ``host:port`` ('' for '')."""
+    return coordinator.rpartition(":")[0].strip("[]")
+
+
 def export(session, args: list[str]) -> str:
     """Write the script and its launch; what to say in the cell."""
     opts = _parser().parse_args(args)
@@ -377,7 +383,8 @@ def export(session, args: list[str]) -> str:
         raise UsageError("--launcher ssh needs the hosts the ranks ran on, and this cluster ran "
                          "on this machine: export with --launcher local, mpi, slurm or "
                          "torchrun, or start with --hosts.")
-    job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all")
+    job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all",
+              master=_address(session.coordinator))
     launch_file = job.launch_file()
     script, launch = job.script(list(session.ran)), launch_file.text()
     replaced = [p for p in (job.path, job.launch_path) if os.path.exists(p)]

@@ -25,6 +25,9 @@ class Launch:
     path: str  # where this file is written
     python: str  # the Python the ranks ran
     gpus: int | None  # GPUs each rank had (None: left alone)
+    # rank 0's address as the other ranks reached it in the notebook ('': unknown): an ssh
+    # alias or a host file's name need not resolve on the other hosts
+    master: str = ""
 
     @property
     def backends(self) -> list[str]:
@@ -32,6 +35,9 @@ class Launch:
 
     def command(self) -> str:
         name = os.path.basename(self.path)
+        hosts = self.settings.where.hosts
+        if self.launcher == "torchrun" and len(hosts) > 1:
+            return ", ".join(f"bash {name} {i} on {h}" for i, (h, _) in enumerate(hosts))
         return f"sbatch {name}" if self.launcher == "slurm" else f"bash {name}"
 
     def text(self) -> str:
@@ -64,11 +70,16 @@ class Launch:
             hosts = s.where.hosts
             lines = path_line + store
             if len(hosts) > 1:
-                per = hosts[0][1]
-                lines = [f"# On each of {', '.join(h for h, _ in hosts)} (run this file on "
-                         "every host):"] + lines + [
-                    f"torchrun --nnodes {len(hosts)} --nproc-per-node {per} --rdzv-backend c10d "
-                    f"--rdzv-endpoint {self._master()}:{port} {here}"]
+                places = ", ".join(f"{i} on {h} ({c} process{'es' if c > 1 else ''})"
+                                   for i, (h, c) in enumerate(hosts))
+                lines = [f"# Run on every host, with its place: {places}.",
+                         "# (each host's processes, and its place, as %spmd start placed the "
+                         "ranks)"] + lines + [
+                    f'node=${{1:?"give this host\'s place: {places}"}}',
+                    f"counts=({' '.join(str(c) for _, c in hosts)})",
+                    f'torchrun --nnodes {len(hosts)} --node-rank "$node" --nproc-per-node '
+                    f'"${{counts[$node]}}" --master-addr {self._master()} --master-port {port} '
+                    f"{here}"]
             else:
                 lines = [f"# {os.path.basename(script)} as {n} processes on this machine."] + \
                     lines + [f"torchrun --standalone --nproc-per-node {n} {here}"]
@@ -88,7 +99,7 @@ class Launch:
 
     def _master(self) -> str:
         hosts = self.settings.where.hosts
-        return hosts[0][0].rpartition("@")[2] if hosts else "127.0.0.1"
+        return self.master or (hosts[0][0].rpartition("@")[2] if hosts else "127.0.0.1")
 
     def _mpi_hosts(self) -> list[str]:
         hosts = self.settings.where.hosts
