@@ -175,7 +175,11 @@ def test_ssh_export_runs_over_ssh_on_the_same_hosts(fresh, hosts):
     job = subprocess.run(["bash", "job.sh"], cwd=hosts.folder, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONUNBUFFERED=""))
     assert job.returncode == 0, job.stdout + job.stderr
-    assert sorted(line for line in job.stdout.splitlines() if line.startswith("export ")) == printed
+    # (each line begins with its rank: the rank the line itself prints)
+    lines = [re.match(r"\[rank (\d+)\] (.*)", line).groups() for line in job.stdout.splitlines()
+             if " export " in line]
+    assert all(line.split()[2] == rank for rank, line in lines), lines
+    assert sorted(line for _, line in lines) == printed
     assert printed[0] == "export node1 0 [4.]" and printed[-1] == "export node2 3 [4.]"
     assert nothing_left_on(hosts) == []
     # ^C in the terminal that runs the job (SIGINT to its process group) ends the processes

@@ -54,9 +54,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# How a job's launch labels each line with its rank: ours and MPICH's ("[rank 1] "), srun's
+# ("1: ").
+LABEL = re.compile(r"^(?:\[rank (\d+)\] |\s*(\d+): )")
+
+
+def labelled(text: str) -> list[tuple[int | None, str]]:
+    """The tagged lines of ``text``, sorted, each with the rank its label names (None: none)."""
+    found = []
+    for line in text.splitlines():
+        if TAG in line and not line.startswith("--- cell"):
+            label = LABEL.match(line)
+            rank = label and int(label.group(1) or label.group(2))
+            found.append((rank, line[label.end():].strip() if label else line.strip()))
+    return sorted(found, key=lambda pair: pair[1])
+
+
 def tagged(text: str) -> list[str]:
-    return sorted(line.strip() for line in text.splitlines()
-                  if TAG in line and not line.startswith("--- cell"))
+    return [line for _, line in labelled(text)]
 
 
 def printed_by_ranks(shell, n: int) -> list[str]:
@@ -97,6 +112,8 @@ def jax_notebook(module_shell, folder):
         out = run(shell, f"%spmd export {folder}/train_{launcher}.py --launcher {launcher}")
         assert out.error is None, out.stderr
         said[launcher] = out.stdout
+    out = run(shell, f"%spmd export {folder}/train_raw.py --launcher local --raw-output")
+    assert out.error is None, out.stderr
     printed = sorted(printed_by_ranks(shell, 4) + [results[0]] * 4)
     assert len(printed) == 16, printed  # (shards, step, shell, value: on each rank)
     return printed, said
@@ -105,9 +122,15 @@ def jax_notebook(module_shell, folder):
 def test_export_runs_as_4_local_processes_printing_what_the_ranks_printed(jax_notebook, folder):
     printed, said = jax_notebook
     assert "Run it with: bash train_local.sh" in said["local"]
-    assert f'{sys.executable} "$(dirname "$0")"/train_local.py &' in said["local"]  # (shown)
+    assert f'{sys.executable} "$(dirname "$0")"/train_local.py > >(label "$rank")' in said[
+        "local"]  # (shown)
     out = run_job(["bash", "train_local.sh"], cwd=folder)
     assert tagged(out) == printed
+    # each line begins with its rank, the process index the line itself prints
+    assert {(rank, line.split()[2]) for rank, line in labelled(out) if " step " in line} == {
+        (r, str(r)) for r in range(4)}
+    raw = run_job(["bash", "train_raw.sh"], cwd=folder)  # (--raw-output: as written)
+    assert tagged(raw) == printed and {rank for rank, _ in labelled(raw)} == {None}
     # the three runs of z's cells, in the order they ran, and !echo's expansion of {z}
     assert f"{TAG} shell z=21" in out
 
@@ -116,8 +139,11 @@ def test_export_runs_with_mpich_mpiexec(jax_notebook, folder):
     if shutil.which("mpiexec") is None:
         pytest.skip("mpiexec is not installed (apt-get install mpich)")
     printed, said = jax_notebook
-    assert "mpiexec -n 4 -genv MASTER_ADDR 127.0.0.1" in said["mpi"]
-    assert tagged(run_job(["bash", "train_mpi.sh"], cwd=folder)) == printed
+    assert "mpiexec -n 4 -prepend-pattern '[rank %r] ' -genv MASTER_ADDR 127.0.0.1" in said["mpi"]
+    out = run_job(["bash", "train_mpi.sh"], cwd=folder)
+    assert tagged(out) == printed
+    assert {(rank, line.split()[2]) for rank, line in labelled(out) if " step " in line} == {
+        (r, str(r)) for r in range(4)}
 
 
 @pytest.fixture
@@ -134,13 +160,40 @@ def test_export_runs_as_an_sbatch_job_on_slurm(jax_notebook, folder, slurm):
     assert "Run it with: sbatch train_slurm.sbatch" in said["slurm"]
     with open(f"{folder}/train_slurm.sbatch") as f:
         batch = f.read()
-    assert "#SBATCH --ntasks=4" in batch and f"srun {sys.executable}" in batch
+    assert "#SBATCH --ntasks=4" in batch
+    assert f"srun --kill-on-bad-exit=1 --label {sys.executable}" in batch
     submitted = run_job(["sbatch", "--wait", "--parsable", "train_slurm.sbatch"], cwd=folder,
                         env=slurm.env)
     job = submitted.strip().split(";")[0]
     with open(f"{folder}/train_slurm-{job}.out") as f:
-        assert tagged(f.read()) == printed
+        out = f.read()
+    assert tagged(out) == printed
+    assert {(rank, line.split()[2]) for rank, line in labelled(out) if " step " in line} == {
+        (r, str(r)) for r in range(4)}
     assert not slurm.jobs()
+
+
+def test_an_sbatch_job_ends_when_one_task_fails(slurm, tmp_path):
+    """Task 1 exits with code 3 while task 0 waits for it in a collective: srun ends the step
+    at once (--kill-on-bad-exit), not when jax's heartbeat gives up (100 s). The job fails
+    with srun's status (the highest of its tasks': 137 for the one it killed), and its output
+    names the task that failed first and that task's code."""
+    import time
+
+    cells = ["import sys\nfrom jax.experimental import multihost_utils\n"
+             "if rank == 1:\n    sys.exit(3)\n"
+             "multihost_utils.sync_global_devices('task 0 waits')"]
+    launch = write_job(str(tmp_path), cells, launcher="slurm")
+    began = time.monotonic()
+    done = subprocess.run(["sbatch", "--wait", os.path.basename(launch)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **slurm.env))
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert time.monotonic() - began < 60
+    assert not slurm.jobs()
+    job = done.stdout.split()[-1]
+    with open(tmp_path / f"job-{job}.out") as f:
+        assert "task 1: Exited with exit code 3" in f.read()
 
 
 def test_export_leaves_out_failed_and_local_cells_and_flags_input(jax_notebook, folder):

@@ -50,6 +50,7 @@ def _parser() -> _Parser:
     p.add_argument("path")
     p.add_argument("--launcher", choices=LAUNCHERS, default=None)
     p.add_argument("--cells", choices=("ok", "all"), default="ok")
+    p.add_argument("--raw-output", action="store_true")
     return p
 
 
@@ -83,6 +84,7 @@ class Job:
     person: list[str] = field(default_factory=list)  # 'In [6] (input() waits ...)'
     cells: int = 0
     master: str = ""  # rank 0's address as the others reached it ('': unknown)
+    labels: bool = True  # each line of the job's output begins with its rank
     # names the script has defined so far (a shell command's $name expands only for these)
     known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
                                                      "jax", "torch", "dist"})
@@ -103,7 +105,7 @@ class Job:
     def launch_file(self) -> Launch:
         """The file that launches the script (launch_file.py)."""
         return Launch(self.settings, self.launcher, os.path.abspath(self.path),
-                      self.launch_path, self.python, self.gpus, self.master)
+                      self.launch_path, self.python, self.gpus, self.master, self.labels)
 
     @property
     def gpus(self) -> int | None:
@@ -384,7 +386,7 @@ def export(session, args: list[str]) -> str:
                          "on this machine: export with --launcher local, mpi, slurm or "
                          "torchrun, or start with --hosts.")
     job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all",
-              master=_address(session.coordinator))
+              master=_address(session.coordinator), labels=not opts.raw_output)
     launch_file = job.launch_file()
     script, launch = job.script(list(session.ran)), launch_file.text()
     replaced = [p for p in (job.path, job.launch_path) if os.path.exists(p)]

@@ -28,6 +28,9 @@ class Launch:
     # rank 0's address as the other ranks reached it in the notebook ('': unknown): an ssh
     # alias or a host file's name need not resolve on the other hosts
     master: str = ""
+    # each line the job prints begins with its rank ("[rank 1] "), as in the notebook, where
+    # there is more than one (--raw-output: as the processes wrote them)
+    labels: bool = True
 
     @property
     def backends(self) -> list[str]:
@@ -58,7 +61,8 @@ class Launch:
         if self.launcher == "slurm":
             return self._sbatch(path_line + store, script, python)
         if self.launcher == "mpi":
-            line = ["mpiexec", "-n", str(n), *self._mpi_hosts(),
+            label = ["-prepend-pattern", shlex.quote("[rank %r] ")] if self._labels else []
+            line = ["mpiexec", "-n", str(n), *label, *self._mpi_hosts(),
                     "-genv", "MASTER_ADDR", self._master(), "-genv", "MASTER_PORT", port,
                     python, here]
             return _bash(
@@ -92,10 +96,26 @@ class Launch:
             + path_line + store
             + [f"export WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
                "pids=()",
+               *self._label_lines(),
                f"for rank in $(seq 0 {n - 1}); do",
-               f"  RANK=$rank LOCAL_RANK=$rank {python} {here} &",
+               f"  RANK=$rank LOCAL_RANK=$rank {python} {here}{self._labelled()} &",
                "  pids+=($!)",
                "done", *_WAIT])
+
+    @property
+    def _labels(self) -> bool:
+        return self.labels and self.settings.n > 1
+
+    def _label_lines(self) -> list[str]:
+        if not self._labels:
+            return []
+        return ["# Each line begins with its rank, as in the notebook (%spmd export --raw-output:",
+                "# as written); Python writes each line as it comes, not when its buffer fills.",
+                "label() { sed -u \"s/^/[rank $1] /\"; }",
+                "export PYTHONUNBUFFERED=1"]
+
+    def _labelled(self) -> str:
+        return ' > >(label "$rank") 2> >(label "$rank" >&2)' if self._labels else ""
 
     def _master(self) -> str:
         hosts = self.settings.where.hosts
@@ -135,12 +155,13 @@ class Launch:
                "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
                "# background command's own input is /dev/null, which ends at once)",
                'pipe=$(mktemp -u) && mkfifo -m 600 "$pipe" && exec 3<>"$pipe" && rm -f "$pipe"',
+               *self._label_lines(),
                "pids=()",
                "rank=0",
                f"for host_count in {spread}; do",
                "  host=${host_count%:*}",
                "  for ((local_rank = 0; local_rank < ${host_count##*:}; local_rank++)); do",
-               f'    {ssh} "$host" "{remote}" <&3 &',
+               f'    {ssh} "$host" "{remote}" <&3{self._labelled()} &',
                "    pids+=($!)",
                "    rank=$((rank + 1))",
                "  done",
@@ -167,7 +188,8 @@ class Launch:
                       'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
                       "head -n 1)",
                       "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
-        lines.append(f"srun {python} {shlex.quote(script)}")
+        label = "--label " if self._labels else ""  # ("1: " before each line of rank 1)
+        lines.append(f"srun --kill-on-bad-exit=1 {label}{python} {shlex.quote(script)}")
         return "\n".join(lines) + "\n"
 
 
