@@ -333,6 +333,31 @@ def test_torchrun_on_hosts_of_different_sizes_gives_each_its_count_and_place(tmp
     assert done.returncode != 0 and "give this host's place: 0 on a (1 process), 1 on b (2 processes)" in done.stderr
 
 
+def test_the_readmes_listings_are_what_the_export_writes():
+    """The README's quickstart.sh and quickstart.py, exported from the quickstart's cells on 4
+    ranks of 2 devices, are what the export writes now, byte for byte (the Python's folder
+    aside: the README's is the machine's it was written on)."""
+    from pathlib import Path
+
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    launch = readme.split("Run it with: bash quickstart.sh\n\n")[1].split("\n```\n")[0] + "\n"
+    script = readme.split("`quickstart.py`:\n\n```python\n")[1].split("```\n")[0]
+    written = launch.split("\n")[3].split('"')[1].rpartition(":")[0]  # (export PATH="...:$PATH")
+    job = Job(Settings(n=4, backend="jax", cpu_devices=2), "local",
+              [Rank(r, r) for r in range(4)], "quickstart.py", master="127.0.0.1")
+    cells = ["import jax\nprint(jax.device_count(), jax.local_device_count())",
+             "print(jax.process_index())",
+             "xs = jax.numpy.ones(jax.local_device_count())\n"
+             "jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')(xs)"]
+    assert job.script([Ran(c, count=i, showed_value=i == 4)
+                       for i, c in enumerate(cells, 2)]) == script
+    here = os.path.dirname(sys.executable)
+    assert job.launch_file().text() == launch.replace(written, here)
+
+
 def test_translated_magics_run_as_plain_python(tmp_path):
     """The Python each magic and shell escape became, run by a Python without IPython."""
     from spmd.magics.to_python import plain

@@ -95,8 +95,8 @@ class Launch:
              f"-n {n} ran them.", "# (MASTER_PORT: rank 0's port, where the others join it)"]
             + path_line + store
             + [f"export WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
-               "pids=()",
                *self._label_lines(),
+               "pids=()",
                f"for rank in $(seq 0 {n - 1}); do",
                f"  RANK=$rank LOCAL_RANK=$rank {python} {here}{self._labelled()} &",
                "  pids+=($!)",
