@@ -58,4 +58,10 @@ def start_args(processes, devices_per_process, backend, torch_backend, cluster) 
         args += ["-d", str(devices_per_process)]
     if "torch" in str(backend):
         args += ["--torch-backend", str(torch_backend)]
-    return args + shlex.split(cluster or "")
+    try:
+        return args + shlex.split(cluster or "")
+    except ValueError as exc:  # (a quote left open in a kernel.json or a config file)
+        from IPython.core.error import UsageError
+
+        raise UsageError(f"{exc} in {cluster}: close the quote in the kernel's cluster "
+                         "setting (kernel.json or the config file)") from None

@@ -305,23 +305,33 @@ def test_a_cluster_kernelspec_says_where_its_ranks_run(tmp_path):
         (["install", "-n", "2", "--hosts", "a:1,b:2"], "the counts in --hosts a:1,b:2 add up to 3"),
         (["install", "--launcher-arg", "partition=gpu"], "--launcher-arg is for ranks on other hosts"),
         (["install", "--launcher", "slurm", "--launcher-arg", "nonsense"], "--launcher-arg takes KEY=VALUE"),
+        # this machine's GPUs, checked as the start checks them (here it shows none)
+        (["install", "--gpus-per-process", "3"], "--gpus-per-process 3 was given, but this machine has no GPUs"),
     ],
 )
 def test_bad_kernelspec_arguments_are_one_sentence_and_exit_2(args, says, tmp_path):
-    env = dict(os.environ, JUPYTER_DATA_DIR=str(tmp_path), JUPYTER_PATH=str(tmp_path))
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(tmp_path), JUPYTER_PATH=str(tmp_path),
+               CUDA_VISIBLE_DEVICES="")
     done = spmd_kernel_cli(*args, env=env)
     assert done.returncode == 2
     assert says in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
-def test_a_kernel_whose_cluster_options_cannot_be_used_says_why_and_starts_another(tmp_path):
+@pytest.mark.parametrize(("cluster", "why"), [
+    ("--launcher ssh", "--launcher ssh needs --hosts, like --hosts node1,node2"),
+    # (before, the kernel died at its start: the split ran outside the refusal's try)
+    ("--hosts 'a", "No closing quotation in --hosts 'a: close the quote in the kernel's "
+                   "cluster setting (kernel.json or the config file)"),
+])
+def test_a_kernel_whose_cluster_options_cannot_be_used_says_why_and_starts_another(
+        cluster, why, tmp_path):
     # (written by hand: an install refuses these options; a config file could give them)
     from spmd.kernel.kernelspec import write_kernel_spec
 
     spec = write_kernel_spec(tmp_path / "spmd-refused", processes=2)
     kernel_json = json.loads((spec / "kernel.json").read_text())
-    kernel_json["argv"].append("--SpmdKernel.cluster=--launcher ssh")
+    kernel_json["argv"].append(f"--SpmdKernel.cluster={cluster}")
     (spec / "kernel.json").write_text(json.dumps(kernel_json))
     KernelSpecManager().install_kernel_spec(str(spec), "spmd-refused", user=True)
     with spmd_kernel("spmd-refused") as (km, kc):
@@ -329,8 +339,8 @@ def test_a_kernel_whose_cluster_options_cannot_be_used_says_why_and_starts_anoth
         reply, text = kernel_stream(kc, "print('hello')")
         assert reply["content"]["status"] == "error"
         assert (
-            "The kernel's cluster options cannot be used (--launcher ssh needs --hosts, like "
-            "--hosts node1,node2): %spmd start with other options starts a cluster here."
+            f"The kernel's cluster options cannot be used ({why}): %spmd start with other "
+            "options starts a cluster here."
         ) in text, text
         assert not spmd_processes(kernel_pid)  # (nothing was started)
         reply, text = kernel_stream(kc, "%spmd start -n 2 --backend none")

@@ -66,11 +66,11 @@ class SpmdKernel(IPythonKernel):
 
         self.shell.extension_manager.load_extension("spmd")
         self.spmd = register(self.shell)  # the magics the extension registered
-        args = start_args(self.processes, self.devices_per_process, self.backend,
-                          self.torch_backend, self.cluster)
         early, type(self).early_start = type(self).early_start, None
         try:
-            settings = start_settings(args)[1]
+            settings = start_settings(start_args(self.processes, self.devices_per_process,
+                                                 self.backend, self.torch_backend,
+                                                 self.cluster))[1]
         except UsageError as exc:  # (the first cell says why; %spmd start still works)
             settings, refused = Settings(n=self.processes, backend=self.backend), str(exc)
         else:

@@ -52,6 +52,22 @@ def _hosts(where) -> str:
     return ", ".join(host.rsplit("@", 1)[-1] for host, _ in where.hosts)
 
 
+def _check_gpus(settings) -> None:
+    """Where the ranks run on this machine, its GPUs checked as %spmd start checks them
+    (UsageError): enough for --gpus-per-process, or none asked of a machine that has none.
+    (Other hosts' GPUs are checked by the start, there.)"""
+    from IPython.core.error import UsageError
+
+    from spmd.engine.placement import GpuError, host_gpus, share_gpus
+
+    if settings.where.launcher != "local" or settings.where.hosts:
+        return
+    try:
+        share_gpus(0, settings.n, host_gpus(), settings.gpus_per_process, "this machine")
+    except GpuError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def cluster_settings(processes: int, cluster: str, **settings):
     """The Settings a kernel with this ``cluster`` would start (UsageError, in %spmd start's
     words, for options it cannot use)."""
@@ -99,8 +115,9 @@ def kernel_dict(
     from ipykernel.kernelspec import make_ipkernel_cmd
 
     if cluster:
-        cluster_settings(processes, cluster, devices_per_process=devices_per_process,
-                         backend=backend, torch_backend=torch_backend)
+        chosen = cluster_settings(processes, cluster, devices_per_process=devices_per_process,
+                                  backend=backend, torch_backend=torch_backend)
+        _check_gpus(chosen)
     settings = [f"--SpmdKernel.processes={processes}", f"--SpmdKernel.backend={backend}"]
     if "torch" in backend:
         settings.append(f"--SpmdKernel.torch_backend={torch_backend}")
