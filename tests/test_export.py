@@ -379,9 +379,12 @@ def test_translated_magics_run_as_plain_python(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == "['greeting.txt'] 1\n"
     assert (tmp_path / "greeting.txt").read_text() == "hello\n"
-    written = plain(f"%%writefile {tmp_path}/w.txt\nline\n")
-    exec("import pathlib\n" + written.code, {})
-    assert (tmp_path / "w.txt").read_text() == "line\n"
+    # %%writefile as IPython: the text ends with a newline (a cell's text has none), so -a
+    # cells add whole lines
+    written = plain(f"%%writefile {tmp_path}/w.txt\nline")
+    more = plain(f"%%writefile -a {tmp_path}/w.txt\nmore")
+    exec("import pathlib\n" + written.code + more.code, {})
+    assert (tmp_path / "w.txt").read_text() == "line\nmore\n"
     assert "# %%foo x: an IPython cell magic with no plain-Python form" in plain(
         "%%foo x\nbody\n").code
     # as IPython splits a command: $name and {expr} of names defined before (not a shell
@@ -391,11 +394,14 @@ def test_translated_magics_run_as_plain_python(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.stdout == "$d {k: v} v\na\nb\n", shell + done.stdout + done.stderr
     # a line magic's argument is expanded as IPython expands it, for names defined before
-    magics = plain("%cd -q {d}\n%env WHERE=$d\n%run {d}/w.py\n", {"d"}).code
-    (tmp_path / "w.py").write_text("import os\nprint(os.getcwd(), os.environ['WHERE'])\n")
+    # (and %run keeps the file's names, as IPython's does)
+    magics = plain("%cd -q {d}\n%env WHERE=$d\n%run {d}/w.py\nprint(where())\n", {"d"}).code
+    (tmp_path / "w.py").write_text("import os\ndef where():\n    return os.getcwd()\n"
+                                   "print(os.getcwd(), os.environ['WHERE'])\n")
     done = subprocess.run([sys.executable, "-c", f"import os, runpy\nd = {str(tmp_path)!r}\n"
                            + magics], capture_output=True, text=True, timeout=60, cwd="/")
-    assert done.stdout == f"{tmp_path} {tmp_path}\n", magics + done.stdout + done.stderr
+    assert done.stdout == f"{tmp_path} {tmp_path}\n{tmp_path}\n", \
+        magics + done.stdout + done.stderr
     # a magic with no Python form inside a block keeps the block one
     compile(plain("if x:\n    %matplotlib inline\n").code, "cell", "exec")
 
@@ -625,6 +631,29 @@ def test_ctrl_c_ends_every_process_of_a_jax_job(presses, launcher, tmp_path):
             os.killpg(job.pid, signal.SIGINT)
         assert job.wait(timeout=10) == 130
         _none_left(procs)
+
+
+def test_ctrl_c_while_the_processes_start_ends_those_started(tmp_path):
+    """^C as soon as the first process exists, while the launch starts the others: the trap
+    is already set, so the launch ends what it started (before, the trap came after the
+    start: a ^C then ended the shell alone, and its processes, which ignore SIGINT, ran on)."""
+    import time
+
+    import psutil
+
+    launch = write_job(str(tmp_path), ["import time\ntime.sleep(60)"], backend="none")
+    job = _start(launch, str(tmp_path))
+    try:
+        shell, deadline = psutil.Process(job.pid), time.monotonic() + 30
+        while not (procs := [p for p in shell.children() if "python" in p.name()]):
+            assert time.monotonic() < deadline
+        os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(timeout=10) == 130
+        _none_left(procs)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
 
 
 def test_a_failed_rank_ends_the_job_with_its_status(tmp_path):

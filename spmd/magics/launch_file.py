@@ -69,7 +69,8 @@ class Launch:
                 [f"# {os.path.basename(script)} as {n} MPI processes, with MPICH's mpiexec.",
                  f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
                  f"-x MASTER_PORT={DEFAULT_PORT} {python} {os.path.basename(script)})"]
-                + path_line + store + [" ".join(line) + " &", "job=$!", *_MPI_WAIT])
+                + path_line + store + [*_MPI_STOP, " ".join(line) + " &", "job=$!",
+                                       *_MPI_WAIT])
         if self.launcher == "torchrun":
             hosts = s.where.hosts
             lines = path_line + store
@@ -95,11 +96,11 @@ class Launch:
              f"-n {n} ran them.", "# (MASTER_PORT: rank 0's port, where the others join it)"]
             + path_line + store
             + [f"export WORLD_SIZE={n} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
-               *self._label_lines(),
-               "pids=()",
+               *self._label_lines(), *_STOP,
                f"for rank in $(seq 0 {n - 1}); do",
+               "  [ -z \"$status\" ] || break  # (^C while they start)",
                f"  RANK=$rank LOCAL_RANK=$rank {python} {here}{self._labelled()} &",
-               "  pids+=($!)",
+               "  running+=($!)",
                "done", *_WAIT])
 
     @property
@@ -155,14 +156,14 @@ class Launch:
                "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
                "# background command's own input is /dev/null, which ends at once)",
                'pipe=$(mktemp -u) && mkfifo -m 600 "$pipe" && exec 3<>"$pipe" && rm -f "$pipe"',
-               *self._label_lines(),
-               "pids=()",
+               *self._label_lines(), *_STOP,
                "rank=0",
                f"for host_count in {spread}; do",
                "  host=${host_count%:*}",
                "  for ((local_rank = 0; local_rank < ${host_count##*:}; local_rank++)); do",
+               "    [ -z \"$status\" ] || break 2  # (^C while they start)",
                f'    {ssh} "$host" "{remote}" <&3{self._labelled()} &',
-               "    pids+=($!)",
+               "    running+=($!)",
                "    rank=$((rank + 1))",
                "  done",
                "done", *_WAIT])
@@ -193,13 +194,14 @@ class Launch:
         return "\n".join(lines) + "\n"
 
 
-# Wait for every process; when one fails, end the others (they would wait for it forever in
-# their next collective) and exit with its status.
-_WAIT = [
+# The job's processes end together. The trap is set before the first one starts: a ^C then
+# would end this shell alone, and the processes it started ignore SIGINT (they run in the
+# background of a shell without a terminal of its own).
+_STOP = [
     "# The job's processes end together: at ^C, or when one fails, each is sent SIGINT and",
     "# SIGTERM, then SIGKILL 3 s later (jax's own SIGTERM handler only notes a preemption);",
     "# a second ^C kills at once. The job's status is the first failure's.",
-    "status= killer=",
+    "status= killer= running=()",
     "stop() {",
     "  if [ -n \"$killer\" ]; then kill -9 \"${running[@]}\" 2>/dev/null; return; fi",
     "  kill -INT \"${running[@]}\" 2>/dev/null; kill -TERM \"${running[@]}\" 2>/dev/null",
@@ -207,7 +209,10 @@ _WAIT = [
     "}",
     "trap 'status=${status:-130}; stop' INT",
     "trap 'status=${status:-143}; stop' TERM",
-    "running=(\"${pids[@]}\")",
+]
+# Wait for every process; when one fails, end the others (they would wait for it forever in
+# their next collective) and exit with its status.
+_WAIT = [
     "while [ ${#running[@]} -gt 0 ]; do",
     "  wait -n \"${running[@]}\" 2>/dev/null; code=$?",
     "  still=()",
@@ -224,17 +229,21 @@ _WAIT = [
 
 # mpiexec ends the job when one process fails (the script says hello to it, so it knows);
 # at ^C it sends SIGINT to every process, and a second SIGINT makes it kill them all.
-_MPI_WAIT = [
+_MPI_STOP = [
     "# At ^C, mpiexec sends every process SIGINT; 3 s later, a second SIGINT makes it kill",
     "# them (a process waiting in a collective sees no SIGINT); a second ^C kills at once.",
     "# When one process fails, mpiexec ends the others; the job's status is that process's.",
-    "status= killer=",
+    "status= killer= job=",
     "stop() {",
+    "  [ -n \"$job\" ] || return  # (mpiexec has yet to start: it is stopped when it has)",
     "  kill -INT \"$job\" 2>/dev/null",
     "  [ -n \"$killer\" ] || { (sleep 3; kill -INT \"$job\" 2>/dev/null) & killer=$!; }",
     "}",
     "trap 'status=${status:-130}; stop' INT",
     "trap 'status=${status:-143}; stop' TERM",
+]
+_MPI_WAIT = [
+    "[ -z \"$status\" ] || stop  # (^C while it started)",
     "while :; do",
     "  wait \"$job\"; code=$?",
     "  kill -0 \"$job\" 2>/dev/null || break  # (else a trap ended the wait)",
