@@ -383,6 +383,34 @@ def test_a_big_global_value_moves_only_its_printed_corners_and_out_is_numpy(clus
     run(cluster, "del big")
 
 
+def test_a_value_on_one_processs_devices_only_is_shown_once(cluster):
+    """A mesh of jax.devices()[:2] (as JAX's shard_map tutorial builds it) lives on process
+    0's devices only: the value is shown once, as process 0 prints it, under a line that says
+    where it lives (before: rank 0's value, then the others' placeholders)."""
+    out = run(cluster, "mesh2 = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('x',))\n"
+                       "v = jax.device_put(np.arange(6.0, dtype=np.float32), "
+                       "jax.sharding.NamedSharding(mesh2, P('x')))\nv")
+    assert out.error is None, out.error
+    assert out.stdout.startswith("(one array on the 2 devices of process 0 only: "), out.stdout
+    assert len(out.stdout.splitlines()) == 1, out.stdout
+    assert out.texts == ["Array([0., 1., 2., 3., 4., 5.], dtype=float32)"], out.texts
+
+
+def test_a_display_of_a_global_array_sends_no_parts(cluster):
+    """display(x) shows jax's placeholder (the notebook keeps a global array's parts for a
+    cell's result only): the ranks send no corners for it, while the result still has them."""
+    from spmd.engine.results import MIME
+
+    out = run(cluster, "from IPython.display import display\ndisplay(arr_sharded)\n"
+                       f"print({MIME!r} in get_ipython().display_formatter.format(arr_sharded)[0])")
+    assert out.error is None, out.error
+    assert out.stdout.endswith("[ranks 0-3] False\n"), out.stdout
+    assert [o.get("text/plain") for o in out.outputs] == [
+        "Array(shape=(4, 8), dtype=float32)"], out.outputs
+    out = run(cluster, "arr_sharded")  # (the result: its parts come, and it is shown whole)
+    assert out.texts and out.texts[0].startswith("Array([[")
+
+
 def test_printing_a_global_array_says_both_ways_to_see_it_once(cluster):
     out = run(cluster, "print(arr_sharded)\nprint(arr_sharded)")
     assert out.error is None
@@ -418,3 +446,25 @@ def test_a_global_value_under_numpys_print_everything_option(cluster):
         assert out.texts == [reference]
     finally:
         run(cluster, "np.set_printoptions(threshold=1000)")
+
+
+def test_a_value_shown_before_a_restart_is_not_taken_for_one_shown_after(shell):
+    """A rank finds the value a cell showed by its Out number and which object it was. A
+    restarted rank is a new process forked from the same heap image, numbering its cells from
+    1 again: the same number and the same id there name another array, which the notebook
+    must not take for the old one. (Run here in the notebook's own process, as rank 0.)"""
+    import numpy as np
+
+    from spmd.engine import shards
+
+    out = shell.user_ns.setdefault("Out", {})
+    count = max(out, default=0) + 1000
+    out[count] = np.arange(3.0)
+    try:
+        token = shards.shown_token(out[count])
+        assert shards.fetch_shown("Out[x]", {0: (count, token)}, 1 << 20)
+        restarted = [token[0] + 1, token[1]]  # (the same id, in another process)
+        with pytest.raises(KeyError, match="no longer on this rank"):
+            shards.fetch_shown("Out[x]", {0: (count, restarted)}, 1 << 20)
+    finally:
+        del out[count]

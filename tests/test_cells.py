@@ -89,6 +89,29 @@ def test_a_failing_rank_fails_the_cell_and_keeps_the_others_output(cluster):
     assert run(cluster, "print('fine')").stdout == "[ranks 0-1] fine\n"
 
 
+def test_a_cell_that_sets_up_jax_again_is_told_what_the_ranks_have(cluster):
+    """The first line of JAX's tutorials, and jax.distributed.initialize, in a cell of a
+    2 x 2 cluster: where what was asked matches, one line and the cell carries on; where it
+    does not, one sentence with the start that gives it (before: a ~40-line RuntimeError on
+    every rank)."""
+    out = run(cluster, "jax.config.update('jax_num_cpu_devices', 4)\nprint('on')")
+    assert out.error is None, out.error
+    assert out.stdout == ("[ranks 0-1]\njax_num_cpu_devices: each of the 2 processes already "
+                          "has its 2 CPU devices, 4 in all: carrying on.\non\n"), out.stdout
+    out = run(cluster, "jax.config.update('jax_num_cpu_devices', 8)")
+    assert isinstance(out.error, RankErrors), out.error
+    rendered = "\n".join(out.error._render_traceback_())
+    assert ("[ranks 0-1] AlreadyStarted: Each process already has its 2 CPU devices (4 in all), "
+            "made when the cluster started: %spmd start -n 2 -d 4 gives 8 in all.") in rendered
+    assert "RuntimeError" not in rendered and len(rendered.splitlines()) < 6, rendered
+    out = run(cluster, "jax.distributed.initialize()\nprint(jax.device_count())")
+    assert out.error is None, out.error
+    assert out.stdout == ("[rank 0]\njax.distributed is already initialized: %spmd start "
+                          "joined this process, 0 of 2: carrying on.\n4\n[rank 1]\n"
+                          "jax.distributed is already initialized: %spmd start joined this "
+                          "process, 1 of 2: carrying on.\n4\n"), out.stdout
+
+
 def test_identical_tracebacks_are_shown_once(cluster):
     out = run(cluster, "1 / 0")
     assert isinstance(out.error, RankErrors)

@@ -262,10 +262,38 @@ def test_ssh_rank_killed_in_a_collective_gives_the_death_report(fresh, hosts):
     restart_psum_and_stop(fresh, hosts)
 
 
+def test_ssh_ranks_run_the_notebooks_python_or_a_python_under_the_hosts_home(fresh, hosts):
+    """Without --python, the ranks run the notebook's own interpreter (its path), as the README
+    says, not the host's python3; --python ~/... is the home folder's there (quoted whole,
+    the ~ was not expanded, and the start failed)."""
+    out = run(fresh, f"%spmd start -n 2 --backend none --hosts {','.join(hosts.names)} "
+                     f"{hosts.launcher_arg}")
+    assert out.error is None, out.stdout + out.stderr
+    out = run(fresh, "import sys\nprint(sys.executable)")
+    assert out.stdout == f"[ranks 0-1] {sys.executable}\n", out.stdout + out.stderr
+    assert run(fresh, "%spmd stop").error is None
+    folder = os.path.expanduser(f"~/.spmd-test-python-{os.getpid()}")
+    os.makedirs(folder, exist_ok=True)
+    try:
+        with open(f"{folder}/python", "w") as f:  # (a Python of the home folder's)
+            f.write(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        os.chmod(f"{folder}/python", 0o755)
+        python = f"~/{os.path.basename(folder)}/python"
+        out = run(fresh, f"%spmd start -n 2 --backend none --hosts {','.join(hosts.names)} "
+                         f"--python {python} {hosts.launcher_arg}")
+        assert out.error is None, out.stdout + out.stderr
+        assert "rank servers: node1 pid" in run(fresh, "%spmd status").stdout
+        assert run(fresh, "print('ran')").stdout == "[ranks 0-1] ran\n"
+        assert run(fresh, "%spmd stop").error is None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert nothing_left_on(hosts) == []
+
+
 def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
     """Each host runs one rank server (which imported the ranks' modules, and --preload's)
     and the ranks it forked there: no Python per rank."""
-    out = run(fresh, ssh_start(hosts, n=4, extra="--backend none --preload csv"))
+    out = run(fresh, ssh_start(hosts, n=4, extra="--backend none --preload colorsys"))
     assert out.error is None, out.stdout + out.stderr
     servers = magics(fresh).session._server.servers
     pids = {host: server.pid for host, server in servers.items()}
@@ -275,7 +303,7 @@ def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
         fresh,
         "import os, socket, sys\n"
         "print(socket.gethostname(), os.getppid(), open('/proc/self/comm').read().strip(),\n"
-        "      'csv' in sys.modules, os.getpgid(0) == os.getpid())",
+        "      'colorsys' in sys.modules, os.getpgid(0) == os.getpid())",
     )
     assert out.stdout.splitlines() == [
         f"[rank {r}] {host} {pids[host]} spmd-rank{r} True True"

@@ -23,6 +23,7 @@ from conftest import (
     spmd_processes,
     wait_until_gone,
 )
+from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
 
@@ -127,18 +128,37 @@ def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, del
     assert run(fresh, "%spmd start -n 2").error is None
     with interrupt_inside("the restart", count=1, delay=delay) as sent:
         out = run(fresh, "%spmd restart")
+    assert sent  # (inside the restart, held or not)
     if out.error is not None:  # it came while the ranks joined: the cluster was stopped
-        assert isinstance(out.error, KeyboardInterrupt), out.error
+        # one sentence: what was given up, what runs now, what to do; no traceback
+        assert isinstance(out.error, UsageError), out.error
+        assert str(out.error) == ("Interrupted: the restart was given up while the new ranks "
+                                  "joined, and no rank runs now; %spmd restart starts them "
+                                  "afresh."), out.error
+        assert not session(fresh).running
         assert run(fresh, "%spmd restart").error is None
     else:
         assert "forked by the rank server" in out.stdout, out.stdout
-        assert not sent or "Interrupt held until the restart finished" in out.stderr
+        assert "Interrupt held until the restart finished" in out.stderr
     s = session(fresh)
     assert s.running and not s.dead_ranks() and not s.out_of_step
     # every rank in the table is a live process, and no old rank is left over
     live = {p.pid for p in spmd_processes()}
     assert {r.pid for r in s.ranks} <= live
     psum_runs(fresh)
+
+
+def test_an_interrupt_during_a_start_gives_it_up_in_one_sentence(fresh):
+    """^C while the ranks start: the start is given up, nothing is left running, and the cell
+    says so in one sentence with the next step (before: a 40-line KeyboardInterrupt)."""
+    with interrupt_inside("the end of the start", count=1, delay=0.3) as sent:
+        out = run(fresh, "%spmd start -n 2")
+    assert sent
+    assert isinstance(out.error, UsageError), (out.error, out.stdout, out.stderr)
+    assert str(out.error) == ("Interrupted: the start was given up and nothing runs now; run "
+                              "%spmd start again to start the cluster.")
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not spmd_processes()
 
 
 def test_an_interrupt_during_a_fresh_restart_never_leaves_a_half_cluster(fresh):
@@ -148,8 +168,9 @@ def test_an_interrupt_during_a_fresh_restart_never_leaves_a_half_cluster(fresh):
         out = run(fresh, "%spmd restart")
     assert sent
     # the stop finished (held); the start after it is a start like any other
-    assert out.error is None or isinstance(out.error, KeyboardInterrupt), out.error
-    if out.error is not None:
+    if out.error is not None:  # (it reached the start's interruptible part: given up)
+        assert str(out.error) == ("Interrupted: the start was given up and nothing runs now; "
+                                  "run %spmd start again to start the cluster."), out.error
         assert not session(fresh).running
         assert run(fresh, "%spmd restart").error is None
     psum_runs(fresh)
@@ -180,8 +201,8 @@ def test_shutdown_request_while_a_cell_runs_stops_the_cluster_once(tmp_path):
         reply = kc.execute_interactive("import os; print(os.getpid())", timeout=120)
         assert reply["content"]["status"] == "ok"
         kernel_pid = km.provisioner.pid
-        ranks = spmd_processes(parent_pid=kernel_pid)
-        assert len(ranks) >= 2  # (the controller and the ranks' engines)
+        ranks = spmd_processes(parent_pid=kernel_pid)  # (and the controller, the server)
+        assert len([p for p in ranks if p.name().startswith("spmd-rank")]) >= 2, ranks
         kc.execute("import time; time.sleep(60)")
         time.sleep(2.0)  # the cell runs on the ranks; the main thread waits for it
         km.request_shutdown()

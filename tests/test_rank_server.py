@@ -119,11 +119,83 @@ def test_a_rank_server_killed_ends_its_ranks_and_the_notebook_says_so(fresh):
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
 
 
-def test_preload_imports_modules_once_for_every_rank(fresh):
-    out = run(fresh, "%spmd start -n 2 --backend none --preload xml.dom.minidom,csv")
+def test_a_rank_server_that_ends_during_a_restart_is_one_sentence(fresh, monkeypatch):
+    """The rank server ends once a restart is under way (after it said it was ready, before
+    its fork): the restart is given up in one sentence that says nothing runs
+    and what to do (before: ServerUnavailable's traceback), and the next restart starts
+    afresh."""
+    from spmd.cluster.launchers import servers
+
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
+    server = server_of(fresh)
+    fork = servers.RankServer.fork
+
+    def killed_first(self, *args, **kwargs):  # (it said it was ready; it ends now)
+        if server.is_running():
+            server.kill()
+            server.wait(10)
+        return fork(self, *args, **kwargs)
+
+    monkeypatch.setattr(servers.RankServer, "fork", killed_first)
+    out = run(fresh, "%spmd restart")
+    monkeypatch.undo()
+    assert isinstance(out.error, UsageError), (out.error, out.stdout, out.stderr)
+    assert "the restart was given up and no rank runs now; %spmd restart starts them " \
+           "afresh." in str(out.error), out.error
+    assert not session(fresh).running
+    assert run(fresh, "%spmd restart").error is None  # (afresh: a new server)
+    assert run(fresh, "print('ok')").stdout == "[ranks 0-1] ok\n"
+
+
+def test_a_restart_after_the_notebook_set_a_jax_variable_starts_afresh(fresh):
+    """jax reads JAX_* once, at import, and the rank server imported it at the start: after
+    the notebook sets JAX_ENABLE_X64, a restart starts the ranks afresh, with a new server,
+    and says why (before: forked ranks computed in float32, and nothing said why). With
+    nothing changed, the next restart forks again."""
+    assert run(fresh, "%spmd start -n 2").error is None
+    before = server_of(fresh).pid
+    try:
+        assert run(fresh, "%%local\n%env JAX_ENABLE_X64=1").error is None
+        out = run(fresh, "%spmd restart")
+        assert out.error is None, out.stderr
+        assert "The ranks start afresh, with a new rank server: JAX_ENABLE_X64 changed since " \
+               "the rank server imported jax, which reads it only then." in out.stdout, out.stdout
+        assert server_of(fresh).pid != before
+        out = run(fresh, "import jax.numpy as jnp\nprint(jnp.ones(1).dtype)")
+        assert out.stdout == "[ranks 0-1] float64\n", out.stdout + out.stderr
+        out = run(fresh, "%spmd restart")
+        assert "forked by the rank server" in out.stdout and "afresh" not in out.stdout
+    finally:
+        os.environ.pop("JAX_ENABLE_X64", None)
+
+
+def test_a_restart_starts_the_ranks_in_the_notebooks_folder_now(fresh, tmp_path):
+    """After the notebook changed its folder (%%local), the restarted ranks start there, as a
+    fresh start's would (before: in the folder the rank server started in)."""
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
+    here = os.getcwd()
+    try:
+        assert run(fresh, f"%%local\nimport os\nos.chdir({str(tmp_path)!r})").error is None
+        assert run(fresh, "%spmd restart").error is None
+        out = run(fresh, "import os\nprint(os.getcwd())")
+        assert out.stdout == f"[ranks 0-1] {tmp_path}\n", out.stdout + out.stderr
+    finally:
+        os.chdir(here)
+
+
+def test_preload_imports_modules_once_for_every_rank(fresh, tmp_path, monkeypatch):
+    """--preload: the rank server imports the module once, before it forks, and every rank
+    has it from there (the module says in which process it was imported: the ranks'
+    parent, the server)."""
+    (tmp_path / "spmd_preloaded.py").write_text("import os\nIMPORTED_IN = os.getpid()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = run(fresh, "%spmd start -n 2 --backend none --preload xml.dom.minidom,spmd_preloaded")
     assert out.error is None, out.stderr
-    out = run(fresh, "import sys\nprint('xml.dom.minidom' in sys.modules)")
-    assert out.stdout == "[ranks 0-1] True\n", out.stdout
+    out = run(fresh, "import os, sys, spmd_preloaded\n"
+                     "print('xml.dom.minidom' in sys.modules, "
+                     "spmd_preloaded.IMPORTED_IN == os.getppid() != os.getpid())")
+    assert out.stdout == "[ranks 0-1] True True\n", out.stdout
 
 
 def test_a_rank_server_whose_imports_start_a_thread_does_not_fork(fresh, tmp_path, monkeypatch):
@@ -226,3 +298,27 @@ def test_bad_start_options_are_refused_before_anything_starts(fresh, line, says)
     assert isinstance(out.error, UsageError), out.error
     assert says in str(out.error)
     assert not spmd_processes()
+
+
+def test_a_rank_server_removes_at_its_end_only_a_folder_it_did_not_find(tmp_path):
+    """A server asked to remove the cluster's folder on its host removes it at its end only if
+    the folder was not there when asked: one that was is another's (the notebook's own live
+    folder, where the host is this machine under a name the notebook did not know as its
+    own, or on storage the hosts share)."""
+    import sys
+
+    from spmd.cluster.launchers import servers
+
+    theirs, ours = tmp_path / "notebooks-own", tmp_path / "made-here"
+    theirs.mkdir()
+    server = servers.local_server(sys.executable, [], str(tmp_path / "server.log"))
+    try:
+        assert server.wait_ready(60)
+        server.remove_at_end(str(theirs))
+        server.remove_at_end(str(ours))
+        # (a round trip after them: the server read them, in order)
+        assert server.read(str(tmp_path / "server.log")) is not None
+        ours.mkdir()  # (the ranks' output made it)
+    finally:
+        assert server.close()
+    assert theirs.exists() and not ours.exists()

@@ -7,9 +7,12 @@ from __future__ import annotations
 import signal
 import time
 
+import psutil
+
 from spmd.cluster import interrupts
-from spmd.cluster.launchers import processes
-from spmd.cluster.startup import _loopback_ports
+from spmd.cluster.launchers import processes, servers
+from spmd.cluster.ranks import StartError
+from spmd.cluster.startup import _loopback_ports, import_time_env
 from spmd.engine import bootstrap as engine
 
 
@@ -26,6 +29,13 @@ class Restarts:
         with self._life, interrupts.held("the restart"):
             if self.cluster is None or self._stopping.is_set() or not self._server.usable:
                 return False  # (a server that ended: the restart starts a new one)
+            now = import_time_env()
+            changed = sorted(k for k in now.keys() | self._server_env.keys()
+                             if now.get(k) != self._server_env.get(k))
+            if changed:  # (a new server imports jax with them: the restart starts afresh)
+                self.afresh_because = (f"{', '.join(changed)} changed since the rank server "
+                                       "imported jax, which reads it only then")
+                return False
             try:
                 self._refork()
             except BaseException:
@@ -62,7 +72,14 @@ class Restarts:
                 engine.TORCH_INIT_ENV: self._torch_init(),  # (a file left from before: removed)
             },
         )
-        cluster._in_thread(cluster.replace_ranks, n, environment)
+        try:
+            cluster._in_thread(cluster.replace_ranks, n, environment)
+        except (OSError, servers.ServerUnavailable, servers.ServerSlow, psutil.Error) as exc:
+            raise StartError(
+                f"The rank server could not fork the new ranks ({exc}): the restart was given "
+                "up and no rank runs now; %spmd restart starts them afresh."
+            ) from None
+        self._note_fallback()  # (a server found gone before the fork: a Python each)
         self._cells.clear()
         self.ran.clear()  # (what the new ranks have not run, an export leaves out)
         with interrupts.interruptible():  # (a ^C here gives up the restart: the stop follows)

@@ -79,6 +79,11 @@ class Session(Startup, Restarts, Deaths, Cells):
     # restarts. None where there is none (mpi, slurm, --rank-server off, a fallback).
     _server: object | None = None
     fell_back: str = ""  # why the ranks started without the rank server ('' if they did not)
+    # What jax and XLA read once, at import, as the rank server had it when it imported them
+    # (startup.import_time_env); a restart whose notebook has other values starts afresh,
+    # and says why in ``afresh_because``.
+    _server_env: dict = field(default_factory=dict)
+    afresh_because: str = ""
     # Every engine id the cluster's ranks had, and its rank (ids change at a restart; a
     # thread of an old rank may still print): for outputs that come after their cell.
     _engine_rank: dict = field(default_factory=dict)

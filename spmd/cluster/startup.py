@@ -56,6 +56,12 @@ def _within(seconds: float, fn, *args) -> str:
     return found[0] if found else ""
 
 
+def import_time_env() -> dict[str, str]:
+    """The variables jax and XLA read once, at import (``JAX_ENABLE_X64``, ``XLA_FLAGS``...):
+    a rank forked by a server that imported jax before they changed computes as before."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))}
+
+
 def _init_failure(rank: int, exc: Exception) -> StartError:
     ename = getattr(exc, "ename", type(exc).__name__)
     evalue = getattr(exc, "evalue", str(exc))
@@ -168,7 +174,7 @@ class Startup:
             else:  # (it logs in and starts them while the controller starts)
                 self._server = servers.SSHRankServers(
                     [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
-                    placed.python or "python3", modules, log_dir,
+                    placed.python or sys.executable, modules, log_dir,
                     folder=ssh.host_folder(self._profile_dir),
                 )
                 self._server.start()
@@ -187,6 +193,7 @@ class Startup:
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
         self.cluster.rank_server = self._server
+        self._server_env = import_time_env()
         # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which
         # its ``_sync`` methods use inside a running loop): the launchers keep the loop they
         # started on, and a kernel starts its cluster from a background thread with no loop.

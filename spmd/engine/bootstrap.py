@@ -21,7 +21,16 @@ import time
 from typing import Any
 
 from spmd import internals
-from spmd.engine import commands, control, jit_cache, placement, prompts, results, torch_group
+from spmd.engine import (
+    commands,
+    control,
+    jit_cache,
+    placement,
+    prompts,
+    results,
+    started,
+    torch_group,
+)
 from spmd.engine.address import address_toward, coordinator_addresses, wait_listening
 from spmd.engine.orphans import end_children, watch_parent
 from spmd.engine.stacks import listen_for_where
@@ -262,6 +271,7 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     shell = get_ipython()
     commands.install(shell)
     results.install(shell)  # (a cell's value that spans processes, shown once)
+    started.install()  # (a cell that sets up jax again is told what the rank has)
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
     control.install(shell.kernel, main_thread)

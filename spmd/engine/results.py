@@ -19,6 +19,9 @@ from __future__ import annotations
 import base64
 import itertools
 import sys
+import threading
+
+from spmd.engine.shards import shown_token
 
 MIME = "application/vnd.spmd.global-array+json"  # (spmd.cluster.lockstep.outputs.GLOBAL_ARRAY_MIME)
 
@@ -31,6 +34,19 @@ def install(shell) -> None:
     """Show process-spanning jax.Arrays and torch DTensors once (their library imported now,
     or by a later cell)."""
     formatter = shell.display_formatter.mimebundle_formatter
+    # Only for a cell's result: a display() of one shows jax's placeholder (the notebook
+    # keeps the parts for a result only), so its corners would travel for nothing.
+    hook = shell.displayhook
+    compute = hook.compute_format_data
+
+    def for_the_result(result):
+        _showing.result = True
+        try:
+            return compute(result)
+        finally:
+            _showing.result = False
+
+    hook.compute_format_data = for_the_result
     jax = sys.modules.get("jax")
     if jax is not None:
         formatter.for_type(jax.Array, _bundle)
@@ -62,7 +78,13 @@ def _corner_ranges(n: int, edge: int, summarize: bool) -> list[tuple[int, int, i
 MAX_BYTES = 1 << 20
 
 
+# Whether the shell's displayhook is formatting a cell's result now (main thread: the cell's).
+_showing = threading.local()
+
+
 def _bundle(x, include=None, exclude=None) -> dict | None:
+    if not getattr(_showing, "result", False):
+        return None
     try:
         return _parts(x)
     except Exception:  # (an array of a kind this does not know: jax's own repr, not an error)
@@ -110,13 +132,14 @@ def _parts(x) -> dict | None:
         "sharding": repr(x.sharding),
         "layout": _layout_words(x.sharding),
         "processes": len({d.process_index for d in x.sharding.device_set}),
+        "holders": sorted({d.process_index for d in x.sharding.device_set}),
         "devices": len(x.sharding.device_set),
         "compact": compact,
         "summarized": summarize,
         "options": options,
         "pieces": pieces,
         "count": get_ipython().displayhook.prompt_count,  # (this rank's Out[count])
-        "token": id(x),  # (and that it is still this array there: see shards.fetch_shown)
+        "token": shown_token(x),  # (and that it is still this array: shards.fetch_shown)
     }}
 
 
@@ -125,6 +148,8 @@ _TORCH_OPTIONS = ("precision", "threshold", "edgeitems", "linewidth", "sci_mode"
 
 
 def _torch_bundle(x, include=None, exclude=None) -> dict | None:
+    if not getattr(_showing, "result", False):
+        return None
     try:
         return _torch_parts(x)
     except Exception:  # (a DTensor of a kind this does not know: torch's own repr)
@@ -184,5 +209,5 @@ def _torch_parts(x) -> dict | None:
         "options": options,
         "pieces": pieces,
         "count": get_ipython().displayhook.prompt_count,
-        "token": id(x),
+        "token": shown_token(x),
     }}

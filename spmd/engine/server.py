@@ -22,7 +22,8 @@ on stdin:
   a signal; not answered (its end is);
 - ``{"read": id, "path": path, "tail": n}``: the last ``n`` characters of a rank's output
   file, answered ``{"read": id, "text": "..."}`` (on another host: no login to fetch it);
-- ``{"remove": path}``: remove this folder (the cluster's files there) when the server ends;
+- ``{"remove": path}``: remove this folder (the cluster's files there) when the server ends,
+  if it is not there yet (one that is was made by another: the notebook, on this machine);
 - and for every child that ended, ``{"exited": pid, "code": code}`` (negative: the signal).
 
 Nothing of the user's runs here: no backend, device, socket or Python thread is started before
@@ -124,7 +125,11 @@ class Server:
         elif "read" in request:
             self.say(read=request["read"], text=_tail(request["path"], request["tail"]))
         elif "remove" in request:
-            self.remove.append(request["remove"])
+            # Only a folder the cluster will make here: one there already is another's (the
+            # notebook's own, where this host is the notebook's machine by a name the
+            # notebook did not know as its own, or on storage the hosts share).
+            if not os.path.exists(request["remove"]):
+                self.remove.append(request["remove"])
         elif "fork" in request:
             try:
                 pid = os.fork()

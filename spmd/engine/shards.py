@@ -153,6 +153,15 @@ def fetch(expr: str, max_bytes: int) -> list:
     return [{"kind": "array", "layout": info, "pieces": pieces}, *data]
 
 
+def shown_token(x) -> list[int]:
+    """Which object ``x`` is, across restarts: its id in this process. (A restarted rank is a
+    new process, forked from the same heap image as the one before: an id alone, with its
+    cell count from 1 again, could name another array.)"""
+    import os
+
+    return [os.getpid(), id(x)]
+
+
 def fetch_shown(label: str, shown: dict[int, tuple[int, int]], max_bytes: int) -> list:
     """``fetch`` of the value a cell showed (``label``, the notebook's ``Out[n]``), from this
     rank's own ``Out``: ``shown`` says under which number each rank keeps it, and which
@@ -161,7 +170,7 @@ def fetch_shown(label: str, shown: dict[int, tuple[int, int]], max_bytes: int) -
 
     out = get_ipython().user_ns.get("Out", {})
     count, token = shown.get(_rank(), (None, None))
-    if count not in out or id(out[count]) != token:
+    if count not in out or shown_token(out[count]) != list(token or ()):
         raise KeyError(f"{label} is no longer on this rank (it was restarted since)")
     return fetch(f"Out[{count}]", max_bytes)
 

@@ -121,6 +121,10 @@ class Lifecycle:
                 session.stop()
                 if isinstance(exc, StartError):
                     raise UsageError(str(exc)) from None
+                if isinstance(exc, KeyboardInterrupt):  # (one sentence, not its traceback)
+                    raise UsageError(
+                        "Interrupted: the start was given up and nothing runs now; run "
+                        "%spmd start again to start the cluster.") from None
                 raise
             session.progress = None
             # (session first: a shutdown on the control thread looks at starting, then session)
@@ -164,10 +168,17 @@ class Lifecycle:
                 forked = session.cluster is not None and session.restart()
             except StartError as exc:
                 raise UsageError(str(exc)) from None
+            except KeyboardInterrupt:  # (it came while the new ranks joined: all stopped)
+                raise UsageError(
+                    "Interrupted: the restart was given up while the new ranks joined, and "
+                    "no rank runs now; %spmd restart starts them afresh.") from None
             if forked:
                 self.auto.on = True
                 say(summary(session, restarted=True))
                 return
+            if session.afresh_because:
+                say(f"The ranks start afresh, with a new rank server: "
+                    f"{session.afresh_because}.")
             session.stop(keep_cache=True)
         self._start(session.settings, cache_dir=session._cache_dir, logs=session.logs)
 

@@ -276,6 +276,11 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             if hint:
                 write("stderr", hint + "\n")
         if not (errors or stall is not None):
+            held = values.held_by_one(run.cells)
+            if held is not None:  # (shown once, as the process that holds it prints it)
+                holder, out, part = held
+                write("stdout", values.about_held(holder, part) + "\n")
+                return RankResults.of([(sorted(run.cells), out)], n)
             spanning = values.payloads(run.cells)
             if spanning:
                 try:

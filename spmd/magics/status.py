@@ -13,10 +13,8 @@ def summary(session: Session, restarted: bool = False) -> str:
         if s.backend != "none"
         else ""
     )
-    how = ""
-    if restarted:
-        how = ", forked by the rank server"
-    fell_back = f"{session.fell_back}\n" if session.fell_back and not restarted else ""
+    how = ", forked by the rank server" if restarted and session._server is not None else ""
+    fell_back = f"{session.fell_back}\n" if session.fell_back else ""
     return (
         f"{fell_back}Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
         "Auto mode on: every cell now runs on all ranks."

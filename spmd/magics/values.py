@@ -35,6 +35,30 @@ def payloads(cells: dict[int, RankCell]) -> dict[int, dict]:
     return found if len(identity) == 1 else {}
 
 
+def held_by_one(cells: dict[int, RankCell]):
+    """(the rank, its result) where the cell's result is one jax.Array on that one rank's
+    devices only (a mesh of ``jax.devices()[:2]``): that rank prints it whole, as jax does,
+    and every other rank sent its part of it, which is nothing; else None."""
+    parts, plain = {}, {}
+    for rank, cell in cells.items():
+        for out in cell.outputs:
+            if out.kind == "result":
+                (parts if MIME in out.data else plain)[rank] = out
+    if len(plain) != 1 or len(parts) + 1 != len(cells):
+        return None
+    ((holder, out),) = plain.items()
+    first = [out.data[MIME] for out in parts.values()]
+    if any(p.get("holders") != [holder] or p["pieces"] or p.get("library") for p in first):
+        return None
+    return holder, out, first[0]
+
+
+def about_held(holder: int, part: dict) -> str:
+    """One line: the array lives on one process's devices only."""
+    return (f"(one array on the {part['devices']} devices of process {holder} only: "
+            f"{part.get('layout') or part['sharding']})")
+
+
 class Incomplete(ValueError):
     """The ranks' parts do not cover what the printed form shows (some ranks did not run the
     cell, or held nothing of it): the cell keeps jax's placeholders."""

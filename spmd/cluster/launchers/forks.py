@@ -29,9 +29,17 @@ class ForkedEngineLauncher(RankedEngineLauncher):
     def start(self) -> None:
         env = dict(os.environ, **self.get_env())
         key = f"{self.parent.engine_set_id}/{self.identifier}"
-        self.pid = self.server.fork(key, env, _engine_argv(self.args), self.output_file,
-                                    self.work_dir)
-        self.process = psutil.Process(self.pid)
+        # Its folder is the notebook's now, as a fresh start's is: the server's own is the
+        # notebook's at the cluster's start, and so is the engine app's default folder,
+        # which it changes to (ipyparallel read the folder when the server imported it).
+        folder = os.path.abspath(self.work_dir)
+        argv = [*_engine_argv(self.args), f"--IPEngine.work_dir={folder}"]
+        self.pid = self.server.fork(key, env, argv, self.output_file, folder)
+        try:
+            self.process = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:  # (it ended at once: the start or restart says so)
+            raise ServerUnavailable(f"rank {self.identifier} ended as soon as it was "
+                                    "forked") from None
         self.notify_start(self.pid)
         self._start_waiting()
 

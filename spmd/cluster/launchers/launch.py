@@ -171,7 +171,8 @@ def cluster_config(
         "--IPEngine.out_stream_factory=spmd.engine.streams.OutStream",
     ]
     python = where.python or sys.executable
-    engine_cmd = [python, "-m", "spmd.engine"]
+    engine_cmd = [*(ssh.python_there(python) if where.launcher != "local" else [python]),
+                  "-m", "spmd.engine"]
     # A rank that ignores SIGTERM (blocked in a collective) is killed after this long.
     c.LocalProcessLauncher.stop_seconds_until_kill = 1
     if where.launcher != "local":

@@ -13,6 +13,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 from ipyparallel.cluster.launcher import (
@@ -279,8 +280,9 @@ def configure(c: Config, where: Placement, engine_cmd: list[str], engine_args: l
         section.scp_args = list(SSH_ARGS)
         # The connection info travels in the engines' environment, over ssh; nothing is copied.
         c.SSHEngineLauncher.to_send = []
-        if where.python:
-            section.remote_python = where.python
+        # (the notebook's own path by default, as the engines' command: not ipyparallel's
+        # python3, which may be another Python there)
+        section.remote_python = where.python or sys.executable
     elif where.launcher == "mpi":
         section.mpi_args = _mpi_args(where.hosts)
     options = []

@@ -288,7 +288,7 @@ class SSHRankServers:
             self.masters.connect()
             # (its shell says its pid first, which the exec keeps: see RankServer.kill)
             remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
-                [self.python, "-m", "spmd.engine.server", *self.modules]
+                [*ssh.python_there(self.python), "-m", "spmd.engine.server", *self.modules]
             )
             for host in self.masters.hosts:
                 log = os.path.join(self.log_dir, f"rank-server-{host.replace('/', '_')}.log")

@@ -37,13 +37,14 @@ class _Sender(ShellCommandSend):
     it will hold the ranks' output), and the others wait for that.
 
     The Python's path goes into a remote shell's command line: it is quoted (a space in it
-    would split it, a ``;`` would run what follows).
+    would split it, a ``;`` would run what follows), a ``~/`` in front expanded there
+    (python_there).
     """
 
     profile_made: _Once | None = None
 
     def __init__(self, shell, args, python_path, **kwargs) -> None:
-        super().__init__(shell, args, shlex.quote(python_path), **kwargs)
+        super().__init__(shell, args, shlex.join(python_there(python_path)), **kwargs)
 
     def _check_output(self, cmd, **kwargs):
         kwargs.setdefault("stderr", subprocess.PIPE)
@@ -330,6 +331,15 @@ class Masters:
         if self.folder:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = ""
+
+
+def python_there(python: str) -> list[str]:
+    """The argv that runs ``python`` on another host, where the command line is quoted word
+    by word (ours, ipyparallel's): a ``~/...`` path becomes its home's there, through a shell
+    (quoted whole, the ``~`` would stay a ``~``)."""
+    if python.startswith("~/"):
+        return ["sh", "-c", f'exec "$HOME"/{shlex.quote(python[2:])} "$@"', "python"]
+    return [python]
 
 
 def is_this_machine(host: str) -> bool:
