@@ -309,6 +309,9 @@ def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
         f"[rank {r}] {host} {pids[host]} spmd-rank{r} True True"
         for r, host in enumerate(["node1", "node1", "node2", "node2"])
     ], out.stdout
+    # one string-hash secret for the whole cluster, on every host: a set's order is the same
+    out = run(fresh, "print(list({'alpha', 'beta', 'gamma', 'delta', 'epsilon'}))")
+    assert out.stdout.startswith("[ranks 0-3] ["), out.stdout
     pythons = [p for p in map(psutil.Process, hosts.pids()) if "python" in p.name().lower()
                or p.name().startswith("spmd-rank")]
     assert sorted(p.ppid() for p in pythons if p.pid not in pids.values()) == sorted(

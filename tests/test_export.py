@@ -346,8 +346,10 @@ def test_the_readmes_listings_are_what_the_export_writes():
     launch = readme.split("Run it with: bash quickstart.sh\n\n")[1].split("\n```\n")[0] + "\n"
     script = readme.split("`quickstart.py`:\n\n```python\n")[1].split("```\n")[0]
     written = launch.split("\n")[3].split('"')[1].rpartition(":")[0]  # (export PATH="...:$PATH")
+    seed = re.search(r"^export PYTHONHASHSEED=(\d+)$", launch, re.M).group(1)
     job = Job(Settings(n=4, backend="jax", cpu_devices=2), "local",
-              [Rank(r, r) for r in range(4)], "quickstart.py", master="127.0.0.1")
+              [Rank(r, r) for r in range(4)], "quickstart.py", master="127.0.0.1",
+              hash_seed=seed)
     cells = ["import jax\nprint(jax.device_count(), jax.local_device_count())",
              "print(jax.process_index())",
              "xs = jax.numpy.ones(jax.local_device_count())\n"
@@ -524,6 +526,8 @@ CASES = [
     f'%%spmd --ranks 0\ntext = """a\n  b"""\nprint("{TAG} ranks", repr(text))',
     # the notebook's own names: a script has none (left out, not a NameError in the job)
     f"print('{TAG} history', len(In) > 0)",
+    # a set's order: the same in every process of the job as on every rank (one secret)
+    f"print('{TAG} set', list({{'alpha', 'beta', 'gamma', 'delta', 'epsilon'}}))",
     f"print('{TAG} end', r)",
 ]
 

@@ -322,3 +322,20 @@ def test_a_rank_server_removes_at_its_end_only_a_folder_it_did_not_find(tmp_path
     finally:
         assert server.close()
     assert theirs.exists() and not ours.exists()
+
+
+@pytest.mark.timeout(300)
+def test_128_forked_ranks_of_no_backend_have_room_and_run_a_cell(fresh):
+    """The room check counts what a forked rank really holds (its PSS, per backend): 128
+    ranks of --backend none start on a machine with 12 GiB free (it counted 0.25 GiB a rank,
+    room for 88 on 22 GiB), and run a cell; a start past the room is still refused."""
+    if psutil.virtual_memory().available < 12 * 2**30:
+        pytest.skip("this machine has less than 12 GiB free")
+    out = run(fresh, "%spmd start -n 128 --backend none")
+    assert out.error is None, out.stderr
+    out = run(fresh, "print('ran')")
+    assert out.stdout == "[ranks 0-127] ran\n", out.stdout[-500:]
+    assert run(fresh, "%spmd stop").error is None
+    out = run(fresh, "%spmd start -n 100000 --backend none")
+    assert isinstance(out.error, UsageError)
+    assert "each needs about 64 MiB (none, forked by the rank server)" in str(out.error)

@@ -84,6 +84,9 @@ class Session(Startup, Restarts, Deaths, Cells):
     # and says why in ``afresh_because``.
     _server_env: dict = field(default_factory=dict)
     afresh_because: str = ""
+    # The ranks' one string-hash secret (PYTHONHASHSEED) where a rank server forks them ('':
+    # each rank has its own Python, and its own secret, as a job's processes do).
+    hash_seed: str = ""
     # Every engine id the cluster's ranks had, and its rank (ids change at a restart; a
     # thread of an old rank may still print): for outputs that come after their cell.
     _engine_rank: dict = field(default_factory=dict)

@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -97,7 +98,9 @@ class Startup:
             raise StartError(str(exc)) from None
         if self.settings.where.on_this_machine:
             try:
-                processes.check_room(self.settings.n)
+                asked = self.settings
+                forked = asked.rank_server and asked.where.launcher == "local"
+                processes.check_room(asked.n, asked.backend, forked)
             except processes.StartRefused as exc:
                 raise StartError(str(exc)) from None
         if self._cache_dir is None and "jax" in self.settings.backend:
@@ -165,17 +168,21 @@ class Startup:
             log_dir = os.path.join(self._profile_dir, "log")
             os.makedirs(log_dir, exist_ok=True)
             modules = server_modules(s.backend, list(s.preload))
+            # Every rank a server forks has the server's string-hash secret: one for the
+            # whole cluster, on every host (a set's order is the same on every rank), which
+            # the exported job gets too (PYTHONHASHSEED in its launch).
+            self.hash_seed = str(secrets.randbelow(2**32 - 1) + 1)
             if placed.launcher == "local":
                 self._server = servers.local_server(
                     placed.python or sys.executable, modules,
-                    os.path.join(log_dir, "rank-server.log"),
+                    os.path.join(log_dir, "rank-server.log"), self.hash_seed,
                 )
                 config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
             else:  # (it logs in and starts them while the controller starts)
                 self._server = servers.SSHRankServers(
                     [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
                     placed.python or sys.executable, modules, log_dir,
-                    folder=ssh.host_folder(self._profile_dir),
+                    folder=ssh.host_folder(self._profile_dir), hash_seed=self.hash_seed,
                 )
                 self._server.start()
                 config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher
@@ -227,6 +234,7 @@ class Startup:
             )
             self._server.close()
             self._server = self.cluster.rank_server = None
+            self.hash_seed = ""  # (each rank its own Python, its own secret)
 
     def _torch_init(self) -> str:
         """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's

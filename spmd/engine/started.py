@@ -12,6 +12,7 @@ thread; the wrappers run on the cell's thread, the main thread.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 
@@ -22,6 +23,7 @@ def install() -> None:
         return
     update, initialize = jax.config.update, jax.distributed.initialize
 
+    @functools.wraps(update)  # (its signature and help are jax's: a notebook reads them)
     def checked_update(name, value):
         if name != "jax_num_cpu_devices" or jax.devices()[0].platform != "cpu":
             return update(name, value)
@@ -32,6 +34,7 @@ def install() -> None:
             return None
         raise _usage(devices_asked(int(value), local, total, n))
 
+    @functools.wraps(initialize)
     def checked_initialize(*args, **kwargs):
         if not jax.distributed.is_initialized():
             return initialize(*args, **kwargs)

@@ -85,6 +85,7 @@ class Job:
     cells: int = 0
     master: str = ""  # rank 0's address as the others reached it ('': unknown)
     labels: bool = True  # each line of the job's output begins with its rank
+    hash_seed: str = ""  # the ranks' one string-hash secret ('': each rank had its own)
     # names the script has defined so far (a shell command's $name expands only for these)
     known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
                                                      "jax", "torch", "dist"})
@@ -105,7 +106,8 @@ class Job:
     def launch_file(self) -> Launch:
         """The file that launches the script (launch_file.py)."""
         return Launch(self.settings, self.launcher, os.path.abspath(self.path),
-                      self.launch_path, self.python, self.gpus, self.master, self.labels)
+                      self.launch_path, self.python, self.gpus, self.master, self.labels,
+                      self.hash_seed)
 
     @property
     def gpus(self) -> int | None:
@@ -386,7 +388,8 @@ def export(session, args: list[str]) -> str:
                          "on this machine: export with --launcher local, mpi, slurm or "
                          "torchrun, or start with --hosts.")
     job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all",
-              master=_address(session.coordinator), labels=not opts.raw_output)
+              master=_address(session.coordinator), labels=not opts.raw_output,
+              hash_seed=session.hash_seed)
     launch_file = job.launch_file()
     script, launch = job.script(list(session.ran)), launch_file.text()
     replaced = [p for p in (job.path, job.launch_path) if os.path.exists(p)]

@@ -31,6 +31,8 @@ class Launch:
     # each line the job prints begins with its rank ("[rank 1] "), as in the notebook, where
     # there is more than one (--raw-output: as the processes wrote them)
     labels: bool = True
+    # the ranks' one string-hash secret in the notebook ('': each rank had its own)
+    hash_seed: str = ""
 
     @property
     def backends(self) -> list[str]:
@@ -51,6 +53,10 @@ class Launch:
         # here; PATH is for the tools beside it: torchrun, and the cells' commands)
         path_line = [f'export PATH="{py_dir}:$PATH"  # the Python the ranks ran, with its '
                      "packages"] if py_dir else []
+        if self.hash_seed:  # (one for every process, as the rank server gave the ranks)
+            path_line += ["# The ranks' string-hash secret in the notebook: a set's order is "
+                          "the same in every process.",
+                          f"export PYTHONHASHSEED={self.hash_seed}"]
         python = shlex.quote(self.python)
         here = '"$(dirname "$0")"/' + shlex.quote(os.path.basename(script))
         store = ([f"rm -f {shlex.quote(script[:-3] + '.torch-store')}  # (torch's file store, "
@@ -143,7 +149,9 @@ class Launch:
         remote = ("cd $(printf %q \"$PWD\") || exit; exec 4<&0; "
                   "(cat <&4; kill \\$\\$ && sleep 3 && kill -9 \\$\\$) >/dev/null 2>&1 & "
                   f"RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} MASTER_ADDR=$MASTER_ADDR "
-                  "MASTER_PORT=$MASTER_PORT exec $(printf %q \"$python\") "
+                  "MASTER_PORT=$MASTER_PORT "
+                  + ("PYTHONHASHSEED=$PYTHONHASHSEED " if self.hash_seed else "")
+                  + "exec $(printf %q \"$python\") "
                   "$(printf %q \"$script\") </dev/null 4<&-")
         return _bash(
             [f"# {os.path.basename(script)} as {n} processes over ssh ({spread}), as %spmd start "

@@ -40,8 +40,10 @@ class RankServer:
     """One host's rank server, started by this notebook (``command`` runs it: here, or
     through ssh on another host)."""
 
-    def __init__(self, command: list[str], log_path: str, kill=None) -> None:
+    def __init__(self, command: list[str], log_path: str, kill=None,
+                 env: dict[str, str] | None = None) -> None:
         self.command = command
+        self.env = env or {}  # (besides the notebook's own, for a server on this machine)
         self.log_path = log_path
         # Over ssh: ends the server's process on its host by pid (for a server that does not
         # read its stdin yet: still importing, or a Python that hangs); None here.
@@ -72,7 +74,7 @@ class RankServer:
                 stderr=log,
                 # (its parent, for the ranks it forks: they watch it, and it watches us
                 # through its stdin)
-                env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
+                env=dict(os.environ, **self.env, **{PARENT_ENV: str(os.getpid())}),
                 start_new_session=True,  # (the notebook's ^C is not for it)
             )
         threading.Thread(target=self._read, name="spmd-rank-server", daemon=True).start()
@@ -240,9 +242,12 @@ def _last_line(path: str) -> str:
     return next((ln for ln in reversed(lines) if ln), "")
 
 
-def local_server(python: str, modules: list[str], log_path: str) -> RankServer:
-    """This machine's rank server, importing ``modules``, started."""
-    server = RankServer([python, "-m", "spmd.engine.server", *modules], log_path)
+def local_server(python: str, modules: list[str], log_path: str,
+                 hash_seed: str = "") -> RankServer:
+    """This machine's rank server, importing ``modules``, started; its ranks' string-hash
+    secret is ``hash_seed``'s (PYTHONHASHSEED; '' for a random one)."""
+    server = RankServer([python, "-m", "spmd.engine.server", *modules], log_path,
+                        env={"PYTHONHASHSEED": hash_seed} if hash_seed else None)
     server.start()
     return server
 
@@ -253,7 +258,8 @@ class SSHRankServers:
     the connections and servers stay until the stop)."""
 
     def __init__(self, hosts: list[str], ssh_cmd: list[str], ssh_args: list[str], python: str,
-                 modules: list[str], log_dir: str, folder: str) -> None:
+                 modules: list[str], log_dir: str, folder: str, hash_seed: str = "") -> None:
+        self.hash_seed = hash_seed  # (every host's ranks get the same string-hash secret)
         self.masters = ssh.Masters(ssh_cmd, ssh_args, hosts)
         self.folder = folder  # the cluster's folder on the hosts, removed as each server ends
         self.python, self.modules, self.log_dir = python, modules, log_dir
@@ -287,8 +293,10 @@ class SSHRankServers:
                 return
             self.masters.connect()
             # (its shell says its pid first, which the exec keeps: see RankServer.kill)
+            seed = ["env", f"PYTHONHASHSEED={self.hash_seed}"] if self.hash_seed else []
             remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
-                [*ssh.python_there(self.python), "-m", "spmd.engine.server", *self.modules]
+                [*seed, *ssh.python_there(self.python), "-m", "spmd.engine.server",
+                 *self.modules]
             )
             for host in self.masters.hosts:
                 log = os.path.join(self.log_dir, f"rank-server-{host.replace('/', '_')}.log")
