@@ -112,6 +112,14 @@ def test_a_cell_that_sets_up_jax_again_is_told_what_the_ranks_have(cluster):
                           "process, 1 of 2: carrying on.\n4\n"), out.stdout
 
 
+def test_a_value_from_one_rank_is_its_value(cluster):
+    """A cell that ran on one rank only (%%spmd --ranks 0) and ended in a value: that value,
+    under its rank (no other rank sent a part of it to put together)."""
+    out = run(cluster, "%%spmd --ranks 0\n6 * 7")
+    assert out.error is None, out.error
+    assert out.texts == ["42"], out.texts
+
+
 def test_identical_tracebacks_are_shown_once(cluster):
     out = run(cluster, "1 / 0")
     assert isinstance(out.error, RankErrors)

@@ -676,7 +676,7 @@ def test_a_failed_rank_ends_the_job_with_its_status(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpi"])
-@pytest.mark.parametrize(("fails", "status"), [("sys.exit(3)", 3), ("1 / 0", 1)])
+@pytest.mark.parametrize(("fails", "status"), [("sys.exit(3)", 3), ("exit(3)", 3), ("1 / 0", 1)])
 def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, launcher, tmp_path):
     """Rank 1 of a jax job exits with code 3 (or raises) while rank 0 waits for it in a
     collective: rank 1 leaves at once, not after jax's exit barrier (which waits for rank 0),
@@ -724,6 +724,17 @@ def test_the_ssh_launch_quotes_paths_with_quotes_dollars_and_backticks(tmp_path)
                        hosts=(("here", 2),), launcher_args=(("ssh_cmd", str(ssh)),))
     out = run_job(["bash", launch], cwd=str(where))
     assert tagged(out) == [f"{TAG} ran {r} {where / 'py3'}" for r in range(2)], out
+    # a Python under the home folder (--python ~/...): the home's there, and here
+    home = tmp_path / "home"
+    (home / "my env").mkdir(parents=True)
+    (home / "my env" / "py3").symlink_to(os.path.realpath(sys._base_executable))
+    for launcher, args in (("ssh", {"hosts": (("here", 2),),
+                                    "launcher_args": (("ssh_cmd", str(ssh)),)}),
+                           ("local", {})):
+        launch = write_job(str(where), [f"import sys\nprint('{TAG} ran', rank, sys.executable)"],
+                           backend="none", launcher=launcher, python="~/my env/py3", **args)
+        out = run_job(["bash", launch], cwd=str(where), env={"HOME": str(home)})
+        assert tagged(out) == [f"{TAG} ran {r} {home / 'my env' / 'py3'}" for r in range(2)], out
 
 
 def test_the_launch_runs_the_ranks_interpreter_by_its_path(tmp_path):

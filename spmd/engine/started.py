@@ -3,11 +3,12 @@
 JAX's tutorials begin with ``jax.config.update('jax_num_cpu_devices', 8)``, and its
 multi-process guide with ``jax.distributed.initialize(...)``. In a rank both ran at its start:
 the devices exist once jax's backend has started, and the job is joined. jax then raises a
-long RuntimeError, one per rank. Here the same calls say what the rank already has: where it
-matches what was asked, one line, and the cell carries on; where it does not, one sentence
-(AlreadyStarted, shown without a traceback) with the ``%spmd start`` that gives what was
-asked. ``install`` runs once the rank has joined (bootstrap.joined), on its main
-thread; the wrappers run on the cell's thread, the main thread.
+long RuntimeError, one per rank. Here the same calls say what the rank already has: a second
+initialize, or a device count that matches, gets one line and the cell carries on; a count
+that does not gets one sentence (AlreadyStarted, shown without a traceback) with the
+``%spmd start`` that gives what was asked. ``install`` runs once the rank has joined
+(bootstrap.joined), on its main thread; the wrappers run on the cell's thread, the main
+thread.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ def install() -> None:
     update, initialize = jax.config.update, jax.distributed.initialize
 
     @functools.wraps(update)  # (its signature and help are jax's: a notebook reads them)
-    def checked_update(name, value):
+    def checked_update(*args, **kwargs):
+        name = args[0] if args else kwargs.get("name")
+        value = args[1] if len(args) > 1 else kwargs.get("val")
         if name != "jax_num_cpu_devices" or jax.devices()[0].platform != "cpu":
-            return update(name, value)
+            return update(*args, **kwargs)
         local, total, n = jax.local_device_count(), jax.device_count(), jax.process_count()
         if int(value) in (local, total):
             print(f"jax_num_cpu_devices: each of the {n} processes already has its {local} "
@@ -38,6 +41,7 @@ def install() -> None:
     def checked_initialize(*args, **kwargs):
         if not jax.distributed.is_initialized():
             return initialize(*args, **kwargs)
+        # (whatever it was given: the job is joined, and cannot be joined again)
         print(f"jax.distributed is already initialized: %spmd start joined this process, "
               f"{jax.process_index()} of {jax.process_count()}: carrying on.")
         return None

@@ -83,6 +83,7 @@ class Job:
     left_out: list[str] = field(default_factory=list)  # 'In [4] (ZeroDivisionError on rank 1)'
     person: list[str] = field(default_factory=list)  # 'In [6] (input() waits ...)'
     cells: int = 0
+    pmi: bool = False  # the script says hello and goodbye to MPICH's mpiexec (script())
     master: str = ""  # rank 0's address as the others reached it ('': unknown)
     labels: bool = True  # each line of the job's output begins with its rank
     hash_seed: str = ""  # the ranks' one string-hash secret ('': each rank had its own)
@@ -119,6 +120,10 @@ class Job:
 
     def script(self, ran: list[Ran]) -> str:
         body = [self._cell(i, r) for i, r in enumerate(ran, 1)]
+        # (an MPI library in the processes is mpiexec's PMI client itself: no hello of ours)
+        self.pmi = self.launcher == "mpi" and not (
+            self.settings.torch_backend == "mpi" and "torch" in self.backends
+        ) and not any("mpi4py" in r.code for r in ran)
         start = self._startup()
         s = self.settings
         what = f"{s.n} ranks (" + ", ".join(
@@ -134,16 +139,16 @@ class Job:
                 about, f"Launch: {self.launch_file().command()}", '"""']
         imports = sorted(i for i in self.imports if i)
         end = []
-        if "jax" in self.backends:
-            end += ["atexit.unregister(leave_at_once)  # (done: the exit waits for every "
-                    "process, as jax's does)"]
         if "torch" in self.backends:
             # (a process that leaves while a peer's gloo threads still talk to it aborts that
             # peer: "terminate called without an active exception", seen in 4 of 6 runs)
             end += ["if dist.is_initialized():",
                     "    dist.barrier()  # (every process done before any leaves)",
                     "    dist.destroy_process_group()"]
-        if self.launcher == "mpi":
+        if "jax" in self.backends:  # (last: a failure in the lines above still leaves at once)
+            end += ["atexit.unregister(leave_at_once)  # (done: the exit waits for every "
+                    "process, as jax's does)"]
+        if self.pmi:
             end += ["if pmi >= 0:  # (a goodbye to mpiexec)",
                     '    os.write(pmi, b"cmd=finalize\\n"), os.read(pmi, 1024)']
         end = ["", "# -- End " + "-" * 72, *end] if end else []
@@ -166,7 +171,7 @@ class Job:
     def _startup(self) -> list[str]:
         s, lines = self.settings, ["# -- Start-up: what %spmd start did in every rank " + "-" * 30]
         lines += self._which()
-        if self.launcher == "mpi":
+        if self.pmi:
             lines += [
                 "# MPICH's mpiexec ends the job at once when a process that said hello to it",
                 "# leaves without a goodbye (its PMI); a failed process that did not would leave",
@@ -207,7 +212,7 @@ class Job:
                           "folder of their own):",
                           '# jax.config.update("jax_compilation_cache_dir", "/shared/jax-cache")']
             lines += self._jax_initialize(both) + _FAIL_FAST
-            self.imports |= {"atexit", "sys"}
+            self.imports |= {"atexit", "builtins", "sys"}
         if "torch" in self.backends:
             lines += ["", "import torch", "import torch.distributed as dist", ""]
             lines += self._torch_init()
@@ -328,9 +333,12 @@ _FAIL_FAST = [
     "    exit_status = code if isinstance(code, int) else int(code is not None)",
     "    exit(code)",
     "def leave_at_once():",
-    "    sys.stdout.flush(), sys.stderr.flush()",
-    "    os._exit(exit_status)",
+    "    try:",
+    "        sys.stdout.flush(), sys.stderr.flush()",
+    "    finally:",
+    "        os._exit(exit_status)",
     "sys.excepthook, sys.exit = on_error, on_exit",
+    "builtins.exit = builtins.quit = on_exit  # (exit() and quit() too)",
     "atexit.register(leave_at_once)",
 ]
 

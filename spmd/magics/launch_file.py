@@ -48,7 +48,9 @@ class Launch:
     def text(self) -> str:
         s, n = self.settings, self.settings.n
         script = self.script
-        py_dir = os.path.dirname(self.python) if os.path.isabs(self.python) else ""
+        py_dir = os.path.dirname(self.python)
+        py_dir = (py_dir if os.path.isabs(py_dir) else
+                  "$HOME" + py_dir[1:] if py_dir.startswith("~/") else "")
         # (the processes run the ranks' own interpreter by its path, whatever `python` is
         # here; PATH is for the tools beside it: torchrun, and the cells' commands)
         path_line = [f'export PATH="{py_dir}:$PATH"  # the Python the ranks ran, with its '
@@ -57,7 +59,7 @@ class Launch:
             path_line += ["# The ranks' string-hash secret in the notebook: a set's order is "
                           "the same in every process.",
                           f"export PYTHONHASHSEED={self.hash_seed}"]
-        python = shlex.quote(self.python)
+        python = _shell_path(self.python)
         here = '"$(dirname "$0")"/' + shlex.quote(os.path.basename(script))
         store = ([f"rm -f {shlex.quote(script[:-3] + '.torch-store')}  # (torch's file store, "
                   "fresh for each run)"]
@@ -75,7 +77,10 @@ class Launch:
                 [f"# {os.path.basename(script)} as {n} MPI processes, with MPICH's mpiexec.",
                  f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
                  f"-x MASTER_PORT={DEFAULT_PORT} {python} {os.path.basename(script)})"]
-                + path_line + store + [*_MPI_STOP, " ".join(line) + " &", "job=$!",
+                + path_line + store
+                + (["export PYTHONUNBUFFERED=1  # (each line as it comes, after its rank)"]
+                   if self._labels else [])
+                + [*_MPI_STOP, " ".join(line) + " &", "job=$!",
                                        *_MPI_WAIT])
         if self.launcher == "torchrun":
             hosts = s.where.hosts
@@ -107,7 +112,7 @@ class Launch:
                "  [ -z \"$status\" ] || break  # (^C while they start)",
                f"  RANK=$rank LOCAL_RANK=$rank {python} {here}{self._labelled()} &",
                "  running+=($!)",
-               "done", *_WAIT])
+               "done", *_STARTED, *_WAIT])
 
     @property
     def _labels(self) -> bool:
@@ -125,8 +130,12 @@ class Launch:
         return ' > >(label "$rank") 2> >(label "$rank" >&2)' if self._labels else ""
 
     def _master(self) -> str:
-        hosts = self.settings.where.hosts
-        return self.master or (hosts[0][0].rpartition("@")[2] if hosts else "127.0.0.1")
+        where = self.settings.where
+        # (the notebook's rank 0 address where the job runs on its hosts: an ssh cluster's,
+        # or an mpi one's from a host file; not a Slurm allocation's, which is gone)
+        if self.master and (where.hosts or where.launcher == self.launcher == "mpi"):
+            return self.master
+        return where.hosts[0][0].rpartition("@")[2] if where.hosts else "127.0.0.1"
 
     def _mpi_hosts(self) -> list[str]:
         hosts = self.settings.where.hosts
@@ -140,6 +149,7 @@ class Launch:
         ssh = shlex.join([*(shlex.split(user_args.get("ssh_cmd", "")) or ["ssh"]),
                           *shlex.split(user_args.get("ssh_args", "")), "-o", "BatchMode=yes"])
         spread = " ".join(f"{h}:{c}" for h, c in w.hosts)
+        home = self.python.startswith("~/")
         # There, the process runs beside a watcher of the ssh connection's input: without a
         # terminal, a process whose ssh ended (^C here, or a failed rank) would run on; its
         # input ends with the connection, and the watcher ends it (SIGKILL after 3 s: jax's
@@ -151,14 +161,17 @@ class Launch:
                   f"RANK=$rank LOCAL_RANK=$local_rank WORLD_SIZE={n} MASTER_ADDR=$MASTER_ADDR "
                   "MASTER_PORT=$MASTER_PORT "
                   + ("PYTHONHASHSEED=$PYTHONHASHSEED " if self.hash_seed else "")
-                  + "exec $(printf %q \"$python\") "
-                  "$(printf %q \"$script\") </dev/null 4<&-")
+                  + ("PYTHONUNBUFFERED=1 " if self._labels else "")
+                  + ("exec \\\"\\$HOME\\\"/$(printf %q \"$python\") " if home else
+                     "exec $(printf %q \"$python\") ")
+                  + "$(printf %q \"$script\") </dev/null 4<&-")
         return _bash(
             [f"# {os.path.basename(script)} as {n} processes over ssh ({spread}), as %spmd start "
              "placed them.",
              "# Every host needs the script and the Python at the same paths (shared storage)."]
             + before
-            + [f"python={shlex.quote(self.python)}",
+            + [f"python={shlex.quote(self.python[2:] if home else self.python)}"
+               + ("  # (under the home folder there)" if home else ""),
                f"script={shlex.quote(script)}",
                f"export MASTER_ADDR={self._master()} MASTER_PORT={port}",
                "# (each ssh reads a pipe nobody writes, which ends only with the ssh: a",
@@ -174,7 +187,7 @@ class Launch:
                "    running+=($!)",
                "    rank=$((rank + 1))",
                "  done",
-               "done", *_WAIT])
+               "done", *_STARTED, *_WAIT])
 
     def _sbatch(self, before: list[str], script: str, python: str) -> str:
         s = self.settings
@@ -218,6 +231,11 @@ _STOP = [
     "trap 'status=${status:-130}; stop' INT",
     "trap 'status=${status:-143}; stop' TERM",
 ]
+# A ^C that came while they started: stopped again, with every process that started (the
+# first stop's SIGKILL knows only those started before it).
+_STARTED = [
+    "[ -z \"$status\" ] || { [ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null; killer=; stop; }",
+]
 # Wait for every process; when one fails, end the others (they would wait for it forever in
 # their next collective) and exit with its status.
 _WAIT = [
@@ -238,9 +256,10 @@ _WAIT = [
 # mpiexec ends the job when one process fails (the script says hello to it, so it knows);
 # at ^C it sends SIGINT to every process, and a second SIGINT makes it kill them all.
 _MPI_STOP = [
-    "# At ^C, mpiexec sends every process SIGINT; 3 s later, a second SIGINT makes it kill",
-    "# them (a process waiting in a collective sees no SIGINT); a second ^C kills at once.",
-    "# When one process fails, mpiexec ends the others; the job's status is that process's.",
+    "# At ^C or SIGTERM, mpiexec is sent SIGINT, which it forwards to every process, and a",
+    "# second SIGINT 3 s later makes it kill them (a process waiting in a collective sees no",
+    "# SIGINT); at a terminal's ^C it sees one itself too, and kills them at once. When one",
+    "# process fails, mpiexec ends the others; the job's status is that process's.",
     "status= killer= job=",
     "stop() {",
     "  [ -n \"$job\" ] || return  # (mpiexec has yet to start: it is stopped when it has)",
@@ -259,6 +278,13 @@ _MPI_WAIT = [
     "[ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null",
     "exit \"${status:-$code}\"",
 ]
+
+
+def _shell_path(path: str) -> str:
+    """``path`` for a shell line: quoted, a ``~/`` in front as the home folder."""
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
 
 
 def _bash(lines: list[str]) -> str:

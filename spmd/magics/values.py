@@ -44,8 +44,8 @@ def held_by_one(cells: dict[int, RankCell]):
         for out in cell.outputs:
             if out.kind == "result":
                 (parts if MIME in out.data else plain)[rank] = out
-    if len(plain) != 1 or len(parts) + 1 != len(cells):
-        return None
+    if not parts or len(plain) != 1 or len(parts) + 1 != len(cells):
+        return None  # (one rank, or --ranks 0: its own value, as it is)
     ((holder, out),) = plain.items()
     first = [out.data[MIME] for out in parts.values()]
     if any(p.get("holders") != [holder] or p["pieces"] or p.get("library") for p in first):
