@@ -79,7 +79,10 @@ class Restarts:
                 f"The rank server could not fork the new ranks ({exc}): the restart was given "
                 "up and no rank runs now; %spmd restart starts them afresh."
             ) from None
-        self._note_fallback()  # (a server found gone before the fork: a Python each)
+        if not isinstance(self._server, servers.SSHRankServers):
+            # (a server found gone before the fork: a Python each. Over ssh the fallback's
+            # engines run through the servers' master connections, which stay until the stop)
+            self._note_fallback()
         self._cells.clear()
         self.ran.clear()  # (what the new ranks have not run, an export leaves out)
         with interrupts.interruptible():  # (a ^C here gives up the restart: the stop follows)

@@ -174,11 +174,15 @@ class Session(Startup, Restarts, Deaths, Cells):
                 (ln.remote_profile_dir for ln in far if getattr(ln, "remote_profile_dir", "")),
                 self._profile_dir,
             )
+            controller = getattr(cluster.controller, "process", None)  # (a psutil handle)
             try:
                 # Engines exit on SIGTERM at once (engine.initialize installs that); one that
                 # is stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
                 cluster._in_thread(cluster.stop_cluster)
             finally:  # (whatever ipyparallel's stop raised, the rest ends all the same)
+                # ipyparallel stops the controller beside the engines: where the engines'
+                # stop raised first, the controller's may not have finished
+                processes.end_within([controller] if controller is not None else [], 2.0)
                 processes.end(started_in_ranks)
                 where = self.settings.where
                 # The rank servers kill any rank still there as they end; over ssh, each

@@ -58,6 +58,12 @@ def started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
     return found
 
 
+def end_within(processes: list[psutil.Process], seconds: float) -> None:
+    """Kill those of these processes that have not ended ``seconds`` from now (by handle)."""
+    _, alive = psutil.wait_procs(processes, timeout=seconds)
+    end(alive)
+
+
 def end(processes: list[psutil.Process]) -> None:
     """Kill these processes, by handle (psutil checks it is still the same process)."""
     for process in processes:
