@@ -78,8 +78,8 @@ class Launch:
                  f"# (Open MPI: mpirun -n {n} -x MASTER_ADDR={self._master()} "
                  f"-x MASTER_PORT={DEFAULT_PORT} {python} {os.path.basename(script)})"]
                 + path_line + store
-                + (["export PYTHONUNBUFFERED=1  # (each line as it comes, after its rank)"]
-                   if self._labels else [])
+                # (not PYTHONUNBUFFERED: mpiexec puts the rank before each piece it reads, and
+                # unbuffered, print's text and its newline come as two pieces)
                 + [*_MPI_STOP, " ".join(line) + " &", "job=$!",
                                        *_MPI_WAIT])
         if self.launcher == "torchrun":
