@@ -125,6 +125,17 @@ def show(kc, rank: int, timeout: float = 30) -> dict:
         time.sleep(0.1)
 
 
+def paused(kc, count: int, timeout: float = 30) -> list[int]:
+    """The stopped threads, once ``count`` ranks are paused."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stopped = debug(kc, "debugInfo")["body"]["stoppedThreads"]
+        if len(stopped) >= count:
+            return stopped
+        assert time.monotonic() < deadline, stopped
+        time.sleep(0.1)
+
+
 def rank_of(kc, thread_id: int) -> int:
     threads = debug(kc, "threads")["body"]["threads"]
     name = next(t["name"] for t in threads if t["id"] == thread_id)
@@ -156,7 +167,9 @@ def test_breakpoints_stop_every_rank_and_show_each_ranks_values():
         mains = {int(n.split(":")[0][5:]): t["id"] for n, t in zip(names, threads)
                  if n.endswith("MainThread")}
         assert show(kc, 1)["body"]["threadId"] == mains[1]
-        # y is not assigned yet at line 4: step over it on every paused rank
+        # y is not assigned yet at line 4: step over it on every rank, once both are paused
+        # (a rank that reaches the breakpoint after the step stops there, and is shown then)
+        paused(kc, 2)
         assert debug(kc, "next", {"threadId": mains[1]})["success"]
         again = event(kc, "stopped")
         assert again["body"]["reason"] == "step"
@@ -199,7 +212,7 @@ def test_no_cluster_no_debugger_one_sentence():
 def test_interrupt_while_ranks_are_paused_ends_the_pause_and_the_cell():
     with debugged_kernel() as (km, kc):
         _, msg_id, _ = stop_at(kc, CELL + "\nimport time; time.sleep(60)", 4)
-        time.sleep(1)
+        paused(kc, 2)
         km.interrupt_kernel()
         reply, text = reply_to(kc, msg_id, timeout=60)
         # JupyterLab is told, without asking, that the paused ranks went on

@@ -17,6 +17,9 @@ from spmd.cluster.ranks import OutOfStep
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5
 
+# How long ranks let go from JupyterLab's debugger by an interrupt are sent it again.
+RESUMED_SECONDS = 10.0
+
 # Why a cell's wait ended when the kernel is shutting down (see Session.shutdown).
 STOPPED = "stopped"
 
@@ -196,10 +199,14 @@ class Cells:
             control.resume_debugged(self.client, [self.ranks[r].engine_id for r in paused])
         self.signal(signal.SIGINT, busy)
         run.wait(until=time.monotonic() + grace, poll=0.02)
+        # A SIGINT that lands while debugpy is still letting a paused rank go is swallowed
+        # by it, and on a busy machine that takes a while: again, until it reaches the cell.
+        until = time.monotonic() + RESUMED_SECONDS
         again = [r for r in run.busy_ranks if r in paused]
-        if again:  # (one that lands while debugpy lets the rank go is swallowed by it)
+        while again and time.monotonic() < until:
             self.signal(signal.SIGINT, again)
             run.wait(until=time.monotonic() + grace, poll=0.02)
+            again = [r for r in run.busy_ranks if r in paused]
         left = [r for r in run.busy_ranks if r in busy]
         self.gen.unfinished = run if left else None
         return left

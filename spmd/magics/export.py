@@ -145,9 +145,10 @@ class Job:
             end += ["if dist.is_initialized():",
                     "    dist.barrier()  # (every process done before any leaves)",
                     "    dist.destroy_process_group()"]
-        if "jax" in self.backends:  # (last: a failure in the lines above still leaves at once)
+        if "jax" in self.backends or self.pmi:  # (last: a failure above still leaves at once)
             end += ["atexit.unregister(leave_at_once)  # (done: the exit waits for every "
-                    "process, as jax's does)"]
+                    "process, as jax's does)" if "jax" in self.backends else
+                    "atexit.unregister(leave_at_once)  # (done: a goodbye to mpiexec below)"]
         if self.pmi:
             end += ["if pmi >= 0:  # (a goodbye to mpiexec)",
                     '    os.write(pmi, b"cmd=finalize\\n"), os.read(pmi, 1024)']
@@ -211,7 +212,9 @@ class Job:
                 lines += ["# To keep compiled cells across runs (the notebook's ranks used a "
                           "folder of their own):",
                           '# jax.config.update("jax_compilation_cache_dir", "/shared/jax-cache")']
-            lines += self._jax_initialize(both) + _FAIL_FAST
+            lines += self._jax_initialize(both)
+        if "jax" in self.backends or self.pmi:  # (after jax's: its atexit runs first)
+            lines += _fail_fast("jax" in self.backends, self.pmi)
             self.imports |= {"atexit", "builtins", "sys"}
         if "torch" in self.backends:
             lines += ["", "import torch", "import torch.distributed as dist", ""]
@@ -317,30 +320,39 @@ class Job:
 # A process that fails leaves at once, with its status, so that the launch ends the others.
 # jax's own exit waits (5 minutes) at a barrier for every process, and the failed process's
 # peers never come: they wait for it in their next collective. (atexit runs the last handler
-# first: this one, before jax's.)
-_FAIL_FAST = [
-    "",
-    "# A process that fails (an error, or sys.exit before the end) leaves at once, with its",
-    "# status, and the launch ends the others: jax's own exit would wait for them at a",
-    "# barrier, and they wait for this one in their next collective. (Undone at the end.)",
-    "exit_status = 1",
-    "def on_error(kind, value, trace, show=sys.excepthook):",
-    "    global exit_status",
-    "    exit_status = 130 if issubclass(kind, KeyboardInterrupt) else 1  # (as Python's own)",
-    "    show(kind, value, trace)",
-    "def on_exit(code=0, exit=sys.exit):",
-    "    global exit_status",
-    "    exit_status = code if isinstance(code, int) else int(code is not None)",
-    "    exit(code)",
-    "def leave_at_once():",
-    "    try:",
-    "        sys.stdout.flush(), sys.stderr.flush()",
-    "    finally:",
-    "        os._exit(exit_status)",
-    "sys.excepthook, sys.exit = on_error, on_exit",
-    "builtins.exit = builtins.quit = on_exit  # (exit() and quit() too)",
-    "atexit.register(leave_at_once)",
-]
+# first: this one, before jax's.) Under MPICH's mpiexec the process says its status (PMI's
+# abort): mpiexec then exits with it, where otherwise it may give the signal it killed a
+# peer with (9), seen in 1 run of 3.
+def _fail_fast(jax: bool, pmi: bool) -> list[str]:
+    why = (["# status, and the launch ends the others: jax's own exit would wait for them at a",
+            "# barrier, and they wait for this one in their next collective. (Undone at the end.)"]
+           if jax else ["# status, and mpiexec ends the others. (Undone at the end.)"])
+    leave = ["    finally:", "        os._exit(exit_status)"]
+    if pmi:
+        leave = ["        if pmi >= 0 and exit_status:  # (mpiexec's status is then this one's)",
+                 '            os.write(pmi, b"cmd=abort exitcode=%d\\n" % exit_status)',
+                 *leave]
+    return [
+        "",
+        "# A process that fails (an error, or sys.exit before the end) leaves at once, with its",
+        *why,
+        "exit_status = 1",
+        "def on_error(kind, value, trace, show=sys.excepthook):",
+        "    global exit_status",
+        "    exit_status = 130 if issubclass(kind, KeyboardInterrupt) else 1  # (as Python's own)",
+        "    show(kind, value, trace)",
+        "def on_exit(code=0, exit=sys.exit):",
+        "    global exit_status",
+        "    exit_status = code if isinstance(code, int) else int(code is not None)",
+        "    exit(code)",
+        "def leave_at_once():",
+        "    try:",
+        "        sys.stdout.flush(), sys.stderr.flush()",
+        *leave,
+        "sys.excepthook, sys.exit = on_error, on_exit",
+        "builtins.exit = builtins.quit = on_exit  # (exit() and quit() too)",
+        "atexit.register(leave_at_once)",
+    ]
 
 
 def _inside_strings(code: str) -> set[int]:
