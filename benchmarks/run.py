@@ -28,7 +28,7 @@ from ipyparallel import Cluster
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from benchmarks import debugger
+from benchmarks import census, debugger
 from benchmarks.flood import flood
 from benchmarks.floor import EchoServers, bare_processes, bare_torch_processes
 from benchmarks.kernel import KernelBench
@@ -448,6 +448,8 @@ TARGETS = [
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
     ("debugger_cell_n4/attached", "debugger_cell_n4/detached", 1.2, "≤ 1.2 × detached"),
     ("debugger_cell_n4/attached", "debugger_cell_n4/never_attached", None, ""),
+    ("census_jit_1000/on", "census_jit_1000/off", 1.03, "≤ 1.03 × without the census"),
+    ("census_torch_all_reduce_1000/on", "census_torch_all_reduce_1000/off", None, ""),
     ("value_cell/global_8x4", "value_cell/none", None, ""),
     ("value_cell/global_8192sq", "value_cell/none", None, ""),
     ("value_cell/dtensor_8x4", "value_cell/dtensor_none", None, ""),
@@ -557,6 +559,8 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
     for name, xs in debugger.measure(cells=cells, stops=5 if quick else 10).items():
         for x in xs:
             bench.record(name, x)
+    print("the census, 2 ranks", file=sys.stderr, flush=True)
+    census.measure(bench, blocks=4 if quick else 10)
     print("a global array as a cell's value", file=sys.stderr, flush=True)
     bench.value_cells(cells=20 if quick else 50)
     if _has_torch():

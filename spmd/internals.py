@@ -55,6 +55,8 @@ INTERNALS = [
              "(client.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._io_loop", "notebook",
              "the IO thread that owns the client's engine tables (client.py)"),
+    Internal("ipyparallel", "ipyparallel", "Client._extract_metadata", "notebook",
+             "a cell's census digest in its reply's metadata (client.py)"),
     Internal("ipyparallel", "ipyparallel.client.client", "unpack_message", "notebook",
              "the decorator of Client._dispatch_iopub (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Cluster._in_thread", "notebook",
@@ -107,7 +109,12 @@ INTERNALS = [
     # ipykernel, in the SPMD kernel
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",
              "the ranks' debug events, shown to JupyterLab (kernel/debugger.py)"),
+    Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
+             "rank", "a cell's census digest in its reply's metadata (engine/census.py)"),
     # jax, on every rank
+    Internal("jax", "jax._src.array", "ArrayImpl", "rank",
+             "which jitted calls span processes, for the census (engine/census.py)",
+             required=False),
     Internal("jax", "jax._src.compiler", "_cache_write", "rank",
              "every rank writes its own compilation-cache entries (engine/jit_cache.py)",
              required=False),

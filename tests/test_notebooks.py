@@ -80,6 +80,16 @@ def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run(monkey
         "reached: ranks 2-3 finished the cell without it" in last_batch
     )
     assert "[ranks 2-3] steps 2 total 8.0\n" in last_batch
+    # the census says why: the shapes each rank gave, the launches each made
+    assert ("The ranks' 1st cross-process program, pmap(<lambda>), had different shapes: rank "
+            "0 float64[2,4]; rank 1 float64[2,5]; rank 2 float64[2,6]; rank 3 float64[2,7]."
+            in shapes), shapes
+    assert "Hint: Pad every process's input to a size agreed by every process" in shapes
+    assert ("The ranks launched different numbers of cross-process programs: ranks 0-1 "
+            "launched 3, ranks 2-3 launched 2. Ranks 2-3 had no 3rd; ranks 0-1 are at their "
+            "3rd, pmap(<lambda>) float32[2]." in last_batch), last_batch
+    assert "The ranks launched different numbers of cross-process programs: " in order
+    assert "iterate in an order every process agrees on (sorted" in order
     positions = re.findall(r"(\d+) stages before save", order)
     # each process salts string hashes its own way: with 32 stages, four processes agree on
     # where 'save' is about once in 30,000 runs

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from spmd.cluster import interrupts
-from spmd.cluster.lockstep import control, where
+from spmd.cluster.lockstep import census, control, where
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
@@ -155,6 +155,10 @@ class Cells:
         # Where the busy ranks are, before an interrupt moves them.
         stall.stacks = self.stacks(busy)
         stall.in_debugger = run.debugger_paused()
+        # Why, before an interrupt or a death's end takes the ranks' records with them.
+        stall.census = census.report_lines(census.fetch(self.client, {
+            r: eid for r, eid in run.engine_ids.items()
+            if r not in {d.rank for d in deaths}}))
         if reason == DIED:
             self._end_after_death(stall.deaths)
             return stall

@@ -22,6 +22,7 @@ from typing import Any
 
 from spmd import internals
 from spmd.engine import (
+    census,
     commands,
     control,
     jit_cache,
@@ -272,6 +273,11 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     commands.install(shell)
     results.install(shell)  # (a cell's value that spans processes, shown once)
     started.install()  # (a cell that sets up jax again is told what the rank has)
+    census.install(shell.kernel, shell)  # (each cell's cross-process launches, recorded)
+    if "jax" in _join.backends:
+        census.install_jax()
+    if "torch" in _join.backends:
+        census.install_torch()
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
     control.install(shell.kernel, main_thread)

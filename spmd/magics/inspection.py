@@ -1,5 +1,5 @@
 """Looking at the ranks from the notebook: ``%spmd status``, ``panel``, ``where``, ``log``,
-``debug`` and ``interrupt``."""
+``debug``, ``census`` and ``interrupt``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from IPython.core.error import UsageError
 from IPython.display import display
 
+from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.lockstep.watchdog import stack_section
 from spmd.magics.arguments import _cell_parser, _log_parser
@@ -36,6 +37,33 @@ class Inspection:
             )
         else:
             say(f"Interrupted {rank_words(sent)}; every rank is idle now.")
+
+    def _cmd_census(self, args: list[str]) -> None:
+        session = self._require_session()
+        if len(args) > 1 or (args and not args[0].isdigit()):
+            raise UsageError("%spmd census takes at most one cell number: %spmd census 12 "
+                             "lists the launches of In [12] (none: the last cell's).")
+        kept = self.census_cells
+        if not kept:
+            say("No cell has run on the ranks yet: there is no launch to list.")
+            return
+        number = int(args[0]) if args else max(kept)
+        if number not in kept:
+            raise UsageError(f"%spmd census {number}: In [{number}] is not one of the cells "
+                             f"whose launches the ranks keep (the last {len(kept)} that ran "
+                             f"on them, In [{min(kept)}] to In [{max(kept)}]).")
+        engine_ids = {r.rank: r.engine_id for r in session.ranks}
+        records = census.fetch(session.client, engine_ids, kept[number], timeout=5.0)
+        if not records:
+            say(f"The ranks no longer keep In [{number}]'s launches (a restart since).")
+            return
+        if not any(rec["count"] for rec in records.values()):
+            say(f"In [{number}] launched no cross-process program on any rank.")
+            return
+        lines = census.listing(records)
+        said = census.explain(records)
+        lines += ["", *said[1]] if said else ["", "Every rank launched the same."]
+        say(f"In [{number}]:\n" + "\n".join(lines))
 
     def _cmd_where(self, args: list[str]) -> None:
         self._no_args("where", args)

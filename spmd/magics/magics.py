@@ -11,9 +11,11 @@ import ast
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
+from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.run import rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.session import OutOfStep, Ran, Session
+from spmd.engine.census import KEPT_CELLS
 from spmd.magics import arrays, values, widgets
 from spmd.magics.arguments import _cell_parser, _words
 from spmd.magics.automode import AutoMode, is_exit
@@ -60,6 +62,9 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         # The cell as the front end sent it, set by the SPMD kernel while JupyterLab's
         # debugger is on: the ranks compile that text, which JupyterLab names by its hash.
         self.raw_cell: str | None = None
+        # In [n] -> {rank: the request that ran it}: the cells whose launches the ranks keep
+        # (%spmd census N)
+        self.census_cells: dict[int, dict[int, str]] = {}
 
     # -- %spmd / %%spmd -------------------------------------------------------------------
 
@@ -81,6 +86,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             %spmd panel [on|off]         the ranks' rows; on: a live panel in every cell
             %spmd log RANK [--tail N]    every line a rank printed
             %spmd debug [RANK]           pdb on a rank's last exception (post-mortem)
+            %spmd census [N]             each rank's cross-process launches in the last cell
+                                         (or In [N]), grouped by rank
             %spmd sharding EXPR          one picture: which process and device holds what
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
             %spmd push NAME [NAME ...]   notebook variables to every rank
@@ -251,6 +258,9 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         finally:
             live.close()
         stall = run.stall
+        self.census_cells[self.shell.displayhook.prompt_count] = dict(run.requests)
+        while len(self.census_cells) > KEPT_CELLS:
+            del self.census_cells[min(self.census_cells)]
         errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
         results = group_results(run.cells)
         # (recorded first: the cell ran on the ranks, whatever showing it may raise)
@@ -268,6 +278,10 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         if panel is not None:
             panel.freeze(run)
         show_outputs(run.cells, tabs=self.tabs or opts.tabs)
+        if stall is None and census.differ({r: run.census.get(r) for r in run.cells}):
+            said = census.warning(census.fetch(session.client, run.engine_ids))
+            if said:
+                write("stderr", said + "\n")
         if not debugging:
             self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
         printed = [o.text for c in run.cells.values() for o in c.outputs if o.kind == "stdout"]
@@ -293,7 +307,7 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         notes, details, hints = [], [], []
         if stall is not None:
             notes = stall.summary()
-            details = stack_section(stall.busy, stall.stacks, stall.in_debugger)
+            details = stack_section(stall.busy, stall.stacks, stall.in_debugger) + stall.census
             if stall.deaths:
                 details = ["", *stall.deaths[0].describe(headline=False), *details]
         else:
@@ -368,6 +382,7 @@ _COMMANDS = {
     "log": Inspection._cmd_log,
     "debug": Inspection._cmd_debug,
     "interrupt": Inspection._cmd_interrupt,
+    "census": Inspection._cmd_census,
     "on": SpmdMagics._cmd_on,
     "off": SpmdMagics._cmd_off,
     "sharding": Transfers._cmd_sharding,

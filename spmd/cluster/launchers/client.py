@@ -85,6 +85,14 @@ class SpmdClient(ipyparallel.Client):
             except Exception:  # (this is ipyparallel's IO thread: it must go on)
                 self.log.exception("a rank's debug event could not be passed on")
 
+    def _extract_metadata(self, msg) -> dict:
+        """ipyparallel's, with the rank's census digest of the cell (engine/census.py)."""
+        md = super()._extract_metadata(msg)
+        said = (msg.get("metadata") or {}).get("spmd_census")
+        if said is not None:
+            md["spmd_census"] = said
+        return md
+
     def _after_iopub(self, msg) -> None:
         parent = msg.get("parent_header") or {}
         msg_id = parent.get("msg_id")

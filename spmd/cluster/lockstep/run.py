@@ -46,6 +46,8 @@ class CellRun:
     first_done: float | None = None  # when the first rank finished (time.monotonic())
     last_output: float | None = None  # when a rank's latest output came (time.monotonic())
     stall: object | None = None  # a watchdog.Stall when the wait ended before every rank did
+    census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/census.py)
+    requests: dict = field(default_factory=dict)  # rank -> the msg_id of its execute request
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _pending: dict[int, set] = field(default_factory=dict)
 
@@ -68,11 +70,12 @@ class CellRun:
             )
 
     def _watch(self, rank: int, fut) -> None:
+        self.requests[rank] = fut.msg_id
         events = self._events
         fut.iopub_callbacks.append(
             lambda msg: events.put((rank, msg["header"]["msg_type"], msg["content"]))
         )
-        fut.add_done_callback(lambda _f: events.put((rank, _REPLY, None)))
+        fut.add_done_callback(lambda f: events.put((rank, _REPLY, _census_digest(f))))
         fut.output.add_done_callback(lambda _f: events.put((rank, _IDLE, None)))
 
     def debugger_paused(self) -> list[int]:
@@ -118,6 +121,8 @@ class CellRun:
     def _handle(self, rank: int, kind: str, content: dict | None) -> None:
         cell = self.cells[rank]
         if kind in (_REPLY, _IDLE):
+            if content is not None:
+                self.census[rank] = content
             self._pending[rank].discard(kind)
             if not self._pending[rank]:
                 now = time.monotonic()
@@ -224,3 +229,11 @@ def rank_label(ranks: Iterable[int]) -> str:
     """'[rank 2]' or '[ranks 0-3]'."""
     ranks = sorted(set(ranks))
     return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {rank_set(ranks)}]"
+
+
+def _census_digest(reply_future) -> list | None:
+    """The rank's census digest of the cell, from its reply (None: it launched nothing)."""
+    try:
+        return reply_future.result().metadata.get("spmd_census")
+    except Exception:  # (an aborted or failed request: no reply to read)
+        return None

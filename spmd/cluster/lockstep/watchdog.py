@@ -113,6 +113,7 @@ class Stall:
     unresponsive: list[int] = field(default_factory=list)  # busy after SIGINT and a grace
     deaths: list[Death] = field(default_factory=list)  # first to die first
     in_debugger: list[int] = field(default_factory=list)  # busy ranks paused in the debugger
+    census: list[str] = field(default_factory=list)  # where the ranks' launches parted (census.py)
 
     @classmethod
     def at(cls, reason: str, seconds: float | None, cells: dict[int, RankCell], **kw) -> Stall:

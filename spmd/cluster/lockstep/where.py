@@ -27,6 +27,7 @@ _CELL_FILE = re.compile(r"[/\\]ipykernel_\d+[/\\](\d+)\.py$")
 # Where installed packages live; frames there are "library" frames, collapsed in reports.
 _PACKAGES = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
 _STDLIB = os.path.dirname(os.__file__)
+_CENSUS_FILE = os.path.join("spmd", "engine", "census.py")
 
 # The libraries whose frames mean "waiting on the other ranks" when a rank is stuck in them.
 COLLECTIVE_LIBRARIES = ("jax", "jaxlib", "torch", "flax", "optax", "equinox")
@@ -87,7 +88,8 @@ class Stack:
     def lines(self) -> list[str]:
         """The stack in traceback style, with runs of library frames collapsed."""
         out: list[str] = []
-        frames = self.frames
+        # (the census's wrapper of jax.jit and torch's collectives: not the user's code)
+        frames = [f for f in self.frames if not f.file.endswith(_CENSUS_FILE)]
         i = 0
         while i < len(frames):
             f = frames[i]

@@ -1,0 +1,112 @@
+"""The census's cost, measured inside the ranks (2 ranks, 1 CPU device each):
+
+- 1,000 launches of a small jitted cross-process program (a sum over a global array of 4),
+  through the census's wrapper and through jax's own jitted function under it (the census
+  off), alternated in blocks in one cell, so that drift hits both alike;
+- the same for 1,000 ``torch.distributed.all_reduce`` of 4 floats (gloo), wrapped and not;
+- the hooks every cell pays (a record started and ended, no launch), per cell.
+
+``python -m benchmarks.census`` runs it alone; ``make bench`` runs it with the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+JAX_SETUP = """import jax, numpy as np, time, json
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((jax.device_count(),), ('i',))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P('i')), np.ones((2,), np.float32))
+total = jax.jit(lambda x: x.sum())
+bare = total._jitted  # (jax's own jitted function: what runs with the census off)
+total(x).block_until_ready(); bare(x).block_until_ready()"""
+
+JAX_BLOCK = """def launches(f, n={n}):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        y = f(x)
+    y.block_until_ready()
+    return time.perf_counter() - t0
+times = {{'on': [], 'off': []}}
+for block in range({blocks}):  # (on first, then off first: no order favours either)
+    for mode in (('on', 'off') if block % 2 else ('off', 'on')):
+        times[mode].append(launches(total if mode == 'on' else bare))
+if jax.process_index() == 0:
+    print(json.dumps(times))"""
+
+TORCH_BLOCK = """import torch, torch.distributed as dist, time, json
+t = torch.ones(4)
+wrapped, bare = dist.all_reduce, dist.all_reduce.__wrapped__
+def launches(f, n={n}):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f(t)
+    return time.perf_counter() - t0
+launches(wrapped, 10); launches(bare, 10)
+times = {{'on': [], 'off': []}}
+for block in range({blocks}):
+    for mode in (('on', 'off') if block % 2 else ('off', 'on')):
+        times[mode].append(launches(wrapped if mode == 'on' else bare))
+if dist.get_rank() == 0:
+    print(json.dumps(times))"""
+
+HOOKS = """import spmd.engine.census as census, time
+t0 = time.perf_counter()
+for i in range(10000):
+    census.start_cell(f'bench-{i}')
+    census.end_cell()
+hooks = (time.perf_counter() - t0) / 10000
+census.start_cell('bench-last')
+print(hooks)"""
+
+
+def _rank0(stdout: str) -> str:
+    """The text rank 0 printed (its label taken off)."""
+    line = next(ln for ln in stdout.splitlines() if ln.startswith(("[rank 0] ", "[ranks 0")))
+    return line.split("] ", 1)[1]
+
+
+def measure(bench, launches: int = 1000, blocks: int = 10) -> None:
+    """Record the census's figures into ``bench`` (benchmarks.run.Bench)."""
+    # (one CPU device per process: with two, jax's own queue of a thousand asynchronous
+    # cross-process launches hangs here, with or without the census; seen in plain processes)
+    bench.cell("%spmd start -n 2 -d 1")
+    try:
+        bench.cell(JAX_SETUP)
+        said = json.loads(_rank0(bench.cell(JAX_BLOCK.format(n=launches, blocks=blocks))))
+        for mode, xs in said.items():
+            for x in xs:
+                bench.record(f"census_jit_{launches}/{mode}", x)
+        for _ in range(3):
+            bench.record("census_cell_hooks/per_cell", float(_rank0(bench.cell(HOOKS))))
+    finally:
+        bench.cell("%spmd stop")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    bench.cell("%spmd start -n 2 --backend torch")
+    try:
+        said = json.loads(_rank0(bench.cell(TORCH_BLOCK.format(n=launches, blocks=blocks))))
+        for mode, xs in said.items():
+            for x in xs:
+                bench.record(f"census_torch_all_reduce_{launches}/{mode}", x)
+    finally:
+        bench.cell("%spmd stop")
+
+
+if __name__ == "__main__":
+    from benchmarks.run import Bench
+
+    bench = Bench()
+    measure(bench, launches=int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
+    for name, xs in bench.samples.items():
+        print(f"{name}: median {statistics.median(xs) * 1000:.3f} ms "
+              f"({min(xs) * 1000:.3f}-{max(xs) * 1000:.3f}), {len(xs)} runs")
+    for kind in ("jit", "torch_all_reduce"):
+        on = bench.samples.get(f"census_{kind}_1000/on")
+        off = bench.samples.get(f"census_{kind}_1000/off")
+        if on and off:
+            print(f"{kind}: census on / off = {statistics.median(on) / statistics.median(off):.3f}")

@@ -1,0 +1,181 @@
+"""Why the ranks diverged: the first place where their cells' launches differ.
+
+Every rank records the cross-process programs and collectives its cell launched
+(spmd/engine/census.py). Here the records of the ranks are compared, and the first launch
+where they part is named in words a student can act on: the same program with other shapes,
+other programs at the same place, or a rank that launched fewer; with the usual fix.
+
+Runs on the notebook's main thread; a record is the JSON the rank sent (``runs`` run-length
+encoded: [program, argument types, times]).
+"""
+
+from __future__ import annotations
+
+from spmd.cluster.lockstep import control
+from spmd.cluster.lockstep.run import rank_words
+from spmd.engine.census import CENSUS
+
+HINTS = {
+    "shapes": "Pad every process's input to a size agreed by every process (a constant, not "
+              "each process's own longest).",
+    "count": "Make every process run the same number of steps (the smallest share, or pad "
+             "the short ones), and iterate in an order every process agrees on (sorted, "
+             "never a set's).",
+    "programs": "Every process must launch the same programs in the same order: a branch "
+                "on the rank around a jitted call or a collective launches different ones.",
+}
+
+
+def fetch(client, engine_ids: dict[int, int], requests: dict[int, str] | None = None,
+          timeout: float = 1.0) -> dict[int, dict]:
+    """{rank: its record of a cell (its last one, or the request ``requests[rank]``)}, for
+    the ranks that answered and kept it."""
+    if requests is None:
+        replies = control.request(client, list(engine_ids.values()), CENSUS,
+                                  {"request": None}, timeout)
+    else:
+        replies = {}
+        for rank, request in requests.items():
+            if rank in engine_ids:
+                replies.update(control.request(client, [engine_ids[rank]], CENSUS,
+                                               {"request": request}, timeout))
+    found = {}
+    for rank, engine_id in engine_ids.items():
+        reply = replies.get(engine_id)
+        if reply is not None and reply.get("census") is not None:
+            found[rank] = reply["census"]
+    return found
+
+
+def differ(digests: dict[int, list | None]) -> bool:
+    """Whether the ranks' digests (None: launched nothing) say their launches differ."""
+    return len({tuple(d) if d else None for d in digests.values()}) > 1
+
+
+def label(program: list | tuple) -> str:
+    kind, name, _ = program
+    return name if kind == "torch" else f"{kind}({name})"
+
+
+def _launch(program: list, args: list) -> str:
+    shown = label(program)
+    kind, _, where = program
+    if kind == "torch" and where:
+        shown += f" on a {where}"
+    return " ".join([shown, *args]) if args else shown
+
+
+def first_difference(records: dict[int, dict]) -> tuple[int, dict[int, tuple | None]] | None:
+    """(position from 0, {rank: (program, args) there, None past its last}) of the first
+    launch where the ranks differ; None where they launched the same."""
+    cursors = {rank: [0, 0] for rank in records}
+    position = 0
+    while True:
+        heads, left = {}, {}
+        for rank, rec in records.items():
+            run_index, used = cursors[rank]
+            runs = rec["runs"]
+            if run_index >= len(runs):
+                heads[rank] = None
+                continue
+            program, args, times = runs[run_index]
+            heads[rank] = (tuple(rec["programs"][program]), tuple(args))
+            left[rank] = times - used
+        if len(set(heads.values())) > 1:
+            return position, heads
+        if not left:
+            return None
+        step = min(left.values())
+        position += step
+        for rank in left:
+            cursors[rank][1] += step
+            if cursors[rank][1] == records[rank]["runs"][cursors[rank][0]][2]:
+                cursors[rank] = [cursors[rank][0] + 1, 0]
+
+
+def explain(records: dict[int, dict]) -> tuple[str, list[str]] | None:
+    """(the kind of difference, its lines: what differs, then the hint), or None."""
+    if len(records) < 2:
+        return None
+    found = first_difference(records)
+    if found is None:
+        return None
+    position, heads = found
+    nth = ordinal(position + 1)
+    ended = sorted(r for r, h in heads.items() if h is None)
+    if ended:
+        going = sorted(r for r, h in heads.items() if h is not None)
+        counts = _grouped({r: records[r]["count"] for r in records})
+        said = ", ".join(f"{rank_words(ranks)} launched {count}" for count, ranks in counts)
+        waiting = _grouped({r: _launch(*heads[r]) for r in going})
+        where = "; ".join(f"{rank_words(ranks)} "
+                          f"{'is at its' if len(ranks) == 1 else 'are at their'} {nth}, {what}"
+                          for what, ranks in waiting)
+        return "count", [f"The ranks launched different numbers of cross-process programs: "
+                         f"{said}. {rank_words(ended).capitalize()} had no {nth}; {where}.",
+                         "Hint: " + HINTS["count"]]
+    programs = {h[0] for h in heads.values()}
+    if len(programs) == 1:
+        program = next(iter(programs))
+        shapes = _grouped({r: " ".join(h[1]) or "(no arrays)" for r, h in heads.items()})
+        said = "; ".join(f"{rank_words(ranks)} {what}" for what, ranks in shapes)
+        return "shapes", [f"The ranks' {nth} cross-process program, {_launch(program, [])}, "
+                          f"had different shapes: {said}.", "Hint: " + HINTS["shapes"]]
+    labels = {label(p) for p in programs}
+    launches = _grouped({r: _launch(*h) + ("" if len(labels) == len(programs) or not h[0][2]
+                                           else f" ({h[0][2]})") for r, h in heads.items()})
+    said = "; ".join(f"{rank_words(ranks)} {what}" for what, ranks in launches)
+    return "programs", [f"The ranks' {nth} cross-process programs differ: {said}.",
+                        "Hint: " + HINTS["programs"]]
+
+
+def report_lines(records: dict[int, dict]) -> list[str]:
+    """The report's census section (nothing where the records agree or are too few)."""
+    said = explain(records)
+    return [] if said is None else ["", "Census of the cell's cross-process programs:",
+                                    *["  " + line for line in said[1]]]
+
+
+def warning(records: dict[int, dict]) -> str | None:
+    """One line after a cell that ended normally though its ranks launched different
+    programs."""
+    said = explain(records)
+    if said is None:
+        return None
+    first = said[1][0]
+    return (f"Warning: {first[0].lower()}{first[1:]} Nothing hung, but the results may be wrong. "
+            "(%spmd census lists each rank's launches.)")
+
+
+def listing(records: dict[int, dict]) -> list[str]:
+    """Each group of ranks' launches, in order, one line per run (``%spmd census``)."""
+    groups = _grouped({r: repr((rec["programs"], rec["runs"])) for r, rec in records.items()})
+    lines = []
+    for _, ranks in groups:
+        rec = records[ranks[0]]
+        total = rec["count"]
+        lines.append(f"{rank_words(ranks).capitalize()}: {total} cross-process "
+                     f"launch{'es' if total != 1 else ''}")
+        at = 1
+        for program, args, times in rec["runs"]:
+            span = f"{at}" if times == 1 else f"{at}-{at + times - 1}"
+            shown = rec["programs"][program]
+            where = f" ({shown[2]})" if shown[2] and shown[0] != "torch" else ""
+            lines.append(f"  {span:>9}  {_launch(shown, args)}{where}")
+            at += times
+        if rec.get("dropped"):
+            lines.append(f"  ... and {rec['dropped']:,} more launches, counted only")
+    return lines
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _grouped(by_rank: dict[int, object]) -> list[tuple[object, list[int]]]:
+    """[(value, the ranks with it)], lowest rank first."""
+    groups: dict[object, list[int]] = {}
+    for rank in sorted(by_rank):
+        groups.setdefault(by_rank[rank], []).append(rank)
+    return list(groups.items())

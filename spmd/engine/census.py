@@ -1,0 +1,286 @@
+"""On a rank: a record of the cross-process programs and collectives each cell launched.
+
+The divergence report says where the ranks wait; this record says why: the ranks launched
+different sequences (other shapes, another count, another program at the same place). It is
+always on, so it must cost next to nothing:
+
+- jax: ``jax.jit`` and ``jax.pmap`` hand out a thin wrapper of jax's own jitted function. A
+  call goes through jax's C++ fast path as before; afterwards, if its result lives on other
+  processes' devices too (pmap: whenever there are several processes), the wrapper records the
+  program and its arguments' shapes and dtypes. (Recording where jax dispatches, in its Python
+  path, would take every cross-process program off the C++ fast path: measured 3x the time
+  of a small cross-process jit here.) jax's own eager operations (``jnp.sum`` of a global
+  array outside any jit) are not recorded.
+- torch: the collectives of ``torch.distributed`` (``all_reduce``, ``broadcast``, ...) are
+  wrapped the same way: op, shapes, dtypes and group, recorded before the call (a collective
+  that hangs is the last one recorded).
+
+Each cell's record is run-length encoded (a loop of 1,000 steps is one entry), and the last
+cells' records are kept, by the request that ran them. The notebook reads a digest of the
+record in the cell's reply (compared across ranks after every cell) and the whole record on the
+control channel (``CENSUS``) when they differ or a report needs it.
+
+Threads: records are appended by whichever thread launches (a cell's, on the main thread); the
+control thread reads copies. A count may be off by one in a copy taken while a launch is
+recorded; the digest is made on the main thread, after the cell, when recording stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import os
+
+CENSUS = "spmd_census_request"
+KEPT_CELLS = 20  # cells whose record stays, for %spmd census N
+MAX_ENTRIES = 100_000  # distinct runs kept per cell; beyond, only counted
+
+_cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
+_current: Record | None = None  # the running cell's (None between cells)
+_last: Record | None = None
+_off = os.environ.get("SPMD_CENSUS") == "off"  # (the tests' mutation check: a rank that records nothing)
+
+
+class Record:
+    """One cell's launches: programs (kind, name, where) and runs [program, args, count]."""
+
+    def __init__(self) -> None:
+        self.programs: dict[tuple, int] = {}
+        self.runs: list[list] = []
+        self.count = 0
+        self.dropped = 0
+
+    def add(self, program: tuple, args: tuple) -> None:
+        self.count += 1
+        index = self.programs.get(program)
+        if index is None:
+            index = self.programs[program] = len(self.programs)
+        runs = self.runs
+        if runs and runs[-1][0] == index and runs[-1][1] == args:
+            runs[-1][2] += 1
+        elif len(runs) < MAX_ENTRIES:
+            runs.append([index, args, 1])
+        else:
+            self.dropped += 1
+
+    def as_json(self) -> dict:
+        programs = sorted(self.programs, key=self.programs.get)
+        return {
+            "programs": [list(p) for p in programs],
+            "runs": [[i, [_aval(a) for a in args], n] for i, args, n in list(self.runs)],
+            "count": self.count,
+            "dropped": self.dropped,
+        }
+
+    def digest(self) -> list:
+        """[count, a hash of the sequence]: equal on ranks that launched the same."""
+        text = repr(self.as_json()).encode()
+        return [self.count, hashlib.blake2b(text, digest_size=8).hexdigest()]
+
+
+def _aval(arg) -> str:
+    """``float32[2,4]``, or a Python value's type."""
+    if isinstance(arg, tuple):
+        shape, dtype = arg
+        dtype = str(dtype).removeprefix("torch.")
+        return f"{dtype}[{','.join(map(str, shape))}]"
+    return str(arg)
+
+
+def record(program: tuple, leaves) -> None:
+    """A launch of ``program`` with these argument leaves, in the running cell. (The dtype
+    object itself is kept: its name costs 5 us a launch, made once for the notebook.)"""
+    if _current is None or _off:
+        return
+    _current.add(program, tuple(
+        (leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+        else type(leaf).__name__ for leaf in leaves))
+
+
+def start_cell(request_id: str) -> None:
+    global _current, _last
+    _current = _last = _cells[request_id] = Record()
+    while len(_cells) > KEPT_CELLS:
+        _cells.popitem(last=False)
+
+
+def end_cell() -> list | None:
+    """The cell has ended: its digest, if it launched anything. (What runs between cells,
+    the notebook's own requests and a thread's work, is not recorded.)"""
+    global _current
+    ended, _current = _current, None
+    return ended.digest() if ended is not None and ended.count else None
+
+
+def of(request_id: str | None) -> dict | None:
+    """A cell's record (None: the running or last cell's); None if not kept."""
+    rec = _last if request_id is None else _cells.get(request_id)
+    return None if rec is None else rec.as_json()
+
+
+# -- jax ------------------------------------------------------------------------------------
+
+def where_defined(fn) -> str:
+    """``line 3`` of a cell, or ``module.py:3``: tells apart two programs of one name."""
+    fn = getattr(fn, "_fun", fn)
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    name = os.path.basename(code.co_filename)
+    cell = name.startswith("<") or os.path.dirname(code.co_filename).startswith(
+        os.path.join(os.sep, "tmp"))
+    return f"line {code.co_firstlineno}" if cell else f"{name}:{code.co_firstlineno}"
+
+
+class Launched:
+    """jax's jitted (or pmapped) function, recording its cross-process calls."""
+
+    def __init__(self, kind: str, jitted, fun) -> None:
+        functools.update_wrapper(self, jitted)
+        self._jitted = jitted
+        self._kind = kind
+        name = getattr(fun, "__name__", type(fun).__name__)
+        self._program = (kind, name, where_defined(fun))
+
+    def __call__(self, *args, **kwargs):
+        __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
+        out = self._jitted(*args, **kwargs)
+        if _current is not None and _spans_processes(self._kind, out):
+            record(self._program, _leaves((args, kwargs)))
+        return out
+
+    def __getattr__(self, name: str):  # (lower, trace, eval_shape, clear_cache, ...)
+        return getattr(self._jitted, name)
+
+    def __get__(self, obj, objtype=None):  # (a jitted method, as jax's own binds)
+        return self if obj is None else functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return repr(self._jitted)
+
+
+def _spans_processes(kind: str, out) -> bool:
+    leaves = _leaves(out)
+    first = leaves[0] if leaves else None
+    if type(first) is not _Array:  # (traced inside another jit, or no array out)
+        return False
+    if kind == "pmap":
+        return _several_processes
+    return not first.is_fully_addressable
+
+
+# (bound by install_jax: an import in every launch would cost microseconds each)
+_leaves = _Array = None
+_several_processes = False
+
+
+def install_jax() -> None:
+    """``jax.jit`` and ``jax.pmap`` record (once per process)."""
+    global _leaves, _Array, _several_processes
+    import jax
+
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # (moved in a jax to come: no census of jax's launches, and a line
+        return  # at the start says so: spmd/internals.py)
+    if getattr(jax.jit, "spmd_census", False):
+        return
+    _leaves, _Array = jax.tree_util.tree_leaves, ArrayImpl
+    _several_processes = jax.process_count() > 1
+    jit, pmap = jax.jit, jax.pmap
+
+    @functools.wraps(jit)
+    def jit_recorded(fun=None, /, **kwargs):
+        if fun is None:  # (@jax.jit(static_argnums=...), jax's keyword-only form)
+            return lambda f: jit_recorded(f, **kwargs)
+        return Launched("jit", jit(fun, **kwargs), fun)
+
+    @functools.wraps(pmap)
+    def pmap_recorded(fun=None, *args, **kwargs):
+        if fun is None:
+            return lambda f: pmap_recorded(f, *args, **kwargs)
+        return Launched("pmap", pmap(fun, *args, **kwargs), fun)
+
+    jit_recorded.spmd_census = pmap_recorded.spmd_census = True
+    jax.jit, jax.pmap = jit_recorded, pmap_recorded
+
+
+# -- torch ----------------------------------------------------------------------------------
+
+TORCH_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather",
+                     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                     "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
+                     "all_gather_object", "broadcast_object_list")
+
+
+def install_torch() -> None:
+    """``torch.distributed``'s collectives record (once per process)."""
+    import torch.distributed as dist
+
+    for op in TORCH_COLLECTIVES:
+        fn = getattr(dist, op, None)
+        if fn is None or getattr(fn, "spmd_census", False):
+            continue
+        setattr(dist, op, _torch_recorded(op, fn))
+
+
+def _torch_recorded(op: str, fn):
+    @functools.wraps(fn)
+    def collective(*args, **kwargs):
+        __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
+        if _current is not None and not _off:
+            group = kwargs.get("group")
+            where = "" if group is None else f"group of {_group_size(group)}"
+            record(("torch", op, where), _tensors(args))
+        return fn(*args, **kwargs)
+
+    collective.spmd_census = True
+    return collective
+
+
+def _tensors(args) -> list:
+    found = []
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            found += [a for a in arg if hasattr(a, "shape")]
+        elif hasattr(arg, "shape"):
+            found.append(arg)
+    return found
+
+
+def _group_size(group) -> str:
+    try:
+        return str(group.size())
+    except Exception:  # (a group this rank is not in)
+        return "?"
+
+
+# -- the rank's side of the notebook's requests ------------------------------------------
+
+def install(kernel, shell) -> None:
+    """Records start with each cell; its reply carries the digest; ``CENSUS`` answers."""
+
+    def pre_run_cell(info=None) -> None:
+        parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else {}
+        start_cell((parent or {}).get("header", {}).get("msg_id", ""))
+
+    shell.events.register("pre_run_cell", pre_run_cell)
+    finish = kernel.finish_metadata
+
+    def finish_metadata(parent, metadata, reply_content):
+        metadata = finish(parent, metadata, reply_content)
+        if parent.get("header", {}).get("msg_type") == "execute_request":
+            said = end_cell()
+            if said is not None:
+                metadata["spmd_census"] = said
+        return metadata
+
+    kernel.finish_metadata = finish_metadata
+
+    def census(stream, ident, parent) -> None:
+        content = {"status": "ok", "census": of(parent["content"].get("request"))}
+        kernel.session.send(stream, "spmd_census_reply", content, parent, ident)
+
+    kernel.control_handlers[CENSUS] = census
