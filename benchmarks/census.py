@@ -4,6 +4,9 @@
   through the census's wrapper and through jax's own jitted function under it (the census
   off), alternated in blocks in one cell, so that drift hits both alike;
 - the same for 1,000 ``torch.distributed.all_reduce`` of 4 floats (gloo), wrapped and not;
+- the census's own work in one launch (is its result cross-process? then the record),
+  without the launch: on this 2-core machine the launches' own time moves by 10-20% between
+  blocks, more than the census adds, so this is the figure that says what it costs;
 - the hooks every cell pays (a record started and ended, no launch), per cell.
 
 ``python -m benchmarks.census`` runs it alone; ``make bench`` runs it with the rest.
@@ -52,6 +55,15 @@ for block in range({blocks}):
 if dist.get_rank() == 0:
     print(json.dumps(times))"""
 
+# The census's own work in one launch: is the result cross-process, then the record (on a
+# result already there: the launch itself left out).
+RECORD = """import spmd.engine.census as census, timeit
+y = total(x); y.block_until_ready()
+def once():
+    if census._spans_processes('jit', y):
+        census.record(total._program, census._leaves(((x,), {})))
+print(timeit.timeit(once, number=20000) / 20000)"""
+
 HOOKS = """import spmd.engine.census as census, time
 t0 = time.perf_counter()
 for i in range(10000):
@@ -81,6 +93,7 @@ def measure(bench, launches: int = 1000, blocks: int = 10) -> None:
                 bench.record(f"census_jit_{launches}/{mode}", x)
         for _ in range(3):
             bench.record("census_cell_hooks/per_cell", float(_rank0(bench.cell(HOOKS))))
+            bench.record("census_jit_record/per_launch", float(_rank0(bench.cell(RECORD))))
     finally:
         bench.cell("%spmd stop")
     try:

@@ -97,6 +97,16 @@ def test_torch_collectives_that_differ_are_named_in_the_timeout_report(fresh):
             "rank 1 broadcast float32[4].") in text, text
     # (the census's own wrapper is not shown among the ranks' frames)
     assert "census.py" not in text
+    assert run(fresh, "%spmd restart").error is None
+    # a subgroup's collective, launched by its members only, as it should be: no warning;
+    # objects whose sizes rightly differ: no warning either
+    out = run(fresh, "import torch, torch.distributed as dist\nrank = dist.get_rank()\n"
+                     "solo = dist.new_group([0])\nt = torch.ones(4)\n"
+                     "if rank == 0:\n    dist.all_reduce(t, group=solo)\n"
+                     "found = [None, None]\ndist.all_gather_object(found, 'x' * (rank + 1))\n"
+                     "print(found)")
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1] ['x', 'xx']\n" and "Warning" not in out.stderr, out.stderr
 
 
 def test_jitted_functions_keep_jax_api_under_the_census(cluster):
@@ -112,7 +122,9 @@ class Model:
     def apply(self, v):
         return v * 2
 twice = jax.jit(jax.jit(lambda v: v * 2))
-print(power(2.0, 3), power.lower(2.0, 3).compile()(2.0), power.__name__,
+import copy
+copied = copy.deepcopy(power)  # (copy and pickle rebuild the wrapper without __init__)
+print(copied(2.0, 3), power.lower(2.0, 3).compile()(2.0), power.__name__,
       Model().apply(1.0), twice(1.0), jax.grad(jax.jit(lambda v: v ** 2))(3.0),
       jax.vmap(jax.jit(lambda v: v + 1))(jnp.arange(2.0)),
       jax.pmap(lambda v: v + 1)(jnp.zeros(jax.local_device_count())))""")
@@ -121,5 +133,5 @@ print(power(2.0, 3), power.lower(2.0, 3).compile()(2.0), power.__name__,
     # (the jitted calls above ran on each process's own values: only the pmap, over every
     # process's devices, is a cross-process launch)
     listed = run(cluster, "%spmd census").stdout
-    assert "Ranks 0-1: 1 cross-process launch\n          1  pmap(<lambda>) float32[2] (line 14)" \
+    assert "Ranks 0-1: 1 cross-process launch\n          1  pmap(<lambda>) float32[2] (line 16)" \
         in listed, listed

@@ -156,9 +156,7 @@ class Cells:
         stall.stacks = self.stacks(busy)
         stall.in_debugger = run.debugger_paused()
         # Why, before an interrupt or a death's end takes the ranks' records with them.
-        stall.census = census.report_lines(census.fetch(self.client, {
-            r: eid for r, eid in run.engine_ids.items()
-            if r not in {d.rank for d in deaths}}))
+        stall.census = census.for_report(self.client, run.engine_ids, stall)
         if reason == DIED:
             self._end_after_death(stall.deaths)
             return stall

@@ -12,8 +12,10 @@ always on, so it must cost next to nothing:
   of a small cross-process jit here.) jax's own eager operations (``jnp.sum`` of a global
   array outside any jit) are not recorded.
 - torch: the collectives of ``torch.distributed`` (``all_reduce``, ``broadcast``, ...) are
-  wrapped the same way: op, shapes, dtypes and group, recorded before the call (a collective
-  that hangs is the last one recorded).
+  wrapped the same way: op, shapes and dtypes, recorded before the call (a collective that
+  hangs is the last one recorded). A subgroup's collectives are left out (the ranks outside
+  it rightly launch none), and so are the shapes of those whose arguments may rightly differ
+  (objects, the root's lists, uneven splits).
 
 Each cell's record is run-length encoded (a loop of 1,000 steps is one entry), and the last
 cells' records are kept, by the request that ran them. The notebook reads a digest of the
@@ -31,44 +33,57 @@ import collections
 import functools
 import hashlib
 import os
+import threading
+import types
 
 CENSUS = "spmd_census_request"
 KEPT_CELLS = 20  # cells whose record stays, for %spmd census N
 MAX_ENTRIES = 100_000  # distinct runs kept per cell; beyond, only counted
+MAX_LEAVES = 16  # argument leaves listed per launch; beyond, only counted
 
 _cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
 _current: Record | None = None  # the running cell's (None between cells)
 _last: Record | None = None
+_main: int | None = None  # the rank's main thread, where cells run (set by install)
 _off = os.environ.get("SPMD_CENSUS") == "off"  # (the tests' mutation check: a rank that records nothing)
 
 
 class Record:
-    """One cell's launches: programs (kind, name, where) and runs [program, args, count]."""
+    """One cell's launches: its programs (kind, name, where) and argument signatures, each
+    kept once, and runs [program, signature, times] of small integers: a loop whose shapes
+    change at every step costs three integers a launch, not its arguments again."""
 
     def __init__(self) -> None:
         self.programs: dict[tuple, int] = {}
+        self.signatures: dict[tuple, int] = {}
         self.runs: list[list] = []
         self.count = 0
         self.dropped = 0
 
     def add(self, program: tuple, args: tuple) -> None:
         self.count += 1
-        index = self.programs.get(program)
-        if index is None:
-            index = self.programs[program] = len(self.programs)
+        p = self.programs.get(program)
+        if p is None:
+            p = self.programs[program] = len(self.programs)
+        a = self.signatures.get(args)
+        if a is None:
+            a = self.signatures[args] = len(self.signatures)
         runs = self.runs
-        if runs and runs[-1][0] == index and runs[-1][1] == args:
+        if runs and runs[-1][0] == p and runs[-1][1] == a:
             runs[-1][2] += 1
         elif len(runs) < MAX_ENTRIES:
-            runs.append([index, args, 1])
+            runs.append([p, a, 1])
         else:
             self.dropped += 1
 
     def as_json(self) -> dict:
+        runs = [list(run) for run in self.runs]  # (first: what they name is there then)
         programs = sorted(self.programs, key=self.programs.get)
+        signatures = sorted(self.signatures, key=self.signatures.get)
         return {
             "programs": [list(p) for p in programs],
-            "runs": [[i, [_aval(a) for a in args], n] for i, args, n in list(self.runs)],
+            "signatures": [[_aval(a) for a in args] for args in signatures],
+            "runs": runs,
             "count": self.count,
             "dropped": self.dropped,
         }
@@ -89,13 +104,19 @@ def _aval(arg) -> str:
 
 
 def record(program: tuple, leaves) -> None:
-    """A launch of ``program`` with these argument leaves, in the running cell. (The dtype
-    object itself is kept: its name costs 5 us a launch, made once for the notebook.)"""
-    if _current is None or _off:
+    """A launch of ``program`` with these argument leaves, in the running cell, from the
+    main thread (a thread's launches land in no cell of their own). The dtype object itself
+    is kept: its name costs 5 us a launch, made once for the notebook. Past MAX_LEAVES the
+    leaves are counted, not listed: a model's thousand parameters are one number."""
+    current = _current
+    if current is None or _off or threading.get_ident() != _main:
         return
-    _current.add(program, tuple(
+    shown = tuple(
         (leaf.shape, leaf.dtype) if hasattr(leaf, "dtype") and hasattr(leaf, "shape")
-        else type(leaf).__name__ for leaf in leaves))
+        else type(leaf).__name__ for leaf in leaves[:MAX_LEAVES])
+    if len(leaves) > MAX_LEAVES:
+        shown += (f"(+{len(leaves) - MAX_LEAVES} more)",)
+    current.add(program, shown)
 
 
 def start_cell(request_id: str) -> None:
@@ -152,10 +173,16 @@ class Launched:
         return out
 
     def __getattr__(self, name: str):  # (lower, trace, eval_shape, clear_cache, ...)
-        return getattr(self._jitted, name)
+        jitted = self.__dict__.get("_jitted")  # (absent while copy or pickle rebuilds it)
+        if jitted is None:
+            raise AttributeError(name)
+        return getattr(jitted, name)
 
     def __get__(self, obj, objtype=None):  # (a jitted method, as jax's own binds)
-        return self if obj is None else functools.partial(self, obj)
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __reduce__(self):  # (pickled and copied as jax's own, wrapped again)
+        return Launched, (self._kind, self._jitted, self.__dict__.get("_fun", self._jitted))
 
     def __repr__(self) -> str:
         return repr(self._jitted)
@@ -191,19 +218,19 @@ def install_jax() -> None:
     _several_processes = jax.process_count() > 1
     jit, pmap = jax.jit, jax.pmap
 
-    @functools.wraps(jit)
-    def jit_recorded(fun=None, /, **kwargs):
-        if fun is None:  # (@jax.jit(static_argnums=...), jax's keyword-only form)
-            return lambda f: jit_recorded(f, **kwargs)
-        return Launched("jit", jit(fun, **kwargs), fun)
+    def recorded(kind: str, make):
+        @functools.wraps(make)
+        def launcher(*args, **kwargs):
+            if not args and "fun" not in kwargs:  # (@jax.jit(static_argnums=...))
+                return functools.partial(launcher, **kwargs)
+            fun = args[0] if args else kwargs["fun"]
+            return Launched(kind, make(*args, **kwargs), fun)
 
-    @functools.wraps(pmap)
-    def pmap_recorded(fun=None, *args, **kwargs):
-        if fun is None:
-            return lambda f: pmap_recorded(f, *args, **kwargs)
-        return Launched("pmap", pmap(fun, *args, **kwargs), fun)
+        launcher.spmd_census = True
+        return launcher
 
-    jit_recorded.spmd_census = pmap_recorded.spmd_census = True
+    jit_recorded, pmap_recorded = recorded("jit", jit), recorded("pmap", pmap)
+
     jax.jit, jax.pmap = jit_recorded, pmap_recorded
 
 
@@ -213,54 +240,70 @@ TORCH_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather",
                      "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                      "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
                      "all_gather_object", "broadcast_object_list")
+# Collectives whose arguments may rightly differ between ranks (objects, the root's lists,
+# uneven splits): recorded by name only.
+TORCH_NO_SHAPES = ("gather", "scatter", "all_to_all", "all_to_all_single",
+                   "all_gather_object", "broadcast_object_list")
 
 
 def install_torch() -> None:
     """``torch.distributed``'s collectives record (once per process)."""
+    import torch
     import torch.distributed as dist
 
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
     for op in TORCH_COLLECTIVES:
         fn = getattr(dist, op, None)
         if fn is None or getattr(fn, "spmd_census", False):
             continue
-        setattr(dist, op, _torch_recorded(op, fn))
+        setattr(dist, op, _torch_recorded(op, fn, compiling))
 
 
-def _torch_recorded(op: str, fn):
+def _torch_recorded(op: str, fn, compiling):
     @functools.wraps(fn)
     def collective(*args, **kwargs):
         __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
-        if _current is not None and not _off:
+        if _current is not None and not _off and not compiling():
             group = kwargs.get("group")
-            where = "" if group is None else f"group of {_group_size(group)}"
-            record(("torch", op, where), _tensors(args))
+            # (a subgroup's collectives are its members' only: the others launch none, and
+            # rightly; every rank's sequence is compared, so they are left out)
+            if group is None or _group_size(group) == _world_size():
+                shapes = [] if op in TORCH_NO_SHAPES else _first_tensor(args)
+                record(("torch", op, ""), shapes)
         return fn(*args, **kwargs)
 
     collective.spmd_census = True
     return collective
 
 
-def _tensors(args) -> list:
-    found = []
-    for arg in args:
-        if isinstance(arg, (list, tuple)):
-            found += [a for a in arg if hasattr(a, "shape")]
-        elif hasattr(arg, "shape"):
-            found.append(arg)
-    return found
+def _first_tensor(args) -> list:
+    """The tensor a collective works on (the first of a list): its shape is every rank's."""
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return [first] if hasattr(first, "shape") else []
 
 
-def _group_size(group) -> str:
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def _group_size(group) -> int | None:
     try:
-        return str(group.size())
-    except Exception:  # (a group this rank is not in)
-        return "?"
+        return int(group.size())
+    except Exception:  # (a group this rank is not in: torch's sentinel)
+        return None
 
 
 # -- the rank's side of the notebook's requests ------------------------------------------
 
 def install(kernel, shell) -> None:
-    """Records start with each cell; its reply carries the digest; ``CENSUS`` answers."""
+    """Records start with each cell; its reply carries the digest; ``CENSUS`` answers.
+    (From the rank's main thread, once joined.)"""
+    global _main
+    _main = threading.get_ident()
 
     def pre_run_cell(info=None) -> None:
         parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else {}

@@ -49,13 +49,16 @@ class Inspection:
             return
         number = int(args[0]) if args else max(kept)
         if number not in kept:
+            which = (f"In [{min(kept)}]" if len(kept) == 1 else
+                     f"the last {len(kept)} that ran on them, In [{min(kept)}] to In "
+                     f"[{max(kept)}]")
             raise UsageError(f"%spmd census {number}: In [{number}] is not one of the cells "
-                             f"whose launches the ranks keep (the last {len(kept)} that ran "
-                             f"on them, In [{min(kept)}] to In [{max(kept)}]).")
+                             f"whose launches the ranks keep ({which}).")
         engine_ids = {r.rank: r.engine_id for r in session.ranks}
         records = census.fetch(session.client, engine_ids, kept[number], timeout=5.0)
         if not records:
-            say(f"The ranks no longer keep In [{number}]'s launches (a restart since).")
+            say(f"No rank answered with In [{number}]'s launches: a restart since ends "
+                "what they kept, and a rank busy in C code does not answer.")
             return
         if not any(rec["count"] for rec in records.values()):
             say(f"In [{number}] launched no cross-process program on any rank.")

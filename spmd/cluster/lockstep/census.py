@@ -30,15 +30,9 @@ def fetch(client, engine_ids: dict[int, int], requests: dict[int, str] | None = 
           timeout: float = 1.0) -> dict[int, dict]:
     """{rank: its record of a cell (its last one, or the request ``requests[rank]``)}, for
     the ranks that answered and kept it."""
-    if requests is None:
-        replies = control.request(client, list(engine_ids.values()), CENSUS,
-                                  {"request": None}, timeout)
-    else:
-        replies = {}
-        for rank, request in requests.items():
-            if rank in engine_ids:
-                replies.update(control.request(client, [engine_ids[rank]], CENSUS,
-                                               {"request": request}, timeout))
+    asked = {eid: {"request": (requests or {}).get(rank)} for rank, eid in engine_ids.items()}
+    replies = control.request(client, list(asked), CENSUS, {"request": None}, timeout,
+                              contents=asked)
     found = {}
     for rank, engine_id in engine_ids.items():
         reply = replies.get(engine_id)
@@ -79,7 +73,7 @@ def first_difference(records: dict[int, dict]) -> tuple[int, dict[int, tuple | N
                 heads[rank] = None
                 continue
             program, args, times = runs[run_index]
-            heads[rank] = (tuple(rec["programs"][program]), tuple(args))
+            heads[rank] = (tuple(rec["programs"][program]), tuple(rec["signatures"][args]))
             left[rank] = times - used
         if len(set(heads.values())) > 1:
             return position, heads
@@ -93,8 +87,13 @@ def first_difference(records: dict[int, dict]) -> tuple[int, dict[int, tuple | N
                 cursors[rank] = [cursors[rank][0] + 1, 0]
 
 
-def explain(records: dict[int, dict]) -> tuple[str, list[str]] | None:
-    """(the kind of difference, its lines: what differs, then the hint), or None."""
+def explain(records: dict[int, dict], waiting: bool = True,
+            finished: set[int] | None = None) -> tuple[str, list[str]] | None:
+    """(the kind of difference, its lines: what differs, then the hint), or None.
+    ``waiting``: the ranks that launched more wait in it (a report), or went on (a cell that
+    ended). ``finished``: the ranks done with the cell, where some were not (a timeout, an
+    interrupt): a rank still running that launched fewer may only be behind, so a count
+    difference is told only where the ranks that launched fewer had finished."""
     if len(records) < 2:
         return None
     found = first_difference(records)
@@ -103,14 +102,16 @@ def explain(records: dict[int, dict]) -> tuple[str, list[str]] | None:
     position, heads = found
     nth = ordinal(position + 1)
     ended = sorted(r for r, h in heads.items() if h is None)
+    if ended and finished is not None and not set(ended) <= finished:
+        return None
     if ended:
         going = sorted(r for r, h in heads.items() if h is not None)
         counts = _grouped({r: records[r]["count"] for r in records})
         said = ", ".join(f"{rank_words(ranks)} launched {count}" for count, ranks in counts)
-        waiting = _grouped({r: _launch(*heads[r]) for r in going})
-        where = "; ".join(f"{rank_words(ranks)} "
-                          f"{'is at its' if len(ranks) == 1 else 'are at their'} {nth}, {what}"
-                          for what, ranks in waiting)
+        launched = _grouped({r: _launch(*heads[r]) for r in going})
+        at = ("is at its", "are at their") if waiting else ("went on to its", "went on to their")
+        where = "; ".join(f"{rank_words(ranks)} {at[len(ranks) > 1]} {nth}, {what}"
+                          for what, ranks in launched)
         return "count", [f"The ranks launched different numbers of cross-process programs: "
                          f"{said}. {rank_words(ended).capitalize()} had no {nth}; {where}.",
                          "Hint: " + HINTS["count"]]
@@ -129,9 +130,21 @@ def explain(records: dict[int, dict]) -> tuple[str, list[str]] | None:
                         "Hint: " + HINTS["programs"]]
 
 
-def report_lines(records: dict[int, dict]) -> list[str]:
+def for_report(client, engine_ids: dict[int, int], stall) -> list[str]:
+    """The census section of a stall's report, read from the living ranks (half a second at
+    most); never raises: the report, the interrupt and the out-of-step guard come first."""
+    dead = {d.rank for d in stall.deaths}
+    try:
+        records = fetch(client, {r: e for r, e in engine_ids.items() if r not in dead},
+                        timeout=0.5)
+        return report_lines(records, set(stall.finished))
+    except Exception as exc:
+        return ["", f"(The census could not be read: {type(exc).__name__}: {exc}.)"]
+
+
+def report_lines(records: dict[int, dict], finished: set[int] | None = None) -> list[str]:
     """The report's census section (nothing where the records agree or are too few)."""
-    said = explain(records)
+    said = explain(records, finished=finished)
     return [] if said is None else ["", "Census of the cell's cross-process programs:",
                                     *["  " + line for line in said[1]]]
 
@@ -139,7 +152,7 @@ def report_lines(records: dict[int, dict]) -> list[str]:
 def warning(records: dict[int, dict]) -> str | None:
     """One line after a cell that ended normally though its ranks launched different
     programs."""
-    said = explain(records)
+    said = explain(records, waiting=False)
     if said is None:
         return None
     first = said[1][0]
@@ -149,7 +162,8 @@ def warning(records: dict[int, dict]) -> str | None:
 
 def listing(records: dict[int, dict]) -> list[str]:
     """Each group of ranks' launches, in order, one line per run (``%spmd census``)."""
-    groups = _grouped({r: repr((rec["programs"], rec["runs"])) for r, rec in records.items()})
+    groups = _grouped({r: repr((rec["programs"], rec["signatures"], rec["runs"]))
+                       for r, rec in records.items()})
     lines = []
     for _, ranks in groups:
         rec = records[ranks[0]]
@@ -161,10 +175,12 @@ def listing(records: dict[int, dict]) -> list[str]:
             span = f"{at}" if times == 1 else f"{at}-{at + times - 1}"
             shown = rec["programs"][program]
             where = f" ({shown[2]})" if shown[2] and shown[0] != "torch" else ""
-            lines.append(f"  {span:>9}  {_launch(shown, args)}{where}")
+            lines.append(f"  {span:>9}  {_launch(shown, rec['signatures'][args])}{where}")
             at += times
-        if rec.get("dropped"):
-            lines.append(f"  ... and {rec['dropped']:,} more launches, counted only")
+        dropped = rec.get("dropped")
+        if dropped:
+            lines.append(f"  ... and {dropped:,} more launch{'es' if dropped != 1 else ''}, "
+                         "counted only")
     return lines
 
 

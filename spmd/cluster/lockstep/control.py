@@ -11,15 +11,18 @@ import time
 from spmd.engine import control
 
 
-def request(client, engine_ids: list[int], msg_type: str, content: dict, timeout: float):
-    """Send one request to each engine; {engine id: the reply's content, or None when the
-    engine is gone or did not answer within ``timeout`` seconds}."""
+def request(client, engine_ids: list[int], msg_type: str, content: dict, timeout: float,
+            contents: dict[int, dict] | None = None):
+    """Send one request to each engine (``contents``: each engine's own, where given);
+    {engine id: the reply's content, or None when the engine is gone or did not answer
+    within ``timeout`` seconds}."""
     futures = {}
     for engine_id in engine_ids:
         try:
             ident = client._build_targets([engine_id])[0][0]
             futures[engine_id] = client._send(
-                client._control_stream, msg_type, content=content, ident=ident
+                client._control_stream, msg_type, ident=ident,
+                content=(contents or {}).get(engine_id, content),
             )
         except Exception:  # unregistered (dead), or the client is closed
             futures[engine_id] = None

@@ -75,7 +75,9 @@ class CellRun:
         fut.iopub_callbacks.append(
             lambda msg: events.put((rank, msg["header"]["msg_type"], msg["content"]))
         )
-        fut.add_done_callback(lambda f: events.put((rank, _REPLY, _census_digest(f))))
+        client = self.client
+        fut.add_done_callback(
+            lambda f: events.put((rank, _REPLY, _census_digest(client, f.msg_id))))
         fut.output.add_done_callback(lambda _f: events.put((rank, _IDLE, None)))
 
     def debugger_paused(self) -> list[int]:
@@ -231,9 +233,10 @@ def rank_label(ranks: Iterable[int]) -> str:
     return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {rank_set(ranks)}]"
 
 
-def _census_digest(reply_future) -> list | None:
-    """The rank's census digest of the cell, from its reply (None: it launched nothing)."""
+def _census_digest(client, msg_id: str) -> list | None:
+    """The rank's census digest of the cell, from its reply's metadata, also where the cell
+    raised (None: it launched nothing, or no reply came)."""
     try:
-        return reply_future.result().metadata.get("spmd_census")
-    except Exception:  # (an aborted or failed request: no reply to read)
+        return client.metadata[msg_id].get("spmd_census")
+    except Exception:  # (an aborted request, a client without its table)
         return None
