@@ -135,3 +135,20 @@ print(copied(2.0, 3), power.lower(2.0, 3).compile()(2.0), power.__name__,
     listed = run(cluster, "%spmd census").stdout
     assert "Ranks 0-1: 1 cross-process launch\n          1  pmap(<lambda>) float32[2] (line 16)" \
         in listed, listed
+
+
+@pytest.mark.timeout(240)
+def test_torchs_own_check_turns_a_size_mismatch_into_errors_the_census_names(fresh, monkeypatch):
+    """all_reduce of 4 floats against 5: gloo alone aborts one rank (its record dies with
+    it); with torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL, set before the start) both
+    ranks raise, and the census names the op and both sizes."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    out = run(fresh, "%spmd start -n 2 --backend torch")
+    assert out.error is None, out.stderr
+    out = run(fresh, "%%spmd --timeout 60\nimport torch, torch.distributed as dist\n"
+                     "t = torch.ones(4 + dist.get_rank())\ndist.all_reduce(t)")
+    assert ("Warning: the ranks' 1st cross-process program, all_reduce, had different shapes: "
+            "rank 0 float32[4]; rank 1 float32[5]. The likely cause of the errors below.") \
+        in out.stderr, out.stderr
+    text = report(out)
+    assert "Error on 2 of 2 ranks" in text and "Detected mismatch between collectives" in text

@@ -279,7 +279,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             panel.freeze(run)
         show_outputs(run.cells, tabs=self.tabs or opts.tabs)
         if stall is None and census.differ({r: run.census.get(r) for r in run.cells}):
-            said = census.warning(census.fetch(session.client, run.engine_ids, run.requests))
+            said = census.warning(census.fetch(session.client, run.engine_ids, run.requests),
+                                  raised=bool(errors))
             if said:
                 write("stderr", said + "\n")
         if not debugging:

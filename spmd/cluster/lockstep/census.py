@@ -149,13 +149,16 @@ def report_lines(records: dict[int, dict], finished: set[int] | None = None) -> 
                                     *["  " + line for line in said[1]]]
 
 
-def warning(records: dict[int, dict]) -> str | None:
-    """One line after a cell that ended normally though its ranks launched different
-    programs."""
+def warning(records: dict[int, dict], raised: bool = False) -> str | None:
+    """One line after a cell that ended (nothing hung) though its ranks launched different
+    programs (``raised``: some ranks raised, below)."""
     said = explain(records, waiting=False)
     if said is None:
         return None
     first = said[1][0]
+    if raised:
+        return (f"Warning: {first[0].lower()}{first[1:]} The likely cause of the errors "
+                "below. (%spmd census lists each rank's launches.)")
     return (f"Warning: {first[0].lower()}{first[1:]} Nothing hung, but the results may be wrong. "
             "(%spmd census lists each rank's launches.)")
 
