@@ -22,9 +22,10 @@ cells' records are kept, by the request that ran them. The notebook reads a dige
 record in the cell's reply (compared across ranks after every cell) and the whole record on the
 control channel (``CENSUS``) when they differ or a report needs it.
 
-Threads: records are appended by whichever thread launches (a cell's, on the main thread); the
-control thread reads copies. A count may be off by one in a copy taken while a launch is
-recorded; the digest is made on the main thread, after the cell, when recording stops.
+Threads: records are appended on the rank's main thread only, where cells run (a thread's
+launches are not recorded); the control thread reads copies (``CENSUS``), whose last count
+may be off by one while a launch is recorded; the digest is made on the main thread, after
+the cell, when recording stops.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ _cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
 _current: Record | None = None  # the running cell's (None between cells)
 _last: Record | None = None
 _main: int | None = None  # the rank's main thread, where cells run (set by install)
-_off = os.environ.get("SPMD_CENSUS") == "off"  # (the tests' mutation check: a rank that records nothing)
+_off = os.environ.get("SPMD_CENSUS") == "off"  # (README: the census turned off)
 
 
 class Record:
