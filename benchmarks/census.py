@@ -114,12 +114,13 @@ if __name__ == "__main__":
     from benchmarks.run import Bench
 
     bench = Bench()
-    measure(bench, launches=int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
+    launches = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
+    measure(bench, launches=launches)
     for name, xs in bench.samples.items():
         print(f"{name}: median {statistics.median(xs) * 1000:.3f} ms "
               f"({min(xs) * 1000:.3f}-{max(xs) * 1000:.3f}), {len(xs)} runs")
     for kind in ("jit", "torch_all_reduce"):
-        on = bench.samples.get(f"census_{kind}_1000/on")
-        off = bench.samples.get(f"census_{kind}_1000/off")
+        on = bench.samples.get(f"census_{kind}_{launches}/on")
+        off = bench.samples.get(f"census_{kind}_{launches}/off")
         if on and off:
             print(f"{kind}: census on / off = {statistics.median(on) / statistics.median(off):.3f}")

@@ -34,6 +34,7 @@ import collections
 import functools
 import hashlib
 import os
+import tempfile
 import threading
 import types
 
@@ -151,8 +152,8 @@ def where_defined(fn) -> str:
     if code is None:
         return ""
     name = os.path.basename(code.co_filename)
-    cell = name.startswith("<") or os.path.dirname(code.co_filename).startswith(
-        os.path.join(os.sep, "tmp"))
+    # (a cell's file: ipykernel's, or the debugger's cell folder, both in the temp folder)
+    cell = name.startswith("<") or code.co_filename.startswith(tempfile.gettempdir())
     return f"line {code.co_firstlineno}" if cell else f"{name}:{code.co_firstlineno}"
 
 

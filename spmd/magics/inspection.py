@@ -64,7 +64,7 @@ class Inspection:
             say(f"In [{number}] launched no cross-process program on any rank.")
             return
         lines = census.listing(records)
-        said = census.explain(records)
+        said = census.explain(records, waiting=False)
         lines += ["", *said[1]] if said else ["", "Every rank launched the same."]
         say(f"In [{number}]:\n" + "\n".join(lines))
 
