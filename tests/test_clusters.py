@@ -61,12 +61,18 @@ def hub_answers(info: dict, curve: bool) -> bool:
     signer = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
+    # (a DEALER whose only peer dropped it, as a failed CurveZMQ handshake does, blocks in
+    # send for ever: seen once in a CI run; a send not taken in 3 s is no answer)
+    sock.sndtimeo = 3000
     if curve:
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.curve_serverkey = info["curve_serverkey"].encode()
     try:
         sock.connect(f"{info['interface']}:{info['registration']}")
-        signer.send(sock, "connection_request")
+        try:
+            signer.send(sock, "connection_request")
+        except zmq.Again:
+            return False
         return bool(sock.poll(3000))
     finally:
         sock.close()
