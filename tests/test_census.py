@@ -138,13 +138,17 @@ print(copied(2.0, 3), power.lower(2.0, 3).compile()(2.0), power.__name__,
 
 
 @pytest.mark.timeout(240)
-def test_torchs_own_check_turns_a_size_mismatch_into_errors_the_census_names(fresh, monkeypatch):
+def test_torchs_own_check_turns_a_size_mismatch_into_errors_the_census_names(fresh, tmp_path):
     """all_reduce of 4 floats against 5: gloo alone aborts one rank (its record dies with
-    it); with torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL, set before the start) both
-    ranks raise, and the census names the op and both sizes."""
-    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    out = run(fresh, "%spmd start -n 2 --backend torch")
+    it); with torch's own check (--check-collectives: TORCH_DISTRIBUTED_DEBUG=DETAIL) both
+    ranks raise, and the census names the op and both sizes. A restart keeps the check, and
+    the exported job has it too."""
+    out = run(fresh, "%spmd start -n 2 --backend jax --check-collectives")
+    assert "--check-collectives turns on torch's own check of each collective, for " \
+           "--backend torch" in str(out.error), out.error
+    out = run(fresh, "%spmd start -n 2 --backend torch --check-collectives")
     assert out.error is None, out.stderr
+    assert run(fresh, "%spmd restart").error is None
     out = run(fresh, "%%spmd --timeout 60\nimport torch, torch.distributed as dist\n"
                      "t = torch.ones(4 + dist.get_rank())\ndist.all_reduce(t)")
     assert ("Warning: the ranks' 1st cross-process program, all_reduce, had different shapes: "
@@ -152,3 +156,8 @@ def test_torchs_own_check_turns_a_size_mismatch_into_errors_the_census_names(fre
         in out.stderr, out.stderr
     text = report(out)
     assert "Error on 2 of 2 ranks" in text and "Detected mismatch between collectives" in text
+    out = run(fresh, f"%spmd export {tmp_path / 'job.py'}")
+    assert out.error is None, out.stderr
+    script = (tmp_path / "job.py").read_text()
+    check = 'os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")'
+    assert check in script and script.index(check) < script.index("import torch\n"), script

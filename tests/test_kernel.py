@@ -290,6 +290,19 @@ def test_a_cluster_kernelspec_says_where_its_ranks_run(tmp_path):
     assert dict(settings.where.launcher_args) == {"partition": "gpu", "time": "10"}
 
 
+def test_a_torch_kernelspec_keeps_torchs_collective_check(tmp_path):
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(tmp_path), JUPYTER_PATH=str(tmp_path))
+    done = spmd_kernel_cli("install", "--user", "--name", "t2", "-n", "2", "--backend", "torch",
+                           "--check-collectives", env=env)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "kernels/t2/kernel.json").read_text())
+    assert spec["display_name"] == "Python 3 (SPMD, 2 processes)"
+    from spmd.kernel.app import settings_from_argv
+
+    settings = settings_from_argv(spec["argv"])
+    assert settings.check_collectives and settings.backend == "torch", settings
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -305,6 +318,7 @@ def test_a_cluster_kernelspec_says_where_its_ranks_run(tmp_path):
         (["install", "-n", "2", "--hosts", "a:1,b:2"], "the counts in --hosts a:1,b:2 add up to 3"),
         (["install", "--launcher-arg", "partition=gpu"], "--launcher-arg is for ranks on other hosts"),
         (["install", "--launcher", "slurm", "--launcher-arg", "nonsense"], "--launcher-arg takes KEY=VALUE"),
+        (["install", "--check-collectives"], "--check-collectives turns on torch's own check"),
         # this machine's GPUs, checked as the start checks them (here it shows none)
         (["install", "--gpus-per-process", "3"], "--gpus-per-process 3 was given, but this machine has no GPUs"),
     ],

@@ -49,6 +49,9 @@ class Settings:
     # Local ranks forked by one rank server (True), or started as a Python each (False: each
     # has its own string-hash salt, as a job's processes do).
     rank_server: bool = True
+    # torch's own check of each collective (TORCH_DISTRIBUTED_DEBUG=DETAIL): every rank
+    # compares the op, shapes and dtypes with the others' before running it.
+    check_collectives: bool = False
 
 
 @dataclass

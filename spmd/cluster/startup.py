@@ -160,6 +160,7 @@ class Startup:
             torch_init=self._torch_init(),
             # (on other hosts, only a folder the user named: this machine's is not theirs)
             cache_dir=self._cache_dir if placed.on_this_machine else s.cache_dir,
+            check_collectives=s.check_collectives,
         )
         if s.curve and self._address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"

@@ -82,6 +82,9 @@ def join(
             _KEEP.append(_store_on(addr, int(port), timeout))
     INIT_ARGS.clear()
     INIT_ARGS.update(args)
+    # torch reads TORCH_DISTRIBUTED_DEBUG (--check-collectives) when torch.distributed is
+    # imported: in the rank server, before this rank's environment was given to it.
+    dist.set_debug_level_from_env()
     dist.init_process_group(**args)
     return {
         "torch_backend": backend,

@@ -6,6 +6,7 @@
                                   [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                                   [--launcher-arg KEY=VALUE ...] [--python PATH]
                                   [--gpus-per-process K] [--start-timeout S]
+                                  [--check-collectives]
     python -m spmd.kernel list
     python -m spmd.kernel remove NAME
 
@@ -33,12 +34,12 @@ KERNEL_NAME = "spmd"
 APP_MODULE = "spmd.kernel.app"
 
 
-def display_name_for(processes: int, cluster: str = "") -> str:
+def display_name_for(processes: int, cluster: str = "", backend: str = "jax") -> str:
     """"Python 3 (SPMD, 4 processes)", or where the ranks run: "Python 3 (SPMD, 8 ranks on
     Slurm)", "... on node1, node2", "... with mpiexec"."""
-    if not cluster:
+    where = cluster_settings(processes, cluster, backend=backend).where if cluster else None
+    if where is None or (where.launcher == "local" and not where.hosts):  # (this machine)
         return f"Python 3 (SPMD, {processes} process{'es' if processes != 1 else ''})"
-    where = cluster_settings(processes, cluster).where
     if where.launcher == "slurm":
         place = "on Slurm"
     elif where.launcher == "mpi":
@@ -82,7 +83,8 @@ def cluster_settings(processes: int, cluster: str, **settings):
 
 def cluster_options(hosts: str = "", launcher: str | None = None,
                     launcher_args: list[str] = (), python: str = "",
-                    gpus_per_process: int | None = None, start_timeout: float | None = None) -> str:
+                    gpus_per_process: int | None = None, start_timeout: float | None = None,
+                    check_collectives: bool = False) -> str:
     """The kernel's cluster as one string of %spmd start options."""
     import shlex
 
@@ -99,6 +101,8 @@ def cluster_options(hosts: str = "", launcher: str | None = None,
         words += ["--gpus-per-process", str(gpus_per_process)]
     if start_timeout is not None:
         words += ["--start-timeout", f"{start_timeout:g}"]
+    if check_collectives:
+        words += ["--check-collectives"]
     return shlex.join(words)
 
 
@@ -127,7 +131,7 @@ def kernel_dict(
         settings.append(f"--SpmdKernel.cluster={cluster}")
     return {
         "argv": make_ipkernel_cmd(mod=APP_MODULE, extra_arguments=settings),
-        "display_name": display_name or display_name_for(processes, cluster),
+        "display_name": display_name or display_name_for(processes, cluster, backend),
         "language": "python",
         # Jupyter's interrupt is SIGINT to the kernel, which the cell's wait turns into the
         # interrupt report.
@@ -220,6 +224,8 @@ def _parser() -> _Parser:
     inst.add_argument("--python", default="", help="the ranks' Python on the hosts")
     inst.add_argument("--gpus-per-process", type=int, help="GPUs per rank (0 hides them)")
     inst.add_argument("--start-timeout", type=float, help="seconds the ranks may take to start")
+    inst.add_argument("--check-collectives", action="store_true",
+                      help="torch's own check of each collective across the ranks")
     commands.add_parser("list", help="list the SPMD kernelspecs")
     rm = commands.add_parser("remove", help="remove an SPMD kernelspec")
     rm.add_argument("name")
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = sys.prefix if args.sys_prefix else args.prefix
         cluster = cluster_options(
             args.hosts, args.launcher, args.launcher_arg, args.python, args.gpus_per_process,
-            args.start_timeout,
+            args.start_timeout, args.check_collectives,
         )
         from IPython.core.error import UsageError
 

@@ -79,6 +79,7 @@ def _start_parser() -> _Parser:
     p.add_argument("--backend", type=options.backend, default="jax")
     p.add_argument("--torch-backend", choices=options.TORCH_BACKENDS, default=None)
     p.add_argument("--init-method", type=options.init_method, default=None)
+    p.add_argument("--check-collectives", action="store_true")
     p.add_argument("--timeout", type=_seconds, default=None)
     p.add_argument("--grace", type=_grace, default=Settings.grace)
     p.add_argument("--start-timeout", type=_seconds, default=Settings.start_timeout)
@@ -137,6 +138,7 @@ def start_settings(args: list[str], make_folders: bool = True):
         max_output=opts.max_output,
         preload=opts.preload,
         rank_server=opts.rank_server == "on",
+        check_collectives=opts.check_collectives,
     )
 
 
@@ -206,6 +208,11 @@ def _options_checked(opts, where: remote.Placement) -> remote.Placement:
     torch_flag = "--torch-backend" if opts.torch_backend else "--init-method"
     if (opts.torch_backend or opts.init_method) and "torch" not in opts.backend:
         raise UsageError(f"%spmd start: {torch_flag} is for --backend torch: add it.")
+    if opts.check_collectives and "torch" not in opts.backend:
+        raise UsageError(
+            "%spmd start: --check-collectives turns on torch's own check of each collective, "
+            "for --backend torch: add it, or drop --check-collectives."
+        )
     if opts.torch_backend == "mpi" and where.launcher != "mpi":
         raise UsageError(
             "%spmd start: --torch-backend mpi needs ranks started by mpiexec: add --launcher mpi."

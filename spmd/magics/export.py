@@ -217,6 +217,12 @@ class Job:
             lines += _fail_fast("jax" in self.backends, self.pmi)
             self.imports |= {"atexit", "builtins", "sys"}
         if "torch" in self.backends:
+            if s.check_collectives:
+                lines += ["", "# torch's own check of each collective across the processes, as "
+                          "%spmd start",
+                          "# --check-collectives had it (read when torch.distributed is "
+                          "imported).",
+                          'os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")']
             lines += ["", "import torch", "import torch.distributed as dist", ""]
             lines += self._torch_init()
         return lines + [""]

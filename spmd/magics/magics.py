@@ -76,7 +76,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
 
             %spmd start -n 4 [-d K] [--backend jax|torch|jax,torch|none] [--timeout S]
                         [--grace S] [--torch-backend gloo|nccl|mpi]
-                        [--init-method tcp|env|file|file:///PATH] [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
+                        [--init-method tcp|env|file|file:///PATH] [--check-collectives]
+                        [--hosts H1,H2 | H1:2,H2:6] [--launcher local|ssh|mpi|slurm]
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
                         [--compilation-cache DIR] [--preload M1,M2]
@@ -108,7 +109,9 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         well under a second.
         jax's compilation cache is shared by the ranks and kept across restarts.
         ``--backend torch`` runs ``torch.distributed.init_process_group`` instead (gloo by
-        default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+        default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
+        ``--check-collectives`` turns on torch's own check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``):
+        a collective whose op or sizes differ between ranks raises on every rank.
 
         Cell magic (runs one cell on the cluster, also when auto mode is off)::
 

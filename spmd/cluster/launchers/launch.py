@@ -103,6 +103,9 @@ class RankedEngineSetLauncher(LocalEngineSetLauncher):
         return self.__dict__.setdefault("_ended", {})
 
 
+# --check-collectives: torch's own check, which wraps every process group in one that compares
+# each collective's op, shapes and dtypes across the ranks before running it.
+CHECK_COLLECTIVES_ENV = "TORCH_DISTRIBUTED_DEBUG"
 # The user's settings for torch's backends that ranks on other hosts get too.
 PASSED_THROUGH = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS")
 
@@ -119,6 +122,7 @@ def cluster_config(
     torch_backend: str = "gloo",
     torch_init: str = "tcp",
     cache_dir: str | None = None,
+    check_collectives: bool = False,
 ) -> Config:
     """The traitlets config of an SPMD cluster of ``n`` engines, placed as ``where`` says;
     the controller listens on ``address`` only. ``coordinators``: rank 0's address for each
@@ -157,6 +161,8 @@ def cluster_config(
         env[engine.CPU_DEVICES_ENV] = str(cpu_devices)
     if cache_dir:
         env[engine.CACHE_DIR_ENV] = cache_dir
+    if check_collectives:  # (read when torch.distributed is imported: the server's import)
+        env[CHECK_COLLECTIVES_ENV] = "DETAIL"
     if gpus_per_process is not None:
         env[placement.GPUS_PER_PROCESS_ENV] = str(gpus_per_process)
     engine_args = [
