@@ -3,10 +3,15 @@
 - 1,000 launches of a small jitted cross-process program (a sum over a global array of 4),
   through the census's wrapper and through jax's own jitted function under it (the census
   off), alternated in blocks in one cell, so that drift hits both alike;
-- the same for 1,000 ``torch.distributed.all_reduce`` of 4 floats (gloo), wrapped and not;
+- the same for 1,000 ``torch.distributed.all_reduce`` of 4 floats (gloo), wrapped and not,
+  and wrapped under torch's own check (``--check-collectives``, a second cluster);
+- the same launches through an empty Python wrapper (one that only calls through): the
+  floor of any hook here. On this 2-core machine each rank's Python thread shares the cores
+  with its own and the other rank's XLA and gloo threads, and the partner waits for it in
+  every collective: a few microseconds of extra work a launch, even two attribute reads,
+  moved a small launch by 5-15% in plain processes;
 - the census's own work in one launch (is its result cross-process? then the record),
-  without the launch: on this 2-core machine the launches' own time moves by 10-20% between
-  blocks, more than the census adds, so this is the figure that says what it costs;
+  without the launch: the figure that says what it costs;
 - the hooks every cell pays (a record started and ended, no launch), per cell.
 
 ``python -m benchmarks.census`` runs it alone; ``make bench`` runs it with the rest.
@@ -24,7 +29,13 @@ mesh = jax.make_mesh((jax.device_count(),), ('i',))
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P('i')), np.ones((2,), np.float32))
 total = jax.jit(lambda x: x.sum())
 bare = total._jitted  # (jax's own jitted function: what runs with the census off)
-total(x).block_until_ready(); bare(x).block_until_ready()"""
+class Empty:  # (the floor of any hook: a Python call that only calls through)
+    def __init__(self, f):
+        self.f = f
+    def __call__(self, *args, **kwargs):
+        return self.f(*args, **kwargs)
+empty = Empty(bare)
+total(x).block_until_ready(); bare(x).block_until_ready(); empty(x).block_until_ready()"""
 
 JAX_BLOCK = """def launches(f, n={n}):
     t0 = time.perf_counter()
@@ -32,10 +43,12 @@ JAX_BLOCK = """def launches(f, n={n}):
         y = f(x)
     y.block_until_ready()
     return time.perf_counter() - t0
-times = {{'on': [], 'off': []}}
-for block in range({blocks}):  # (on first, then off first: no order favours either)
-    for mode in (('on', 'off') if block % 2 else ('off', 'on')):
-        times[mode].append(launches(total if mode == 'on' else bare))
+launched = {{'on': total, 'off': bare, 'empty': empty}}
+times = {{mode: [] for mode in launched}}
+modes = list(launched)
+for block in range({blocks}):  # (each mode first in turn: no order favours one)
+    for mode in modes[block % 3:] + modes[:block % 3]:
+        times[mode].append(launches(launched[mode]))
 if jax.process_index() == 0:
     print(json.dumps(times))"""
 
@@ -59,10 +72,8 @@ if dist.get_rank() == 0:
 # result already there: the launch itself left out).
 RECORD = """import spmd.engine.census as census, timeit
 y = total(x); y.block_until_ready()
-def once():
-    if census._spans_processes('jit', y):
-        census.record(total._program, census._leaves(((x,), {})))
-print(timeit.timeit(once, number=20000) / 20000)"""
+args, kwargs = (x,), {}
+print(timeit.timeit(lambda: total.recorded(y, args, kwargs), number=20000) / 20000)"""
 
 HOOKS = """import spmd.engine.census as census, time
 t0 = time.perf_counter()
@@ -100,14 +111,17 @@ def measure(bench, launches: int = 1000, blocks: int = 10) -> None:
         import torch  # noqa: F401
     except ImportError:
         return
-    bench.cell("%spmd start -n 2 --backend torch")
-    try:
-        said = json.loads(_rank0(bench.cell(TORCH_BLOCK.format(n=launches, blocks=blocks))))
+    for checked in ("", " --check-collectives"):
+        bench.cell(f"%spmd start -n 2 --backend torch{checked}")
+        try:
+            said = json.loads(_rank0(bench.cell(TORCH_BLOCK.format(n=launches, blocks=blocks))))
+        finally:
+            bench.cell("%spmd stop")
         for mode, xs in said.items():
-            for x in xs:
+            if checked:  # (torch's own check, with the census: against "off" of the first)
+                mode = {"on": "checked"}.get(mode)
+            for x in xs if mode else ():
                 bench.record(f"census_torch_all_reduce_{launches}/{mode}", x)
-    finally:
-        bench.cell("%spmd stop")
 
 
 if __name__ == "__main__":
@@ -120,7 +134,8 @@ if __name__ == "__main__":
         print(f"{name}: median {statistics.median(xs) * 1000:.3f} ms "
               f"({min(xs) * 1000:.3f}-{max(xs) * 1000:.3f}), {len(xs)} runs")
     for kind in ("jit", "torch_all_reduce"):
-        on = bench.samples.get(f"census_{kind}_{launches}/on")
         off = bench.samples.get(f"census_{kind}_{launches}/off")
-        if on and off:
-            print(f"{kind}: census on / off = {statistics.median(on) / statistics.median(off):.3f}")
+        for mode in ("on", "empty", "checked"):
+            xs = bench.samples.get(f"census_{kind}_{launches}/{mode}")
+            if xs and off:
+                print(f"{kind}: {mode} / off = {statistics.median(xs) / statistics.median(off):.3f}")
