@@ -55,6 +55,10 @@ INTERNALS = [
              "(client.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._io_loop", "notebook",
              "the IO thread that owns the client's engine tables (client.py)"),
+    *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
+               "the controller keeps of each request only its id (launchers/hub.py)")
+      for name in ("save_queue_request", "save_queue_result", "monitor_iopub_message",
+                   "by_ident", "pending", "queues", "completed", "all_completed")],
     Internal("ipyparallel", "ipyparallel", "Client._extract_metadata", "notebook",
              "a cell's census digest in its reply's metadata (client.py)"),
     Internal("ipyparallel", "ipyparallel.client.client", "unpack_message", "notebook",
@@ -111,6 +115,13 @@ INTERNALS = [
              "the ranks' debug events, shown to JupyterLab (kernel/debugger.py)"),
     Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
              "rank", "a cell's census digest in its reply's metadata (engine/census.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_status", "rank",
+             "no status: busy from a rank, which no one reads (engine/quiet.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
+             "no execute_input from a rank, which no one reads (engine/quiet.py)"),
+    *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
+               "an empty stream's flush skips its IOPub thread round trip (engine/streams.py)")
+      for name in ("_buffers", "_flush_pending", "_subprocess_flush_pending")],
     # jax, on every rank
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
              "which jitted calls span processes, for the census (engine/census.py)",

@@ -28,6 +28,7 @@ from spmd.engine import (
     jit_cache,
     placement,
     prompts,
+    quiet,
     results,
     started,
     torch_group,
@@ -282,6 +283,7 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     main_thread = threading.main_thread().ident
     control.install(shell.kernel, main_thread)
     prompts.install(shell.kernel)  # input(), getpass and pdb, answered in the notebook
+    quiet.install(shell.kernel)  # (no busy or execute_input: no one reads them)
     return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
 
 

@@ -100,7 +100,9 @@ class SpmdClient(ipyparallel.Client):
             return  # (ipyparallel ignores other clients' messages too)
         kind = msg["header"]["msg_type"]
         engine_id = self._engine(msg.get("metadata", {}).get("engine"))
-        if engine_id is not None and msg_id in self._futures and msg_id not in self._engine_of:
+        # (learnt from the first message that names it: a cell's status: idle at the latest,
+        # which may come after its reply, when the request has left _futures)
+        if engine_id is not None and msg_id not in self._engine_of:
             self._engine_of[msg_id] = engine_id
             while len(self._engine_of) > RECENT_REQUESTS:
                 self._engine_of.popitem(last=False)

@@ -1,5 +1,6 @@
 """``python -m spmd.cluster.launchers.controller``: ipyparallel's controller, ending with the notebook,
-writing its connection files whole, and encrypting its traffic where it leaves the machine.
+writing its connection files whole, encrypting its traffic where it leaves the machine, and
+keeping of each request only what the cluster needs (hub.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ def main() -> None:
     from ipyparallel.controller.app import IPController
     from ipyparallel.controller.app import main as controller_main
 
+    from spmd.cluster.launchers import hub
+
     IPController.save_connection_dict = save_connection_dict
+    hub.install()
     controller_main()
 
 

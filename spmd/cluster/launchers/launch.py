@@ -144,6 +144,8 @@ def cluster_config(
         f"--IPController.registration_timeout={max(30, init_timeout)}",
         # Schedulers as threads, not processes: on 2 cores every process costs start-up time.
         "--IPController.use_threads=True",
+        # No task database: nothing asks the hub for a request's record (launchers/hub.py).
+        "--IPController.db_class=NoDB",
         "--log-level=WARN",
     ]
     env = {
