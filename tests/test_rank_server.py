@@ -128,7 +128,7 @@ def test_a_rank_server_that_ends_during_a_restart_is_one_sentence(fresh, monkeyp
 
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     server = server_of(fresh)
-    fork = servers.RankServer.fork
+    fork = servers.RankServer.ask_fork
 
     def killed_first(self, *args, **kwargs):  # (it said it was ready; it ends now)
         if server.is_running():
@@ -136,7 +136,7 @@ def test_a_rank_server_that_ends_during_a_restart_is_one_sentence(fresh, monkeyp
             server.wait(10)
         return fork(self, *args, **kwargs)
 
-    monkeypatch.setattr(servers.RankServer, "fork", killed_first)
+    monkeypatch.setattr(servers.RankServer, "ask_fork", killed_first)
     out = run(fresh, "%spmd restart")
     monkeypatch.undo()
     assert isinstance(out.error, UsageError), (out.error, out.stdout, out.stderr)

@@ -50,6 +50,14 @@ import time
 ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.app",
                   "spmd.engine.bootstrap")
 BACKEND_MODULES = {"jax": ("jax", "jax.numpy"), "torch": ("torch", "torch.distributed")}
+# Imported once here too where they are installed: ipyparallel imports numpy in each rank at
+# its first request (its serializer's type table), 100 ms of CPU a rank, which at 64 ranks
+# was most of a --backend none restart's 8 s of CPU on this machine's 2 cores.
+# The rest is what every rank imported after its fork, measured (about 10 ms a rank).
+OPTIONAL_MODULES = ("numpy", "sqlite3", "tornado.platform.asyncio", "tornado.gen",
+                    "tornado.queues", "tornado.locks", "IPython.core.oinspect",
+                    "IPython.core.completerlib", "IPython.extensions.storemagic",
+                    "IPython.utils.wildcard", "spmd.engine.streams")
 
 
 def modules_for(backend: str, preload: list[str]) -> list[str]:
@@ -298,6 +306,11 @@ def main(modules: list[str]) -> None:
             raise OSError("this system cannot fork")
         for name in modules:
             importlib.import_module(name)
+        for name in OPTIONAL_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
         _check_internals()
         if threading.active_count() > 1:
             # a fork keeps only the forking thread: a lock another one held stays held

@@ -27,14 +27,22 @@ class ForkedEngineLauncher(RankedEngineLauncher):
         return self.parent.server
 
     def start(self) -> None:
+        """Ask the server for this rank's fork; ``started`` (called by the set once every
+        rank's fork is asked for) waits for it."""
         env = dict(os.environ, **self.get_env())
-        key = f"{self.parent.engine_set_id}/{self.identifier}"
         # Its folder is the notebook's now, as a fresh start's is: the server's own is the
         # notebook's at the cluster's start, and so is the engine app's default folder,
         # which it changes to (ipyparallel read the folder when the server imported it).
         folder = os.path.abspath(self.work_dir)
         argv = [*_engine_argv(self.args), f"--IPEngine.work_dir={folder}"]
-        self.pid = self.server.fork(key, env, argv, self.output_file, folder)
+        self.server.ask_fork(self._key, env, argv, self.output_file, folder)
+
+    @property
+    def _key(self) -> str:
+        return f"{self.parent.engine_set_id}/{self.identifier}"
+
+    def started(self) -> None:
+        self.pid = self.server.forked(self._key)
         try:
             self.process = psutil.Process(self.pid)
         except psutil.NoSuchProcess:  # (it ended at once: the start or restart says so)
@@ -71,7 +79,11 @@ class ForkedEngineSetLauncher(RankedEngineSetLauncher):
         if not await _ready(server, self.parent.engine_timeout):
             self.fell_back = server.why_not
             self.launcher_class = RankedEngineLauncher
-        return super().start(n)
+        started = super().start(n)  # (every rank's fork asked for, in one go)
+        if not self.fell_back:
+            for launcher in self.launchers.values():
+                launcher.started()
+        return started
 
 
 async def _ready(server: RankServer | SSHRankServers, timeout: float) -> bool:

@@ -90,8 +90,20 @@ class RankServer:
     def fork(self, key: str, env: dict[str, str], argv: list[str], output: str, cwd: str,
              keep_env: bool = False, timeout: float = 30.0) -> int:
         """Fork one rank; its pid. Raises ServerUnavailable (the start then fails)."""
+        self.ask_fork(key, env, argv, output, cwd, keep_env)
+        return self.forked(key, timeout)
+
+    def ask_fork(self, key: str, env: dict[str, str], argv: list[str], output: str, cwd: str,
+                 keep_env: bool = False) -> None:
+        """Ask for one rank's fork, without waiting for it (``forked`` waits): the forks of
+        many ranks are asked for in one go, and the server forks them one after the other
+        without a round trip each (64 round trips took 1.3 s)."""
         self._send({"fork": key, "env": env, "argv": argv, "output": output, "cwd": cwd,
                     "keep_env": keep_env})
+
+    def forked(self, key: str, timeout: float = 30.0) -> int:
+        """The pid of the rank asked for as ``key``, once forked; ServerUnavailable if it
+        could not be."""
         deadline = time.monotonic() + timeout
         with self._replied:
             while key not in self._replies:
