@@ -193,3 +193,23 @@ def test_the_same_error_groups_although_the_ranks_count_their_cells_differently(
     groups = group_errors(cells([raised(12)], [raised(11)]))
     assert [ranks for ranks, _ in groups] == [[0, 1]]
     assert "In[12]" in groups[0][1].traceback[0]  # the lowest rank's text is shown
+
+
+def test_the_panel_of_256_ranks_is_a_row_per_state_and_of_16_a_row_per_rank():
+    from spmd.magics.panel import panel_html, panel_text
+
+    def rows(n, stragglers):
+        return [dict(rank=r, state="straggler" if r in stragglers else "done",
+                     seconds=0.5 if r in stragglers else 0.10 + r / 10000,
+                     host=f"node{r // 8}", pid=1000 + r, memory=(100 + r % 3) * 2**20)
+                for r in range(n)]
+
+    text = panel_text(rows(256, {5, 200}), live=True).splitlines()
+    assert text == [
+        "Running: ranks 5,200 still busy after the others finished.",
+        "ranks              state  seconds      hosts     memory",
+        "0-4,6-199,201-255  done   0.10-0.13 s  32 hosts  100-102 MB",
+        "5,200              busy   0.50 s       2 hosts   102 MB   <- straggler",
+    ], text
+    assert panel_html(rows(256, {5}), live=True).count("<tr") == 3  # (the head, 2 groups)
+    assert len(panel_text(rows(16, {5}), live=True).splitlines()) == 18  # (head, 16 ranks)

@@ -21,9 +21,11 @@ class Inspection:
     """SpmdMagics' inspection commands (a mixin: the state is SpmdMagics', see magics.py)."""
 
     def _cmd_status(self, args: list[str]) -> None:
-        self._no_args("status", args)
+        if args not in ([], ["all"]):
+            raise UsageError("%spmd status takes no argument but all: %spmd status all lists "
+                             "every rank (without it, more than 16 ranks are grouped).")
         session = self._require_session(allow_stopped=True)
-        say(status_table(session, self.auto.on))
+        say(status_table(session, self.auto.on, every_rank=bool(args)))
 
     def _cmd_interrupt(self, args: list[str]) -> None:
         self._no_args("interrupt", args)

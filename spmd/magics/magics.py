@@ -83,7 +83,7 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
                         [--compilation-cache DIR] [--preload M1,M2]
                         [--rank-server on|off]
                         [--max-output N|all] [--panel] [--tabs] [--breakpoint lowest|all]
-            %spmd stop | restart | status | interrupt | where | on | off
+            %spmd stop | restart | status [all] | interrupt | where | on | off
             %spmd panel [on|off]         the ranks' rows; on: a live panel in every cell
             %spmd log RANK [--tail N]    every line a rank printed
             %spmd debug [RANK]           pdb on a rank's last exception (post-mortem)

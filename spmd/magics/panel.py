@@ -16,6 +16,7 @@ from IPython.display import display
 
 from spmd.cluster.lockstep.run import CellRun, rank_words
 from spmd.cluster.session import Session
+from spmd.magics import grouped
 
 _COLOURS = {
     "input": "#d0ebff",
@@ -156,13 +157,33 @@ def headline(rows: list[dict], live: bool | None) -> str:
 
 
 _HEAD = ["rank", "state", "seconds", "host:pid", "memory"]  # (seconds: in the cell, or the last)
+_GROUP_HEAD = ["ranks", "state", "seconds", "hosts", "memory"]
+
+
+def _table(rows: list[dict]) -> tuple[list[str], list[tuple[dict, list[str]]]]:
+    """The panel's header and rows: one per rank, or beyond grouped.MANY ranks one per group
+    of ranks in the same state (the first rank's row stands for the group's state)."""
+    if len(rows) <= grouped.MANY:
+        return _HEAD, [(row, _cells(row)) for row in rows]
+    table = []
+    for group in grouped.groups(rows, lambda r: (r["state"],)):
+        state = "busy" if group[0]["state"] == "straggler" else group[0]["state"]
+        table.append((group[0], [
+            grouped.ranks(group), state,
+            grouped.spread((r["seconds"] for r in group), lambda s: f"{s:.2f} s"),
+            grouped.hosts(group),
+            grouped.spread((r["memory"] or None for r in group),
+                           lambda m: f"{m / 2**20:.0f} MB"),
+        ]))
+    return _GROUP_HEAD, table
 
 
 def panel_text(rows: list[dict], live: bool | None) -> str:
-    table = [_HEAD, *(_cells(r) for r in rows)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(_HEAD))]
+    head, body = _table(rows)
+    table = [head, *(cells for _, cells in body)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = [headline(rows, live)]
-    for row, cells in zip([None, *rows], table):
+    for row, cells in zip([None, *(row for row, _ in body)], table):
         line = "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
         if row is not None and row["state"] == "straggler":
             line += "   <- straggler"
@@ -171,13 +192,14 @@ def panel_text(rows: list[dict], live: bool | None) -> str:
 
 
 def panel_html(rows: list[dict], live: bool | None) -> str:
-    head = "".join(f"<th style='text-align:left;padding:0 12px 0 0'>{h}</th>" for h in _HEAD)
+    columns, table = _table(rows)
+    head = "".join(f"<th style='text-align:left;padding:0 12px 0 0'>{h}</th>" for h in columns)
     body = []
-    for row in rows:
+    for row, texts in table:
         colour = _COLOURS.get(row["state"])
         style = f" style='background:{colour}'" if colour else ""
         cells = "".join(
-            f"<td style='padding:0 12px 0 0'>{html.escape(c)}</td>" for c in _cells(row)
+            f"<td style='padding:0 12px 0 0'>{html.escape(c)}</td>" for c in texts
         )
         mark = " <b>straggler</b>" if row["state"] == "straggler" else ""
         body.append(f"<tr{style}>{cells}<td>{mark}</td></tr>")

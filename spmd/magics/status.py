@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spmd.cluster.session import Session
+from spmd.magics import grouped
 
 
 def summary(session: Session, restarted: bool = False) -> str:
@@ -21,7 +22,22 @@ def summary(session: Session, restarted: bool = False) -> str:
     )
 
 
-def status_table(session: Session, auto_on: bool) -> str:
+def status_table(session: Session, auto_on: bool, every_rank: bool = False) -> str:
+    """The rank table: a row per rank, or beyond ``grouped.MANY`` ranks (unless
+    ``every_rank``) a row per group of ranks alike."""
+    if every_rank or len(session.ranks) <= grouped.MANY:
+        lines = _rank_rows(session)
+    else:
+        lines = _group_rows(session)
+    return "\n".join(lines + _cluster_lines(session, auto_on))
+
+
+def _table(head: tuple, rows: list[tuple]) -> list[str]:
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+
+
+def _rank_rows(session: Session) -> list[str]:
     # GPUs: what each rank was given (CUDA_VISIBLE_DEVICES), where any rank was given some
     gpus = any(r.gpus is not None for r in session.ranks)
     head = ("rank", "host", "pid", "state", "devices", *(("gpus",) if gpus else ()), "last cell")
@@ -37,8 +53,36 @@ def status_table(session: Session, auto_on: bool) -> str:
         )
         for r in session.ranks
     ]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+    return _table(head, rows)
+
+
+def _group_rows(session: Session) -> list[str]:
+    """One row per group of ranks in the same state with the same devices (and as many
+    GPUs each), then how to list them all."""
+    rows = [dict(rank=r.rank, host=r.host, state=r.state, devices=r.local_devices,
+                 gpus=None if r.gpus is None else len(r.gpus), seconds=r.last_seconds)
+            for r in session.ranks]
+    gpus = any(r["gpus"] is not None for r in rows)
+    head = ("ranks", "hosts", "state", "devices", *(("gpus each",) if gpus else ()),
+            "last cell")
+    table = [
+        (
+            grouped.ranks(group),
+            grouped.hosts(group),
+            group[0]["state"],
+            str(group[0]["devices"]),
+            *((str(group[0]["gpus"] or 0),) if gpus else ()),
+            grouped.spread((r["seconds"] for r in group), lambda s: f"{s:.2f} s"),
+        )
+        for group in grouped.groups(rows, lambda r: (r["state"], r["devices"], r["gpus"]))
+    ]
+    return [*_table(head, table),
+            f"{len(rows)} ranks in {len(table)} group{'s' if len(table) > 1 else ''} "
+            "(%spmd status all lists every rank)"]
+
+
+def _cluster_lines(session: Session, auto_on: bool) -> list[str]:
+    lines = []
     state = "running" if session.running else "stopped"
     lines.append(
         f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
@@ -52,4 +96,4 @@ def status_table(session: Session, auto_on: bool) -> str:
         lines.append("rank server: none (a Python per rank; %spmd restart starts afresh)")
     if session.out_of_step:
         lines.append(f"Cells are refused: {session.out_of_step}")
-    return "\n".join(lines)
+    return lines
