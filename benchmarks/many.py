@@ -1,0 +1,93 @@
+"""Many ranks (``--backend none``, forked by the rank server), side by side in one run:
+
+- a trivial cell on 4 and on 64 ranks (medians of ``cells`` cells), and where its CPU goes
+  at 64: the notebook's process, the controller's, and the ranks' own, per cell and rank
+  (psutil's CPU times of each process over the cells);
+- a restart of 64 ranks until a cell has run on every rank;
+- 128 ranks: the start until a cell has run on every rank;
+- 256 ranks: the same, and one cell.
+
+On this 2-core machine the ranks' own CPU is on the same cores as the notebook's: on a real
+cluster each host's ranks have their own, and what the notebook and the controller spend per
+rank is what a person waits for.
+
+``python -m benchmarks.many`` runs it alone; ``make bench`` runs it with the rest.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import psutil
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def cells(bench, n: int, count: int) -> None:
+    """A trivial cell on ``n`` ranks, ``count`` times; at 64 ranks or more, the CPU each
+    process spent on them."""
+    bench.cell(f"%spmd start -n {n} --backend none")
+    try:
+        session = bench.magics.session
+        notebook = psutil.Process()
+        controller = psutil.Process(session.cluster.controller.process.pid)
+        ranks = [psutil.Process(r.pid) for r in session.ranks]
+        for _ in range(5):
+            bench.cell("x = 1")
+        before = (_cpu(notebook), _cpu(controller), sum(map(_cpu, ranks)))
+        for _ in range(count):
+            t0 = time.perf_counter()
+            bench.cell("x = 1")
+            bench.record(f"cell_n{n}/none", time.perf_counter() - t0)
+        after = (_cpu(notebook), _cpu(controller), sum(map(_cpu, ranks)))
+        if n >= 64:
+            for name, spent in zip(("notebook", "controller", "ranks"),
+                                   (b - a for a, b in zip(before, after))):
+                bench.record(f"cpu_per_cell_and_rank_n{n}/{name}", spent / count / n)
+        if n == 64:
+            t0 = time.perf_counter()
+            bench.cell("%spmd restart")
+            bench.cell("x = 1")
+            bench.record(f"restart/spmd_n{n}_none_forked", time.perf_counter() - t0)
+    finally:
+        bench.cell("%spmd stop")
+
+
+def start(bench, n: int) -> None:
+    """``n`` ranks: the start until a cell has run on every rank, then one cell."""
+    t0 = time.perf_counter()
+    bench.cell(f"%spmd start -n {n} --backend none")
+    try:
+        bench.cell("x = 1")
+        bench.record(f"start_and_cell/spmd_n{n}_none", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        bench.cell("x = 1")
+        bench.record(f"cell_n{n}/none", time.perf_counter() - t0)
+    finally:
+        bench.cell("%spmd stop")
+
+
+def measure(bench, count: int = 30, largest: int = 256) -> None:
+    """Record the many-ranks figures into ``bench`` (benchmarks.run.Bench)."""
+    for n in (4, 64):
+        cells(bench, n, count)
+    for n in (128, largest):
+        start(bench, n)
+
+
+if __name__ == "__main__":
+    from benchmarks.run import Bench
+
+    bench = Bench()
+    measure(bench, count=int(sys.argv[1]) if len(sys.argv) > 1 else 30)
+    for name, xs in sorted(bench.samples.items()):
+        print(f"{name}: median {statistics.median(xs) * 1000:.3f} ms "
+              f"({min(xs) * 1000:.3f}-{max(xs) * 1000:.3f}), {len(xs)} runs")
+    ratio = (statistics.median(bench.samples["cell_n64/none"])
+             / statistics.median(bench.samples["cell_n4/none"]))
+    print(f"trivial cell, 64 ranks over 4: {ratio:.1f}x")
