@@ -59,6 +59,8 @@ INTERNALS = [
                "the controller keeps of each request only its id (launchers/hub.py)")
       for name in ("save_queue_request", "save_queue_result", "monitor_iopub_message",
                    "by_ident", "pending", "queues", "completed", "all_completed")],
+    Internal("ipyparallel", "ipyparallel", "Client._output_futures", "notebook",
+             "a counted cell's outputs have all come: its output future is done (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._extract_metadata", "notebook",
              "a cell's census digest in its reply's metadata (client.py)"),
     Internal("ipyparallel", "ipyparallel.client.client", "unpack_message", "notebook",
@@ -119,9 +121,13 @@ INTERNALS = [
              "no status: busy from a rank, which no one reads (engine/quiet.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
              "no execute_input from a rank, which no one reads (engine/quiet.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._execute_sleep", "rank",
+             "no sleep before a counted cell's reply (engine/quiet.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.shell_handlers", "rank",
+             "a counted cell's outputs, counted into its reply (engine/quiet.py)"),
     *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
                "an empty stream's flush skips its IOPub thread round trip (engine/streams.py)")
-      for name in ("_buffers", "_flush_pending", "_subprocess_flush_pending")],
+      for name in ("_flush", "_subprocess_flush_pending")],
     # jax, on every rank
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
              "which jitted calls span processes, for the census (engine/census.py)",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from ipykernel import iostream
 
 
@@ -22,6 +24,21 @@ class OutStream(iostream.OutStream):
     def __init__(self, session, pub_thread, name, **kwargs) -> None:
         kwargs["watchfd"] = False
         super().__init__(session, pub_thread, name, **kwargs)
+        # Writes so far, and how many of them a finished flush had sent (see flush). Any
+        # thread writes; the IOPub thread flushes.
+        self._writes = self._flushed = 0
+        self._writes_lock = threading.Lock()
+
+    def write(self, string: str):
+        with self._writes_lock:
+            self._writes += 1
+        return super().write(string)
+
+    def _flush(self) -> None:
+        """(the IOPub thread) Send what was written; then it is sent."""
+        upto = self._writes
+        super()._flush()
+        self._flushed = upto
 
     def flush(self) -> None:
         """ipykernel's flush, skipped when nothing was written since the last one.
@@ -30,8 +47,12 @@ class OutStream(iostream.OutStream):
         when the buffer is empty: a trivial cell paid four of these thread round trips (its
         stdout and stderr, flushed before and after the reply), about a third of what a rank
         spent on it. Ordering is kept without them: what a cell sends on IOPub goes through
-        that one thread in order, and its ``status: idle`` last."""
-        if not (self._buffers or self._flush_pending or self._subprocess_flush_pending):
+        that one thread in order, and its ``status: idle`` last.
+
+        Skipped only when every write was sent by a flush that had finished: one that the
+        IOPub thread is in the middle of (its buffer taken, not sent yet) is waited for, so
+        the text is sent, and counted (spmd/engine/quiet.py), before the cell's reply."""
+        if self._flushed == self._writes and not self._subprocess_flush_pending:
             if self.echo is not None:
                 self.echo.flush()
             return

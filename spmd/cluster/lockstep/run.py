@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from spmd.cluster.lockstep import control
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.engine import prompts
+from spmd.engine.quiet import COUNTED
 
 _REPLY, _IDLE = "reply", "idle"
 
@@ -65,12 +66,16 @@ class CellRun:
                 client._mux_stream,
                 self.code,
                 silent=False,
+                # (the rank counts its outputs into its reply, and sends no idle)
+                metadata={COUNTED: True},
                 ident=ident,
                 message_future_hook=lambda fut, r=rank: self._watch(r, fut),
             )
 
     def _watch(self, rank: int, fut) -> None:
         self.requests[rank] = fut.msg_id
+        if hasattr(self.client, "count_outputs"):
+            self.client.count_outputs(fut.msg_id)
         events = self._events
         fut.iopub_callbacks.append(
             lambda msg: events.put((rank, msg["header"]["msg_type"], msg["content"]))
