@@ -213,3 +213,23 @@ def test_the_panel_of_256_ranks_is_a_row_per_state_and_of_16_a_row_per_rank():
     ], text
     assert panel_html(rows(256, {5}), live=True).count("<tr") == 3  # (the head, 2 groups)
     assert len(panel_text(rows(16, {5}), live=True).splitlines()) == 18  # (head, 16 ranks)
+
+
+def test_ranks_outside_the_cells_code_are_one_section_however_many_places():
+    """A death caught 128 ranks at a dozen places in ipykernel and IPython (the cell not
+    begun yet): a section each buried the cell's own."""
+    from spmd.cluster.lockstep.watchdog import stack_section
+    from spmd.cluster.lockstep.where import Frame, Stack
+
+    lib = "/venv/lib/python3.11/site-packages/"
+    cell = Frame("/tmp/ipykernel_7/1234.py", 4, "<module>", "time.sleep(60)")
+    stacks = {r: Stack(r, [cell]) for r in range(6)}
+    stacks[4] = Stack(4, [Frame(lib + "IPython/core/compilerop.py", 90, "ast_parse", "")])
+    stacks[5] = Stack(5, [Frame(lib + "ipykernel/kernelbase.py", 506, "dispatch_shell", "")])
+    lines = [line for line in stack_section(list(range(6)), stacks) if line.startswith("[")]
+    assert lines == ["[ranks 0-3] was running at cell line 4: time.sleep(60)",
+                     "[ranks 4-5] were outside the cell's code, in ipykernel or IPython (the "
+                     "cell not begun yet, or just ended), at 2 places; the first of them:"]
+    del stacks[5]  # (one place only: as any other stack)
+    lines = [line for line in stack_section([0, 1, 2, 3, 4], stacks) if line.startswith("[")]
+    assert lines[1] == "[rank 4] was running", lines

@@ -232,8 +232,25 @@ def stack_section(ranks: list[int], stacks: dict[int, Stack | None],
     (``paused``: ranks that were paused in JupyterLab's debugger)."""
     lines: list[str] = []
     paused = set(paused)
-    for group, stack in group_stacks(ranks, stacks):
+    groups = group_stacks(ranks, stacks)
+    # Ranks outside the cell's code (ipykernel or IPython: the cell not begun yet, or just
+    # ended) stop at as many places as there are steps there: with many ranks, a section
+    # each would bury the cell's own. They are one section when they are at several.
+    is_outside = [s is not None and bool(s.frames) and not s.at_cell_line for _, s in groups]
+    merged: list[int] = []
+    if sum(is_outside) > 1:
+        outside = [pair for pair, out in zip(groups, is_outside) if out]
+        merged = sorted(r for g, _ in outside for r in g)
+        groups = [pair for pair, out in zip(groups, is_outside) if not out]
+        groups.append((merged, outside[0][1]))
+    for group, stack in sorted(groups, key=lambda pair: min(pair[0])):
         lines.append("")
+        if group is merged:
+            lines.append(f"{rank_label(group)} were outside the cell's code, in ipykernel or "
+                         f"IPython (the cell not begun yet, or just ended), at "
+                         f"{sum(is_outside)} places; the first of them:")
+            lines.extend(stack.lines())
+            continue
         if stack is None or not stack.frames:
             lines.append(f"{rank_label(group)} did not say where it was (no stack dump).")
             continue
