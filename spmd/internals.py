@@ -121,8 +121,6 @@ INTERNALS = [
              "no status: busy from a rank, which no one reads (engine/quiet.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
              "no execute_input from a rank, which no one reads (engine/quiet.py)"),
-    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._execute_sleep", "rank",
-             "no sleep before a counted cell's reply (engine/quiet.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.shell_handlers", "rank",
              "a counted cell's outputs, counted into its reply (engine/quiet.py)"),
     *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",

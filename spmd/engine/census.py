@@ -169,7 +169,7 @@ class Launched:
         self._program = (kind, name, where_defined(fun))
         # The last result's sharding, and whether it spans processes: a loop's results share
         # one sharding object, and asking it again costs a launch a microsecond.
-        self._sharding, self._spans = None, False
+        self._spanning = (None, False)
 
     def __call__(self, *args, **kwargs):
         __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
@@ -189,9 +189,10 @@ class Launched:
             spans = _several_processes
         else:
             sharding = first.sharding
-            if sharding is not self._sharding:
-                self._sharding, self._spans = sharding, not sharding.is_fully_addressable
-            spans = self._spans
+            known, spans = self._spanning  # (one tuple: another thread sees a whole pair)
+            if sharding is not known:
+                spans = not sharding.is_fully_addressable
+                self._spanning = (sharding, spans)
         if spans:
             arrays = not kwargs and all(type(arg) is _Array for arg in args)
             record(self._program, args if arrays else _leaves((args, kwargs)))

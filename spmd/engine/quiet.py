@@ -13,12 +13,16 @@ and the reply carries the count (``spmd_iopub``): the notebook has them all once
 many, and no idle is sent. At 64 ranks a trivial cell was four messages a rank (busy, input,
 idle, reply), each signed and sent by the rank (the idle through a wake-up of the IOPub
 thread), forwarded and parsed by the controller, verified and parsed by the notebook's
-client, one Python message at a time; now it is one, the reply. So is ipykernel's sleep of
-0.5 ms before each reply (its own guard for outputs that came after it) left out.
+client, one Python message at a time; now it is one, the reply.
+
+A message is counted once sent: one that a KeyboardInterrupt cuts off between its send and
+its count ends the cell one output early (it shows with the next cell), never makes it wait
+for an output that was not sent.
 
 The kernel's log also made five DEBUG records a cell (each message's type and content) that
-no handler wrote: ipyparallel renames the engine's logger after registration, and the copy
-the kernel holds is left at DEBUG. It is set to the engine's own level, WARNING.
+no handler wrote: traitlets sets the engine application's logger to DEBUG and filters in its
+handler, and the kernel logs through it. It is set to WARNING, the level the engine is
+started with (``--log-level=WARN``, launchers/launch.py).
 
 Threads: installed from the rank's main thread once it has joined, before the first cell.
 ``_counts`` (request id: IOPub messages sent for it) gains a request on the main thread, as
@@ -47,6 +51,9 @@ def install(kernel) -> None:
     """The kernel leaves out ``status: busy`` and ``execute_input``, counts a counted cell's
     outputs into its reply and leaves out its idle (spmd/internals.py lists the parts of
     ipykernel this replaces)."""
+    if getattr(kernel, "spmd_quiet", False):  # (twice would count every message twice)
+        return
+    kernel.spmd_quiet = True
     publish_status = kernel._publish_status
 
     def _publish_status(status, channel, parent=None):
@@ -61,25 +68,33 @@ def install(kernel) -> None:
 
     kernel._publish_status = _publish_status
     kernel._publish_execute_input = lambda code, parent, execution_count: None
-    kernel._execute_sleep = 0.0
     if kernel.log.level < logging.WARNING:
         kernel.log.setLevel(logging.WARNING)
 
     execute = kernel.shell_handlers["execute_request"]
 
     async def execute_request(stream, ident, parent):
+        request = parent["header"]["msg_id"]
         if (parent.get("metadata") or {}).get(COUNTED):
-            _counts[parent["header"]["msg_id"]] = 0
-        result = execute(stream, ident, parent)
-        if hasattr(result, "__await__"):
-            await result
+            _counts[request] = 0
+        try:
+            result = execute(stream, ident, parent)
+            if hasattr(result, "__await__"):
+                await result
+        finally:  # (a request that sent no reply: its idle goes, and nothing is left)
+            with _counting:
+                _counts.pop(request, None)
 
     kernel.shell_handlers["execute_request"] = execute_request
     send = kernel.session.send  # (ipyparallel's, which names the engine in each message)
 
     def counted_send(*args, **kwargs):
         msg = send(*args, **kwargs)
-        if _counts and isinstance(msg, dict) and msg["header"]["msg_type"] not in NOT_OUTPUTS:
+        if not isinstance(msg, dict):
+            return msg
+        if msg["header"]["msg_type"] == "execute_reply" and COUNT in msg["metadata"]:
+            _no_idle.add(msg["parent_header"]["msg_id"])  # (the count went: no idle)
+        elif _counts and msg["header"]["msg_type"] not in NOT_OUTPUTS:
             request = msg["parent_header"].get("msg_id")
             with _counting:
                 if request in _counts:
@@ -96,7 +111,6 @@ def install(kernel) -> None:
             sent = _counts.pop(request, None)
         if sent is not None:
             metadata[COUNT] = sent
-            _no_idle.add(request)
         return metadata
 
     kernel.finish_metadata = finish_metadata

@@ -30,9 +30,10 @@ class OutStream(iostream.OutStream):
         self._writes_lock = threading.Lock()
 
     def write(self, string: str):
-        with self._writes_lock:
+        written = super().write(string)
+        with self._writes_lock:  # (after: a write counted is in the buffer a flush takes)
             self._writes += 1
-        return super().write(string)
+        return written
 
     def _flush(self) -> None:
         """(the IOPub thread) Send what was written; then it is sent."""

@@ -15,7 +15,8 @@ Here (installed by controller.py, before the hub is made):
   a message whose signature is checked), and the hub's own bookkeeping is kept as
   ipyparallel keeps it: which requests each engine holds (those it answers with an
   ``EngineError`` when the engine dies) and which have finished;
-- of the outputs, only an engine's ``shutdown_reply`` is read (it unregisters the engine);
+- of the outputs, only an engine's ``shutdown_reply`` is read (it unregisters the engine;
+  its topic is ``engine.<id>.shutdown``);
 - the application's logger writes at the level asked for (traitlets builds it at DEBUG and
   filters in the handler, so the hub's four ``log.debug``/``log.info`` a request were built
   as records and thrown away).
@@ -88,8 +89,8 @@ def save_queue_result(self, idents: list, msg: list) -> None:
 
 
 def monitor_iopub_message(self, topics: list, msg: list) -> None:
-    """``Hub.monitor_iopub_message``, for an engine's shutdown only (its topic:
-    ``kernel.<id>.shutdown``)."""
+    """``Hub.monitor_iopub_message``, for an engine's shutdown only (its topic ends in
+    ``.shutdown``)."""
     if any(bytes(topic).endswith(b".shutdown") for topic in topics):
         _monitor_iopub_message(self, topics, msg)
 

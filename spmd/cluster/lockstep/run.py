@@ -66,8 +66,9 @@ class CellRun:
                 client._mux_stream,
                 self.code,
                 silent=False,
-                # (the rank counts its outputs into its reply, and sends no idle)
-                metadata={COUNTED: True},
+                # (the rank counts its outputs into its reply, and sends no idle; only to a
+                # client that counts them on its side)
+                metadata={COUNTED: True} if hasattr(client, "count_outputs") else {},
                 ident=ident,
                 message_future_hook=lambda fut, r=rank: self._watch(r, fut),
             )
