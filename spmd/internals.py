@@ -97,6 +97,17 @@ INTERNALS = [
              "getpass answered in the notebook (engine/prompts.py)"),
     Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
              "!cmd without a fork in a threaded process (engine/commands.py)"),
+    Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
+             "rank", "a cell's census digest in its reply's metadata (engine/census.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_status", "rank",
+             "no status: busy from a rank, which no one reads (engine/quiet.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
+             "no execute_input from a rank, which no one reads (engine/quiet.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.shell_handlers", "rank",
+             "a counted cell's outputs, counted into its reply (engine/quiet.py)"),
+    *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
+               "an empty stream's flush skips its IOPub thread round trip (engine/streams.py)")
+      for name in ("_flush", "_subprocess_flush_pending")],
     # ipykernel and debugpy, on a rank that JupyterLab's debugger debugs (checked when it
     # starts there: start-up hides debugpy)
     *[Internal(project, module, path, "rank", "JupyterLab's debugger on the ranks "
@@ -115,17 +126,6 @@ INTERNALS = [
     # ipykernel, in the SPMD kernel
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",
              "the ranks' debug events, shown to JupyterLab (kernel/debugger.py)"),
-    Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
-             "rank", "a cell's census digest in its reply's metadata (engine/census.py)"),
-    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_status", "rank",
-             "no status: busy from a rank, which no one reads (engine/quiet.py)"),
-    Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
-             "no execute_input from a rank, which no one reads (engine/quiet.py)"),
-    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.shell_handlers", "rank",
-             "a counted cell's outputs, counted into its reply (engine/quiet.py)"),
-    *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
-               "an empty stream's flush skips its IOPub thread round trip (engine/streams.py)")
-      for name in ("_flush", "_subprocess_flush_pending")],
     # jax, on every rank
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
              "which jitted calls span processes, for the census (engine/census.py)",

@@ -57,7 +57,12 @@ class Inspection:
             raise UsageError(f"%spmd census {number}: In [{number}] is not one of the cells "
                              f"whose launches the ranks keep ({which}).")
         engine_ids = {r.rank: r.engine_id for r in session.ranks}
-        records = census.fetch(session.client, engine_ids, kept[number], timeout=5.0)
+        try:
+            records = census.fetch(session.client, engine_ids, kept[number], timeout=5.0)
+        except KeyboardInterrupt:
+            say(f"Interrupted: %spmd census stopped waiting for the ranks' launches of In "
+                f"[{number}]; run it again to list them.")
+            return
         if not records:
             say(f"No rank answered with In [{number}]'s launches: a restart since ends "
                 "what they kept, and a rank busy in C code does not answer.")

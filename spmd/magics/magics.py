@@ -11,6 +11,7 @@ import ast
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
+from spmd.cluster import interrupts
 from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.run import rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
@@ -282,8 +283,11 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             panel.freeze(run)
         show_outputs(run.cells, tabs=self.tabs or opts.tabs)
         if stall is None and census.differ({r: run.census.get(r) for r in run.cells}):
-            said = census.warning(census.fetch(session.client, run.engine_ids, run.requests),
-                                  raised=bool(errors))
+            # (part of the cell's report: a ^C in its wait for the records would drop the
+            # errors below)
+            with interrupts.held("the cell's report"):
+                said = census.warning(census.fetch(session.client, run.engine_ids,
+                                                   run.requests), raised=bool(errors))
             if said:
                 write("stderr", said + "\n")
         if not debugging:

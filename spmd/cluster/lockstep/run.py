@@ -66,17 +66,15 @@ class CellRun:
                 client._mux_stream,
                 self.code,
                 silent=False,
-                # (the rank counts its outputs into its reply, and sends no idle; only to a
-                # client that counts them on its side)
-                metadata={COUNTED: True} if hasattr(client, "count_outputs") else {},
+                # (the rank counts its outputs into its reply, and sends no idle)
+                metadata={COUNTED: True},
                 ident=ident,
                 message_future_hook=lambda fut, r=rank: self._watch(r, fut),
             )
 
     def _watch(self, rank: int, fut) -> None:
         self.requests[rank] = fut.msg_id
-        if hasattr(self.client, "count_outputs"):
-            self.client.count_outputs(fut.msg_id)
+        self.client.count_outputs(fut.msg_id)  # (SpmdClient: the counted outputs' other side)
         events = self._events
         fut.iopub_callbacks.append(
             lambda msg: events.put((rank, msg["header"]["msg_type"], msg["content"]))
