@@ -11,18 +11,18 @@ started prints on, under that cell's id, and each such message makes the entry a
 - outputs that come after their cell ended (a training loop in a thread, a callback) go to
   ``late``, for the next cell to show and the rank's log to keep, and leave no entry behind.
 
-- a cell sent with ``COUNTED`` (lockstep/run.py) has its outputs counted here, and they have
-  all come once there are as many as its reply says the rank sent (spmd/engine/quiet.py):
-  the rank sends no ``status: idle`` for it, and ipyparallel's output future is resolved here;
+- a cell goes to its ranks once, through the controller's fan-out, and their replies come
+  back gathered (``cells``, cell_routes.py); its ranks' outputs go straight to the cell, except
+  that ipyparallel still relays a widget's comm messages to the front end;
 
 - a rank's debug events (JupyterLab's debugger, spmd/kernel/debugger.py) go to
   ``on_debug_event``, and the ranks paused in the debugger are kept in ``paused`` (engine id:
   its stopped threads), which the watchdog reads: a paused rank is not diverged.
 
 Runs on ipyparallel's IO thread; ``late`` is the only thing it shares with the main thread
-(a queue); ``paused`` is written here only, and read whole (a copy) by others. ``_counted``
-gains a request on the main thread before the request is sent, and is the IO thread's after. ``sync_engines`` is called from the start's thread and hands its update of the
-engine tables to the IO thread.
+(a queue); ``paused`` is written here only, and read whole (a copy) by others.
+``sync_engines`` is called from the start's thread and hands its update of the engine tables
+to the IO thread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import threading
 import ipyparallel
 from ipyparallel.client.client import unpack_message
 
-from spmd.engine.quiet import COUNT
+from spmd.cluster.launchers.cell_routes import CellRoutes
 
 # Requests whose engine is remembered for their late outputs (a few MB at most): hundreds of
 # cells back on 64 ranks.
@@ -60,28 +60,25 @@ class SpmdClient(ipyparallel.Client):
         self._engine_of: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.on_debug_event = None  # called with (engine id, the event) on the IO thread
         self.paused: dict[int, frozenset] = {}  # engine id -> its threads stopped in debugpy
-        # A counted cell's request: [outputs come, outputs its rank sent (None: no reply yet)]
-        self._counted: dict[str, list] = {}
+        self.cells = CellRoutes(self)
         super().__init__(*args, **kwargs)
 
-    def count_outputs(self, msg_id: str) -> None:
-        """(main thread, before the request is sent) Its outputs are counted."""
-        self._counted[msg_id] = [0, None]
-
-    def _all_came(self, msg_id: str) -> None:
-        """A counted request whose outputs have all come: ipyparallel's output future is done,
-        as an idle would have made it."""
-        came, sent = self._counted[msg_id]
-        if sent is not None and came >= sent:
-            del self._counted[msg_id]
-            future = self._output_futures.get(msg_id)
-            if future is not None and not future.done():
-                future.set_result(None)
+    def _setup_streams(self) -> None:
+        super()._setup_streams()
+        self.cells.connect()
 
     @unpack_message
     def _dispatch_iopub(self, msg) -> None:
-        if msg["header"]["msg_type"] == "debug_event":
+        kind = msg["header"]["msg_type"]
+        if kind == "debug_event":
             self._debug_event(msg)
+            return
+        parent = msg.get("parent_header") or {}
+        if parent.get("msg_id") in self.cells.routes and parent.get("session") == self.session.session:
+            if kind.startswith("comm_"):  # (ipyparallel relays it to the front end)
+                _dispatch_iopub(self, msg)
+                self.metadata.pop(parent["msg_id"], None)
+            self.cells.output(msg)
             return
         try:
             _dispatch_iopub(self, msg)
@@ -116,13 +113,6 @@ class SpmdClient(ipyparallel.Client):
             md["spmd_census"] = said
         msg_id = (msg.get("parent_header") or {}).get("msg_id")
         self._learn_engine(msg_id, self._engine((msg.get("metadata") or {}).get("engine")))
-        if msg_id in self._counted:
-            sent = (msg.get("metadata") or {}).get(COUNT)
-            if sent is None:  # (a rank that did not count: its idle comes)
-                del self._counted[msg_id]
-            else:
-                self._counted[msg_id][1] = sent
-                self._all_came(msg_id)
         return md
 
     def _after_iopub(self, msg) -> None:
@@ -135,14 +125,11 @@ class SpmdClient(ipyparallel.Client):
         self._learn_engine(msg_id, engine_id)
         if kind == "status":
             return
-        if msg_id in self._futures:  # (its cell runs: the cell had this output)
+        if msg_id in self._futures:  # (its request runs: it had this output)
             if kind == "stream":
                 md = self.metadata.get(msg_id)
                 if md is not None:
                     md[msg["content"]["name"]] = ""
-            if msg_id in self._counted:  # (last: the cell may end here, and be forgotten)
-                self._counted[msg_id][0] += 1
-                self._all_came(msg_id)
             return
         self.metadata.pop(msg_id, None)
         if engine_id is None:

@@ -1,6 +1,7 @@
 """``python -m spmd.cluster.launchers.controller``: ipyparallel's controller, ending with the notebook,
-writing its connection files whole, encrypting its traffic where it leaves the machine, and
-keeping of each request only what the cluster needs (hub.py).
+writing its connection files whole, encrypting its traffic where it leaves the machine,
+keeping of each request only what the cluster needs (hub.py), and sending a cell to all its
+ranks from one request of the notebook (fanout.py).
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def main() -> None:
     from ipyparallel.controller.app import IPController
     from ipyparallel.controller.app import main as controller_main
 
-    from spmd.cluster.launchers import hub
+    from spmd.cluster.launchers import fanout, hub
 
     IPController.save_connection_dict = save_connection_dict
     hub.install()
+    fanout.install()  # (after the connection files' writer: it adds its port to the client's)
     controller_main()
 
 

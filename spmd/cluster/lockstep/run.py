@@ -1,11 +1,11 @@
 """Run one cell on a set of ranks and collect what each rank produced, in order.
 
-ipyparallel's client reads replies and outputs on its own IO thread. Its per-message
-``iopub_callbacks`` give us every output in the order the rank produced it; we register them
-through ``message_future_hook``, before the request is sent, so no early output is missed.
-The IO thread only puts events on a queue: the notebook's main thread consumes them, which
-is where streaming to the notebook must happen (ipykernel routes output by the main
-thread's current cell).
+The cell goes out once for all its ranks, through the controller's fan-out, and the client's
+IO thread hears each rank's outputs, in the order the rank produced them, and when the rank
+has finished (launchers/cell_routes.py; its routes are in place before the request leaves, so
+no early output is missed). The IO thread only puts events on a queue: the notebook's main
+thread consumes them, which is where streaming to the notebook must happen (ipykernel routes
+output by the main thread's current cell).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from spmd.cluster.launchers.cell_routes import DONE
 from spmd.cluster.lockstep import control
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.engine import prompts
 from spmd.engine.quiet import COUNTED
-
-_REPLY, _IDLE = "reply", "idle"
 
 
 @dataclass
@@ -50,39 +49,17 @@ class CellRun:
     census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/census.py)
     requests: dict = field(default_factory=dict)  # rank -> the msg_id of its execute request
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    _pending: dict[int, set] = field(default_factory=dict)
+    _pending: set = field(default_factory=set)  # ranks not finished
 
     def send(self) -> None:
         client = self.client
         self.started = time.monotonic()
-        for rank, eid in self.engine_ids.items():
+        for rank in self.engine_ids:
             self.cells[rank] = RankCell(rank, max_lines=self.max_lines)
-            self._pending[rank] = {_REPLY, _IDLE}
-            ident = client._engines[eid].encode("utf8")
-            client.send_execute_request(
-                # DirectView's stream: one engine addressed by its identity. Not the raw
-                # socket: a send on it behind the ZMQStream's back loses the stream's read
-                # events (zmq's fd is edge-triggered), and replies then wait forever.
-                client._mux_stream,
-                self.code,
-                silent=False,
-                # (the rank counts its outputs into its reply, and sends no idle)
-                metadata={COUNTED: True},
-                ident=ident,
-                message_future_hook=lambda fut, r=rank: self._watch(r, fut),
-            )
-
-    def _watch(self, rank: int, fut) -> None:
-        self.requests[rank] = fut.msg_id
-        self.client.count_outputs(fut.msg_id)  # (SpmdClient: the counted outputs' other side)
-        events = self._events
-        fut.iopub_callbacks.append(
-            lambda msg: events.put((rank, msg["header"]["msg_type"], msg["content"]))
-        )
-        client = self.client
-        fut.add_done_callback(
-            lambda f: events.put((rank, _REPLY, _census_digest(client, f.msg_id))))
-        fut.output.add_done_callback(lambda _f: events.put((rank, _IDLE, None)))
+            self._pending.add(rank)
+        ranks = {rank: (eid, client._engines[eid]) for rank, eid in self.engine_ids.items()}
+        # (the ranks count their outputs into their replies, and send no idle)
+        self.requests = client.cells.send(self.code, {COUNTED: True}, ranks, self._events.put)
 
     def debugger_paused(self) -> list[int]:
         """Ranks of this cell paused in JupyterLab's debugger (the client hears their stops)."""
@@ -92,7 +69,7 @@ class CellRun:
 
     @property
     def busy_ranks(self) -> list[int]:
-        return sorted(r for r, left in self._pending.items() if left)
+        return sorted(self._pending)
 
     @property
     def finished(self) -> bool:
@@ -126,16 +103,15 @@ class CellRun:
 
     def _handle(self, rank: int, kind: str, content: dict | None) -> None:
         cell = self.cells[rank]
-        if kind in (_REPLY, _IDLE):
+        if kind == DONE:
             if content is not None:
                 self.census[rank] = content
-            self._pending[rank].discard(kind)
-            if not self._pending[rank]:
-                now = time.monotonic()
-                cell.seconds = now - self.started
-                cell.finish()
-                if self.first_done is None:
-                    self.first_done = now
+            self._pending.discard(rank)
+            now = time.monotonic()
+            cell.seconds = now - self.started
+            cell.finish()
+            if self.first_done is None:
+                self.first_done = now
             return
         out = output_from_message(kind, content or {})
         if out is None:
@@ -235,12 +211,3 @@ def rank_label(ranks: Iterable[int]) -> str:
     """'[rank 2]' or '[ranks 0-3]'."""
     ranks = sorted(set(ranks))
     return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {rank_set(ranks)}]"
-
-
-def _census_digest(client, msg_id: str) -> list | None:
-    """The rank's census digest of the cell, from its reply's metadata, also where the cell
-    raised (None: it launched nothing, or no reply came)."""
-    try:
-        return client.metadata[msg_id].get("spmd_census")
-    except Exception:  # (an aborted request, a client without its table)
-        return None

@@ -1,0 +1,139 @@
+"""The notebook's side of a cell sent once for all its ranks (launchers/fanout.py).
+
+``send`` hands one signed ``spmd_cell_request`` to the controller's fan-out; the ranks'
+replies come back gathered, a message for all the replies that arrived together. Each rank's
+outputs still come one by one through the IOPub relay, and go straight to the cell (not
+through ipyparallel's futures and its per-request record of every stream).
+
+A rank has finished its cell when its reply has come and as many outputs as the reply says
+it sent (``spmd_iopub``, engine/quiet.py). A rank whose reply carries no count sends its
+``status: idle`` instead, and has finished when that has come too. The cell then hears
+``(rank, DONE, the rank's census digest)``; the outputs as ``(rank, msg_type, content)``.
+A rank that has finished leaves the routes: what it prints later (a thread of the cell) is a
+late output, for the next cell (client.py).
+
+A cell the notebook stopped waiting for keeps its routes: its ranks that finish later are
+heard by whoever polls it next (``%spmd status``, an interrupt).
+
+Threads: ``routes`` is the IO thread's (ipyparallel's client's event loop). ``send`` is
+called from the main thread and hands its work to the IO thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+from ipyparallel import util
+from zmq.eventloop.zmqstream import ZMQStream
+
+from spmd.cluster.launchers.fanout import PORT_KEY, REPLIES, REQUEST
+from spmd.engine.quiet import COUNT
+
+DONE = "done"
+# Requests remembered whose ranks have not finished (a rank that died never does).
+REMEMBERED = 100_000
+
+
+class _Route:
+    """One rank's request: where its events go, and what has come of it."""
+
+    __slots__ = ("rank", "engine_id", "events", "came", "sent", "idle", "census")
+
+    def __init__(self, rank: int, engine_id: int, events: Callable) -> None:
+        self.rank, self.engine_id, self.events = rank, engine_id, events
+        self.came = 0  # its outputs that came
+        self.sent: int | None = None  # how many it sent (its reply's count); None: no reply yet
+        self.idle = False  # its status: idle came (a rank that did not count)
+        self.census = None
+
+
+class CellRoutes:
+    """The cells of one ipyparallel client."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.routes: dict[str, _Route] = {}  # a rank's request id -> its route
+        self.stream: ZMQStream | None = None
+
+    def connect(self) -> None:
+        """(IO thread, with ipyparallel's own streams) The socket to the controller's fan-out."""
+        client, cfg = self.client, self.client._config
+        socket = client._context.socket(zmq.DEALER)
+        util.connect(socket, f"{cfg['interface']}:{cfg[PORT_KEY]}",
+                     curve_serverkey=client.curve_serverkey,
+                     curve_publickey=client.curve_publickey,
+                     curve_secretkey=client.curve_secretkey)
+        self.stream = ZMQStream(socket, client._io_loop)
+        self.stream.on_recv(self._replies, copy=True)
+
+    def send(self, code: str, metadata: dict, ranks: dict[int, tuple[int, str]],
+             events: Callable) -> dict[int, str]:
+        """(main thread) ``code`` to ``ranks`` (rank: (engine id, engine identity));
+        ``events`` is called on the IO thread with each of their events. {rank: the id of
+        its request}."""
+        client = self.client
+        msg = client.session.msg(REQUEST, content={})
+        cell_id = msg["header"]["msg_id"]
+        ids = {rank: f"{cell_id}_{rank}" for rank in ranks}
+        msg["content"] = {
+            "request": {"code": code, "silent": False, "user_expressions": {}},
+            "metadata": metadata,
+            "targets": [[ident, ids[rank]] for rank, (_eid, ident) in ranks.items()],
+        }
+        frames = client.session.serialize(msg)
+        routes = {ids[rank]: _Route(rank, eid, events) for rank, (eid, _ident) in ranks.items()}
+
+        def go() -> None:
+            while len(self.routes) > REMEMBERED:  # (the oldest: ranks that died in a cell)
+                del self.routes[next(iter(self.routes))]
+            self.routes.update(routes)
+            for msg_id, route in routes.items():
+                client._learn_engine(msg_id, route.engine_id)
+            self.stream.send_multipart(frames)
+
+        client._io_loop.add_callback(go)
+        return ids
+
+    def output(self, msg: dict) -> bool:
+        """(IO thread) An IOPub message of a routed request goes to its cell (True)."""
+        route = self.routes.get(msg["parent_header"].get("msg_id"))
+        if route is None:
+            return False
+        kind = msg["header"]["msg_type"]
+        if kind == "status":
+            if msg["content"].get("execution_state") == "idle":
+                route.idle = True
+                self._maybe_done(msg["parent_header"]["msg_id"], route)
+            return True
+        route.events((route.rank, kind, msg["content"]))
+        route.came += 1
+        self._maybe_done(msg["parent_header"]["msg_id"], route)
+        return True
+
+    def _replies(self, frames: list) -> None:
+        """(IO thread) Replies the fan-out gathered."""
+        session = self.client.session
+        try:
+            _idents, frames = session.feed_identities(frames)
+            msg = session.deserialize(frames)  # (its signature checked)
+        except Exception:
+            self.client.log.warning("a bad message from the controller's fan-out was dropped")
+            return
+        if msg["header"]["msg_type"] != REPLIES:
+            return
+        for msg_id, metadata in msg["content"]["replies"]:
+            route = self.routes.get(msg_id)
+            if route is None:  # (its cell ended without it)
+                continue
+            route.census = metadata.get("spmd_census")
+            # (a rank that did not count sends its idle: it is waited for)
+            route.sent = metadata.get(COUNT, -1)
+            self._maybe_done(msg_id, route)
+
+    def _maybe_done(self, msg_id: str, route: _Route) -> None:
+        sent = route.sent
+        if sent is None or (sent == -1 and not route.idle) or route.came < sent:
+            return
+        del self.routes[msg_id]
+        route.events((route.rank, DONE, route.census))

@@ -1,0 +1,167 @@
+"""The controller's fan-out of a cell: one request in from the notebook, an execute request out
+to each rank, and the ranks' replies gathered back into one message.
+
+Through ipyparallel's client a cell was one signed request per rank out of the notebook, and
+one reply per rank into it, each handled as a Python message with its futures: at 64 ranks
+most of the notebook's time in a trivial cell. Here (installed by controller.py):
+
+- the notebook sends one ``spmd_cell_request`` to this ROUTER: the code, the request's
+  metadata, and each rank's engine identity with the id its request gets;
+- the fan-out signs one ``execute_request`` per rank, with the notebook's header (its session,
+  so the rank's outputs still reach the notebook's client) and that rank's id, and sends it
+  through ipyparallel's multiplexer as any client does: the hub sees each request and reply
+  there as before (which requests a dying engine held);
+- the replies come back here. All that have arrived are read in one go, and each cell's are
+  sent to the notebook as one ``spmd_cell_replies``: [request id, what the notebook reads of
+  the reply's metadata] for each rank. A rank's outputs do not pass here: they differ per
+  rank, and go from the rank to the notebook through the IOPub relay, as before.
+
+ipyparallel's broadcast scheduler fans a request out through a tree too, but its ``execute``
+does not gather the replies (only ``apply``'s buffers), so the notebook would still read one
+message per rank.
+
+A reply whose signature does not hold is dropped; so is a request. Requests whose ranks never
+answer (a rank that died) are forgotten oldest first beyond ``REMEMBERED``.
+
+Threads: everything here runs on the controller's main thread (its event loop), with the hub.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+
+import zmq
+
+# The client connection file's key for this socket's port (the notebook's SpmdClient reads it).
+PORT_KEY = "spmd_cells"
+REQUEST = "spmd_cell_request"
+REPLIES = "spmd_cell_replies"
+# What the notebook reads of a rank's reply metadata (spmd/engine/quiet.py, census.py).
+KEPT = ("spmd_iopub", "spmd_census", "status", "engine")
+# Requests in flight remembered (a rank that died never answers its own).
+REMEMBERED = 200_000
+DELIM = b"<IDS|MSG>"
+
+log = logging.getLogger(__name__)
+
+
+class CellFanout:
+    """``cells``: the ROUTER the notebook sends cells to; ``ranks``: a DEALER connected to the
+    multiplexer's client side."""
+
+    def __init__(self, session, loop, cells: zmq.Socket, ranks: zmq.Socket) -> None:
+        self.session = session
+        self.cells = cells
+        self.ranks = ranks
+        # a rank's request id -> (the notebook's identity, the cell's id)
+        self.asked: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
+        loop.add_handler(cells, self._pump, loop.READ)
+        loop.add_handler(ranks, self._pump, loop.READ)
+
+    def _pump(self, *_) -> None:
+        """Read both sockets until neither has a message. (Their file descriptors signal
+        edges: a send can take a read's edge, so after any send both are read again, and the
+        loop ends only with both empty.)"""
+        while True:
+            moved = False
+            while self.cells.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._cell(self.cells.recv_multipart(zmq.NOBLOCK))
+                moved = True
+            gathered: dict[tuple[bytes, str], list] = {}
+            while self.ranks.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._reply(self.ranks.recv_multipart(zmq.NOBLOCK), gathered)
+                moved = True
+            for (notebook, cell_id), replies in gathered.items():
+                msg = self.session.msg(REPLIES, content={"replies": replies},
+                                       parent={"msg_id": cell_id})
+                self.cells.send_multipart([notebook, *self.session.serialize(msg)])
+            if not moved:
+                return
+
+    def _signed(self, frames: list) -> list | None:
+        """[identities, header, parent, metadata, content] of a message whose signature holds."""
+        try:
+            at = frames.index(DELIM)
+        except ValueError:
+            return None
+        body = frames[at + 1:]
+        if len(body) < 5:
+            return None
+        if self.session.auth is not None and not hmac.compare_digest(
+                body[0], self.session.sign(body[1:5])):
+            log.warning("a message with a bad signature was dropped")
+            return None
+        return [frames[:at], *body[1:5]]
+
+    def _cell(self, frames: list) -> None:
+        """A cell from the notebook: an execute request to each of its ranks."""
+        signed = self._signed(frames)
+        if signed is None:
+            return
+        idents, header, _parent, _metadata, content = signed
+        unpack, pack = self.session.unpack, self.session.pack
+        try:
+            header, content = unpack(header), unpack(content)
+            if header["msg_type"] != REQUEST or not idents:
+                return
+            cell_id, targets = header["msg_id"], content["targets"]
+            parts = [pack({}), pack(content["metadata"]), pack(content["request"])]
+        except Exception:
+            log.warning("a malformed cell request was dropped", exc_info=True)
+            return
+        header["msg_type"] = "execute_request"
+        for ident, msg_id in targets:
+            header["msg_id"] = msg_id
+            signed_parts = [pack(header), *parts]
+            self.ranks.send_multipart([ident.encode(), DELIM, self.session.sign(signed_parts),
+                                       *signed_parts])
+            self.asked[msg_id] = (idents[0], cell_id)
+        while len(self.asked) > REMEMBERED:
+            self.asked.popitem(last=False)
+
+    def _reply(self, frames: list, gathered: dict) -> None:
+        """A rank's reply: into its cell's gathered replies."""
+        signed = self._signed(frames)
+        if signed is None:
+            return
+        try:
+            msg_id = self.session.unpack(signed[2])["msg_id"]
+            metadata = self.session.unpack(signed[3])
+        except Exception:
+            return
+        asked = self.asked.pop(msg_id, None)
+        if asked is not None:
+            kept = {k: metadata[k] for k in KEPT if k in metadata}
+            gathered.setdefault(asked, []).append([msg_id, kept])
+
+
+def install() -> None:
+    """The fan-out starts with the controller's hub, and its port is in the client's
+    connection file."""
+    from ipyparallel.controller.app import IPController
+
+    init_hub, save = IPController.init_hub, IPController.save_connection_dict
+
+    def init_hub_with_fanout(self) -> None:
+        # (bound before the hub writes the connection files, which carry its port)
+        cells = self.context.socket(zmq.ROUTER)
+        if self.enable_curve:
+            cells.curve_server = True
+            cells.curve_secretkey = self.curve_secretkey
+        self._spmd_cells_port = cells.bind_to_random_port(
+            f"{self.client_transport}://{self.client_ip}")
+        init_hub(self)
+        ranks = self.context.socket(zmq.DEALER)
+        ranks.sndhwm = 0  # (a cell on 256 ranks is 256 messages at once)
+        self.connect(ranks, self.client_url("mux"))
+        self._spmd_fanout = CellFanout(self.session, self.loop, cells, ranks)
+
+    def save_with_port(self, fname: str, cdict: dict) -> None:
+        if fname == self.client_json_file:
+            cdict = {**cdict, PORT_KEY: self._spmd_cells_port}
+        save(self, fname, cdict)
+
+    IPController.init_hub = init_hub_with_fanout
+    IPController.save_connection_dict = save_with_port
