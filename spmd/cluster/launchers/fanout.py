@@ -43,6 +43,7 @@ KEPT = ("spmd_iopub", "spmd_census", "status", "engine")
 # Requests in flight remembered (a rank that died never answers its own).
 REMEMBERED = 200_000
 DELIM = b"<IDS|MSG>"
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: pyzmq's enums are slow)
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,11 @@ class CellFanout:
         loop ends only with both empty.)"""
         while True:
             moved = False
-            while self.cells.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while self.cells.get(_EVENTS) & _POLLIN:
                 self._cell(self.cells.recv_multipart(zmq.NOBLOCK))
                 moved = True
             gathered: dict[tuple[bytes, str], list] = {}
-            while self.ranks.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while self.ranks.get(_EVENTS) & _POLLIN:
                 self._reply(self.ranks.recv_multipart(zmq.NOBLOCK), gathered)
                 moved = True
             for (notebook, cell_id), replies in gathered.items():

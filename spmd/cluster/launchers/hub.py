@@ -19,7 +19,10 @@ Here (installed by controller.py, before the hub is made):
   its topic is ``engine.<id>.shutdown``);
 - the application's logger writes at the level asked for (traitlets builds it at DEBUG and
   filters in the handler, so the hub's four ``log.debug``/``log.info`` a request were built
-  as records and thrown away).
+  as records and thrown away);
+- the monitor's messages that have arrived are read in one go: pyzmq's stream reads one
+  message per turn of the event loop, and the hub gets two a rank for every cell (its request
+  and its reply) and one for every output.
 
 Threads: everything here runs on the controller's main thread (its event loop), where the
 hub's state lives.
@@ -30,21 +33,50 @@ from __future__ import annotations
 import hmac
 import logging
 
+import zmq
+
 # ipyparallel's own, bound by install()
 _save_queue_request = _save_queue_result = _monitor_iopub_message = _logging_config = None
+_hub_init = None
 
 
 def install() -> None:
     global _save_queue_request, _save_queue_result, _monitor_iopub_message, _logging_config
+    global _hub_init
     from ipyparallel.controller.app import IPController
     from ipyparallel.controller.hub import Hub
 
+    _hub_init = Hub.__init__
+    Hub.__init__ = hub_init
     _save_queue_request, _save_queue_result = Hub.save_queue_request, Hub.save_queue_result
     _monitor_iopub_message = Hub.monitor_iopub_message
     _logging_config = IPController.get_default_logging_config
     Hub.save_queue_request, Hub.save_queue_result = save_queue_request, save_queue_result
     Hub.monitor_iopub_message = monitor_iopub_message
     IPController.get_default_logging_config = logging_config
+
+
+def hub_init(self, *args, **kwargs) -> None:
+    """``Hub.__init__``, its monitor's messages read all at once (see above)."""
+    _hub_init(self, *args, **kwargs)
+    self.monitor.on_recv(drained(self.monitor, self.dispatch_monitor_traffic))
+
+
+def drained(stream, handle):
+    """``handle`` for a stream's message, and for every other message already there."""
+    draining = False
+
+    def on_message(msg) -> None:
+        nonlocal draining
+        handle(msg)
+        if not draining:
+            draining = True
+            try:
+                stream.flush(zmq.POLLIN)  # (pyzmq's: the stream's callback for each)
+            finally:
+                draining = False
+
+    return on_message
 
 
 def _frame(session, frames: list, index: int) -> dict | None:
