@@ -280,3 +280,45 @@ def no_leftover_processes():
     yield
     left = wait_until_gone(spmd_processes(), timeout=5)
     assert not left, f"processes left running after the module: {[p.pid for p in left]}"
+
+
+def client_connection(session) -> dict:
+    """The cluster's client connection file (its key, its ports)."""
+    import json
+
+    security = os.path.join(session.cluster.profile_dir, "security")
+    name = next(n for n in os.listdir(security) if n.endswith("-client.json"))
+    with open(os.path.join(security, name)) as f:
+        return json.load(f)
+
+
+def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False,
+                   key: str | None = None) -> bool:
+    """Whether the controller's cell fan-out runs ``code`` on one engine for a request signed
+    with ``key`` (the cluster's own by default) and sends back its gathered reply."""
+    import zmq
+    from jupyter_client.session import Session as Signer
+
+    from spmd.cluster.launchers.fanout import PORT_KEY, REPLIES, REQUEST
+
+    signer = Signer(key=(key or info["key"]).encode(), signature_scheme=info["signature_scheme"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndtimeo = 3000  # (a peer that dropped it, as a failed CurveZMQ handshake does)
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = info["curve_serverkey"].encode()
+    try:
+        sock.connect(f"{info['interface']}:{info[PORT_KEY]}")
+        request = {"request": {"code": code, "silent": False, "user_expressions": {}},
+                   "metadata": {}, "targets": [[engine_ident, f"probe-{time.time()}"]]}
+        try:
+            signer.send(sock, REQUEST, content=request)
+        except zmq.Again:
+            return False
+        if not sock.poll(5000):
+            return False
+        _idents, msg = signer.recv(sock)
+        return msg["header"]["msg_type"] == REPLIES and len(msg["content"]["replies"]) == 1
+    finally:
+        sock.close()

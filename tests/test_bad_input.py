@@ -136,7 +136,9 @@ def test_jax_initialized_in_the_notebook_warns(shell):
         run(shell, "%spmd stop")
 
 
-def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, monkeypatch):
+@pytest.mark.parametrize("handle", ["taken", "too late"])
+def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, monkeypatch,
+                                                              handle):
     # sitecustomize runs first in every new Python on the path: rank 1's process exits at
     # once; a rank forked by the rank server (whose sitecustomize ran with no rank) exits as
     # it enters its folder, once its rank is set, before its engine starts
@@ -150,6 +152,20 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, m
         "sys.addaudithook(lambda event, args: event == 'os.chdir' and exit_if_rank_1())\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    if handle == "too late":
+        # The notebook takes a forked rank's handle after every fork is asked for: rank 1
+        # may have ended, and been reaped by the server, by then. It is still told as an exit.
+        from spmd.cluster.launchers.servers import RankServer
+
+        forked = RankServer.forked
+
+        def forked_then_reaped(self, key, timeout=30.0):
+            pid = forked(self, key, timeout)
+            if key.endswith("/1"):
+                assert self.exit_code(pid, timeout=20)[0]
+            return pid
+
+        monkeypatch.setattr(RankServer, "forked", forked_then_reaped)
     t0 = time.monotonic()
     message = usage_error(shell, "%spmd start -n 2 --backend none")
     assert time.monotonic() - t0 < 30  # not the 120 s registration timeout

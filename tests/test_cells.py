@@ -6,7 +6,7 @@ import re
 
 import psutil
 import pytest
-from conftest import ready_cluster, run, wait_until_gone
+from conftest import client_connection, fanout_answers, ready_cluster, run, session, wait_until_gone
 
 from spmd.magics.render import RankErrors
 
@@ -255,3 +255,19 @@ def test_a_display_the_same_on_every_rank_is_the_ranks_own_bundle(cluster):
     out = run(cluster, "display(jax.process_index())")
     assert out.outputs == [{"text/plain": "0"}, {"text/plain": "1"}]
     assert out.stdout == "[rank 0]\n[rank 1]\n"
+
+
+def test_a_cell_request_not_signed_with_the_clusters_key_runs_on_no_rank(fresh):
+    """The controller's fan-out sends one cell to many ranks: a request it cannot verify is
+    dropped, and one signed with the cluster's key runs (so the silence is the key's doing)."""
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
+    s = session(fresh)
+    info = client_connection(s)
+    assert info["interface"] == "tcp://127.0.0.1"  # (a local cluster: the loopback only)
+    rank_0 = s.client._engines[s.ranks[0].engine_id]
+    assert not fanout_answers(info, rank_0, "forged = True", key="0" * 64)
+    assert run(fresh, "print('forged' in globals())").stdout == "[ranks 0-1] False\n"
+    assert fanout_answers(info, rank_0, "signed = True")
+    out = run(fresh, "print('signed' in globals())")
+    assert out.stdout == "[rank 0] True\n[rank 1] False\n", out.stdout
+    assert run(fresh, "%spmd stop").error is None

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import (
+    fanout_answers,
     kernel_stream,
     report,
     run,
@@ -151,6 +152,10 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
     # it, the same request is answered (so the silence is the encryption's doing).
     assert not hub_answers(info, curve=False)
     assert hub_answers(info, curve=True)
+    # So does the fan-out that sends a cell to the ranks.
+    rank_0 = session.client._engines[session.ranks[0].engine_id]
+    assert not fanout_answers(info, rank_0, "pass", curve=False)
+    assert fanout_answers(info, rank_0, "pass", curve=True)
 
     out = run(fresh, "%spmd stop")
     assert out.error is None

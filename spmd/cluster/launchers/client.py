@@ -106,11 +106,9 @@ class SpmdClient(ipyparallel.Client):
                 self.log.exception("a rank's debug event could not be passed on")
 
     def _extract_metadata(self, msg) -> dict:
-        """ipyparallel's, with the rank's census digest of the cell (engine/census.py)."""
+        """ipyparallel's; a reply names its request's engine, for the request's late
+        outputs."""
         md = super()._extract_metadata(msg)
-        said = (msg.get("metadata") or {}).get("spmd_census")
-        if said is not None:
-            md["spmd_census"] = said
         msg_id = (msg.get("parent_header") or {}).get("msg_id")
         self._learn_engine(msg_id, self._engine((msg.get("metadata") or {}).get("engine")))
         return md

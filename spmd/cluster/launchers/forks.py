@@ -16,6 +16,7 @@ import psutil
 
 from spmd.cluster.launchers import ssh
 from spmd.cluster.launchers.launch import RankedEngineLauncher, RankedEngineSetLauncher
+from spmd.cluster.launchers.processes import Ended
 from spmd.cluster.launchers.servers import RankServer, ServerUnavailable, SSHRankServers
 
 
@@ -46,8 +47,7 @@ class ForkedEngineLauncher(RankedEngineLauncher):
         try:
             self.process = psutil.Process(self.pid)
         except psutil.NoSuchProcess:  # (it ended at once: the start or restart says so)
-            raise ServerUnavailable(f"rank {self.identifier} ended as soon as it was "
-                                    "forked") from None
+            self.process = Ended(self.pid)
         self.notify_start(self.pid)
         self._start_waiting()
 

@@ -74,6 +74,30 @@ def end(processes: list[psutil.Process]) -> None:
     psutil.wait_procs(processes, timeout=2)
 
 
+class Ended:
+    """The handle of a process that had ended, and been reaped, before a handle could be
+    taken: a rank forked by the rank server that exits at once. It answers as psutil's
+    handle of a process gone does, so the start reports that rank's exit and its output."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_running(self) -> bool:
+        return False
+
+    def status(self) -> str:
+        return psutil.STATUS_DEAD
+
+    def children(self, recursive: bool = False) -> list:
+        return []
+
+    def send_signal(self, sig: int) -> None:
+        raise psutil.NoSuchProcess(self.pid)
+
+    def kill(self) -> None:
+        raise psutil.NoSuchProcess(self.pid)
+
+
 def exited(process) -> bool:
     """Whether a psutil process handle has ended (a zombie has ended too)."""
     try:
