@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import psutil
 import pytest
@@ -270,4 +271,21 @@ def test_a_cell_request_not_signed_with_the_clusters_key_runs_on_no_rank(fresh):
     assert fanout_answers(info, rank_0, "signed = True")
     out = run(fresh, "print('signed' in globals())")
     assert out.stdout == "[rank 0] True\n[rank 1] False\n", out.stdout
+    assert run(fresh, "%spmd stop").error is None
+
+
+def test_processes_a_cell_started_end_at_a_restart_with_their_own_children(fresh):
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
+    out = run(fresh, "import subprocess\n"
+                     "child = subprocess.Popen(['bash', '-c', 'sleep 1000 & wait'])\n"
+                     "print(child.pid)")
+    assert out.error is None, out.stdout
+    children = [psutil.Process(int(line.split()[-1])) for line in out.stdout.splitlines()]
+    deadline = time.monotonic() + 10
+    while not all(c.children() for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (bash starts its sleep)
+    started = children + [g for c in children for g in c.children()]
+    assert len(started) == 4
+    assert run(fresh, "%spmd restart").error is None
+    assert not wait_until_gone(started)
     assert run(fresh, "%spmd stop").error is None

@@ -1,7 +1,8 @@
 """``python -m spmd.cluster.launchers.controller``: ipyparallel's controller, ending with the notebook,
 writing its connection files whole, encrypting its traffic where it leaves the machine,
-keeping of each request only what the cluster needs (hub.py), and sending a cell to all its
-ranks from one request of the notebook (fanout.py).
+keeping of each request only what the cluster needs (hub.py), registering a rank at its first
+heartbeat (hearts.py), and sending a cell to all its ranks from one request of the notebook
+(fanout.py).
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ def main() -> None:
     from ipyparallel.controller.app import IPController
     from ipyparallel.controller.app import main as controller_main
 
-    from spmd.cluster.launchers import fanout, hub
+    from spmd.cluster.launchers import fanout, hearts, hub
 
     IPController.save_connection_dict = save_connection_dict
     hub.install()
+    hearts.install()
     fanout.install()  # (after the connection files' writer: it adds its port to the client's)
     controller_main()
 

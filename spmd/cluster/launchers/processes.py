@@ -49,12 +49,20 @@ def check_room(n: int, backend: str = "jax", forked: bool = False) -> None:
 def started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
     """What user code started inside the ranks (``subprocess``, DataLoader workers): once its
     engine is gone it would live on, reparented to init."""
+    ranks = [getattr(ln, "process", None) for ln in cluster.rank_launchers().values()]
+    todo = [process.pid for process in ranks if process is not None]
+    if not todo:
+        return []
+    # (one pass over the machine's processes: psutil's children() makes one for each rank,
+    # 64 passes at a 64-rank restart)
+    children: dict[int, list[psutil.Process]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        children.setdefault(process.info["ppid"], []).append(process)
     found = []
-    for launcher in cluster.rank_launchers().values():
-        try:
-            found += launcher.process.children(recursive=True)
-        except (psutil.Error, AttributeError):
-            continue
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child.pid)
     return found
 
 
