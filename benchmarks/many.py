@@ -2,7 +2,9 @@
 
 - a trivial cell on 4 and on 64 ranks (medians of ``cells`` cells), and where its CPU goes
   at 64: the notebook's process, the controller's, and the ranks' own, per cell and rank
-  (psutil's CPU times of each process over the cells);
+  (psutil's CPU times of each process over the cells); the ranks' own CPU over this
+  machine's cores (the least time a cell can take here); the same cell through ``%px``
+  (plain ipyparallel) on the same 64 ranks;
 - a restart of 64 ranks until a cell has run on every rank;
 - 128 ranks: the start until a cell has run on every rank;
 - 256 ranks: the same, and one cell.
@@ -46,9 +48,13 @@ def cells(bench, n: int, count: int) -> None:
             bench.record(f"cell_n{n}/none", time.perf_counter() - t0)
         after = (_cpu(notebook), _cpu(controller), sum(map(_cpu, ranks)))
         if n >= 64:
-            for name, spent in zip(("notebook", "controller", "ranks"),
-                                   (b - a for a, b in zip(before, after))):
-                bench.record(f"cpu_per_cell_and_rank_n{n}/{name}", spent / count / n)
+            spent = [b - a for a, b in zip(before, after)]
+            for name, cpu in zip(("notebook", "controller", "ranks"), spent):
+                bench.record(f"cpu_per_cell_and_rank_n{n}/{name}", cpu / count / n)
+            # (the least time the ranks' own work takes on this machine's cores: a cell can
+            # be no faster here, whatever the notebook and the controller do)
+            bench.record(f"cell_n{n}/ranks_cpu_over_cores", spent[2] / count / psutil.cpu_count())
+            px(bench, session, n, count)
         if n == 64:
             t0 = time.perf_counter()
             bench.cell("%spmd restart")
@@ -56,6 +62,21 @@ def cells(bench, n: int, count: int) -> None:
             bench.record(f"restart/spmd_n{n}_none_forked", time.perf_counter() - t0)
     finally:
         bench.cell("%spmd stop")
+
+
+def px(bench, session, n: int, count: int) -> None:
+    """The same trivial cell through plain ipyparallel (``%px``) on the very same ranks."""
+    view = session.client[[r.engine_id for r in session.ranks]]
+    view.block = True
+    view.activate()
+    bench.magics.auto.on = False
+    try:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            bench.cell("%px x = 1")
+            bench.record(f"cell_n{n}/px", time.perf_counter() - t0)
+    finally:
+        bench.magics.auto.on = True
 
 
 def start(bench, n: int) -> None:

@@ -450,6 +450,8 @@ TARGETS = [
     ("debugger_cell_n4/attached", "debugger_cell_n4/never_attached", None, ""),
     ("census_jit_1000/on", "census_jit_1000/off", 1.03, "≤ 1.03 × without the census"),
     ("cell_n64/none", "cell_n4/none", 6.0, "≤ 6 × 4 ranks"),
+    ("cell_n64/none", "cell_n64/ranks_cpu_over_cores", None, ""),
+    ("cell_n64/none", "cell_n64/px", 1.0, "≤ 1.0 × %px"),
     ("census_jit_1000/empty", "census_jit_1000/off", None, ""),
     ("census_torch_all_reduce_1000/on", "census_torch_all_reduce_1000/off", None, ""),
     ("census_torch_all_reduce_1000/checked", "census_torch_all_reduce_1000/off", None, ""),
