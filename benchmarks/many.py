@@ -69,14 +69,14 @@ def px(bench, session, n: int, count: int) -> None:
     view = session.client[[r.engine_id for r in session.ranks]]
     view.block = True
     view.activate()
-    bench.magics.auto.on = False
+    auto, bench.magics.auto.on = bench.magics.auto.on, False
     try:
         for _ in range(count):
             t0 = time.perf_counter()
             bench.cell("%px x = 1")
             bench.record(f"cell_n{n}/px", time.perf_counter() - t0)
     finally:
-        bench.magics.auto.on = True
+        bench.magics.auto.on = auto
 
 
 def start(bench, n: int) -> None:

@@ -39,7 +39,7 @@ INTERNALS = [
              "an engine's identity, to send a cell to a rank (lockstep/run.py)"),
     *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
                "the socket to the controller's cell fan-out (launchers/cell_routes.py)")
-      for name in ("_setup_streams", "_context", "_config", "curve_serverkey",
+      for name in ("_setup_streams", "_context", "_config", "_closed", "curve_serverkey",
                    "curve_publickey", "curve_secretkey")],
     *[Internal("ipyparallel", "ipyparallel.controller.app", f"IPController.{name}", "notebook",
                "the controller's cell fan-out (launchers/fanout.py)")
@@ -49,8 +49,14 @@ INTERNALS = [
     *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
                "the hub reads its monitor's waiting messages in one go (launchers/hub.py)")
       for name in ("monitor", "dispatch_monitor_traffic")],
+    *[Internal("ipyparallel", "ipyparallel.controller.heartmonitor", f"HeartMonitor.{name}",
+               "notebook", "a rank registered at its first heartbeat (launchers/hearts.py)")
+      for name in ("handle_pong", "start", "responses", "hearts", "handle_new_hearts",
+                   "ping_stream", "lifetime", "loop")],
+    Internal("ipyparallel", "ipyparallel.controller.app", "start_heartmonitor", "notebook",
+             "the heart monitor's process starts with hearts.py installed (launchers/hearts.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._futures", "notebook",
-             "whether an output's cell is still running (client.py)"),
+             "whether an output's request (%px, apply) is still running (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._build_targets", "notebook",
              "control-channel requests to ranks (control.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._send", "notebook",

@@ -293,9 +293,10 @@ def client_connection(session) -> dict:
 
 
 def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False,
-                   key: str | None = None) -> bool:
+                   key: str | None = None, wait: float = 30.0) -> bool:
     """Whether the controller's cell fan-out runs ``code`` on one engine for a request signed
-    with ``key`` (the cluster's own by default) and sends back its gathered reply."""
+    with ``key`` (the cluster's own by default) and sends back its gathered reply within
+    ``wait`` seconds."""
     import zmq
     from jupyter_client.session import Session as Signer
 
@@ -304,7 +305,6 @@ def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False
     signer = Signer(key=(key or info["key"]).encode(), signature_scheme=info["signature_scheme"])
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
-    sock.sndtimeo = 3000  # (a peer that dropped it, as a failed CurveZMQ handshake does)
     if curve:
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.curve_serverkey = info["curve_serverkey"].encode()
@@ -312,11 +312,8 @@ def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False
         sock.connect(f"{info['interface']}:{info[PORT_KEY]}")
         request = {"request": {"code": code, "silent": False, "user_expressions": {}},
                    "metadata": {}, "targets": [[engine_ident, f"probe-{time.time()}"]]}
-        try:
-            signer.send(sock, REQUEST, content=request)
-        except zmq.Again:
-            return False
-        if not sock.poll(5000):
+        signer.send(sock, REQUEST, content=request)
+        if not sock.poll(int(wait * 1000)):
             return False
         _idents, msg = signer.recv(sock)
         return msg["header"]["msg_type"] == REPLIES and len(msg["content"]["replies"]) == 1

@@ -158,11 +158,13 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, m
         from spmd.cluster.launchers.servers import RankServer
 
         forked = RankServer.forked
+        reaped = []
 
         def forked_then_reaped(self, key, timeout=30.0):
             pid = forked(self, key, timeout)
             if key.endswith("/1"):
                 assert self.exit_code(pid, timeout=20)[0]
+                reaped.append(pid)
             return pid
 
         monkeypatch.setattr(RankServer, "forked", forked_then_reaped)
@@ -171,6 +173,8 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, m
     assert time.monotonic() - t0 < 30  # not the 120 s registration timeout
     assert message.startswith("An engine process exited during start-up (rank 1)")
     assert "rank 1 cannot start" in message
+    if handle == "too late":
+        assert len(reaped) == 1  # (the rank server forked it, and it was gone before its handle)
 
 
 def test_the_controller_writes_its_connection_file_whole(tmp_path):

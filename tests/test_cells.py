@@ -266,7 +266,7 @@ def test_a_cell_request_not_signed_with_the_clusters_key_runs_on_no_rank(fresh):
     info = client_connection(s)
     assert info["interface"] == "tcp://127.0.0.1"  # (a local cluster: the loopback only)
     rank_0 = s.client._engines[s.ranks[0].engine_id]
-    assert not fanout_answers(info, rank_0, "forged = True", key="0" * 64)
+    assert not fanout_answers(info, rank_0, "forged = True", key="0" * 64, wait=3)
     assert run(fresh, "print('forged' in globals())").stdout == "[ranks 0-1] False\n"
     assert fanout_answers(info, rank_0, "signed = True")
     out = run(fresh, "print('signed' in globals())")

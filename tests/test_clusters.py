@@ -154,7 +154,7 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
     assert hub_answers(info, curve=True)
     # So does the fan-out that sends a cell to the ranks.
     rank_0 = session.client._engines[session.ranks[0].engine_id]
-    assert not fanout_answers(info, rank_0, "pass", curve=False)
+    assert not fanout_answers(info, rank_0, "pass", curve=False, wait=3)
     assert fanout_answers(info, rank_0, "pass", curve=True)
 
     out = run(fresh, "%spmd stop")

@@ -120,12 +120,16 @@ def test_sigint_during_a_report_is_held_and_the_guard_comes(fresh):
     psum_runs(fresh)
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2])
-def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, delay):
+@pytest.mark.parametrize("part", [0.0, 0.25, 0.5, 0.75])
+def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, part):
     """An interrupt while the new ranks register and join gives the restart up (the
     cluster is stopped: the next restart starts afresh); in the old ranks' end and the
-    fork, it waits until the restart has finished."""
+    fork, it waits until the restart has finished. (It comes ``part`` of the way through a
+    restart as long as one just measured.)"""
     assert run(fresh, "%spmd start -n 2").error is None
+    t0 = time.monotonic()
+    assert run(fresh, "%spmd restart").error is None
+    delay = part * (time.monotonic() - t0)
     with interrupt_inside("the restart", count=1, delay=delay) as sent:
         out = run(fresh, "%spmd restart")
     assert sent  # (inside the restart, held or not)

@@ -143,7 +143,7 @@ class Cells:
             run.poll(max(0.0, wake - now))
             if tick is not None:
                 tick(run)
-        # A rank that died at the very end may have had its reply faked by ipyparallel.
+        # A rank that died at the very end: its death is the cell's news.
         return (DIED, None) if self._any_death() else ("", None)
 
     def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:

@@ -21,6 +21,7 @@ called from the main thread and hands its work to the IO thread.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
 import zmq
@@ -60,6 +61,8 @@ class CellRoutes:
         """(IO thread, with ipyparallel's own streams) The socket to the controller's fan-out."""
         client, cfg = self.client, self.client._config
         socket = client._context.socket(zmq.DEALER)
+        # (its own identity, kept if it reconnects: replies to the one before would be lost)
+        socket.routing_id = f"spmd-cells-{uuid.uuid4()}".encode()
         util.connect(socket, f"{cfg['interface']}:{cfg[PORT_KEY]}",
                      curve_serverkey=client.curve_serverkey,
                      curve_publickey=client.curve_publickey,
@@ -73,6 +76,8 @@ class CellRoutes:
         ``events`` is called on the IO thread with each of their events. {rank: the id of
         its request}."""
         client = self.client
+        if client._closed:
+            raise OSError("Connections have been closed.")  # (as ipyparallel's own sends)
         msg = client.session.msg(REQUEST, content={})
         cell_id = msg["header"]["msg_id"]
         ids = {rank: f"{cell_id}_{rank}" for rank in ranks}

@@ -6,8 +6,8 @@ text at every chunk), and it keeps doing so after the request has ended: a threa
 started prints on, under that cell's id, and each such message makes the entry anew (a
 ``defaultdict``) and shows nowhere. Here:
 
-- a running cell's outputs reach the notebook through its own callbacks (lockstep/run.py), so
-  ipyparallel's copy of its streams is emptied at every chunk: memory stays bounded;
+- a running request's outputs (``%px``, ``apply``) are not kept in ipyparallel's copy of its
+  streams, which is emptied at every chunk: memory stays bounded;
 - outputs that come after their cell ended (a training loop in a thread, a callback) go to
   ``late``, for the next cell to show and the rank's log to keep, and leave no entry behind.
 
@@ -139,7 +139,7 @@ class SpmdClient(ipyparallel.Client):
 
     def _learn_engine(self, msg_id: str | None, engine_id: int | None) -> None:
         """The request's engine, from the first message that names it (its reply at the
-        latest: a counted cell's rank sends no idle, and a trivial cell no output)."""
+        latest); a cell's requests are given theirs when they are sent (cell_routes.py)."""
         if engine_id is not None and msg_id is not None and msg_id not in self._engine_of:
             self._engine_of[msg_id] = engine_id
             while len(self._engine_of) > RECENT_REQUESTS:

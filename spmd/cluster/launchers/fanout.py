@@ -20,8 +20,10 @@ ipyparallel's broadcast scheduler fans a request out through a tree too, but its
 does not gather the replies (only ``apply``'s buffers), so the notebook would still read one
 message per rank.
 
-A reply whose signature does not hold is dropped; so is a request. Requests whose ranks never
-answer (a rank that died) are forgotten oldest first beyond ``REMEMBERED``.
+A reply whose signature does not hold is dropped; so is a request, and a request seen
+before (a replay: its signature is remembered). A message that cannot be read is dropped
+alone, and the others go on. Requests whose ranks never answer (a rank that died) are
+forgotten oldest first beyond ``REMEMBERED``.
 
 Threads: everything here runs on the controller's main thread (its event loop), with the hub.
 """
@@ -39,9 +41,11 @@ PORT_KEY = "spmd_cells"
 REQUEST = "spmd_cell_request"
 REPLIES = "spmd_cell_replies"
 # What the notebook reads of a rank's reply metadata (spmd/engine/quiet.py, census.py).
-KEPT = ("spmd_iopub", "spmd_census", "status", "engine")
-# Requests in flight remembered (a rank that died never answers its own).
+KEPT = ("spmd_iopub", "spmd_census")
+# Requests in flight remembered (a rank that died never answers its own), and the signatures
+# of the notebook's requests (jupyter_client's own replay guard keeps as many).
 REMEMBERED = 200_000
+SIGNATURES = 2**16
 DELIM = b"<IDS|MSG>"
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: pyzmq's enums are slow)
 
@@ -58,6 +62,7 @@ class CellFanout:
         self.ranks = ranks
         # a rank's request id -> (the notebook's identity, the cell's id)
         self.asked: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
+        self.seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         loop.add_handler(cells, self._pump, loop.READ)
         loop.add_handler(ranks, self._pump, loop.READ)
 
@@ -68,11 +73,11 @@ class CellFanout:
         while True:
             moved = False
             while self.cells.get(_EVENTS) & _POLLIN:
-                self._cell(self.cells.recv_multipart(zmq.NOBLOCK))
+                self._read(self._cell, self.cells.recv_multipart(zmq.NOBLOCK))
                 moved = True
             gathered: dict[tuple[bytes, str], list] = {}
             while self.ranks.get(_EVENTS) & _POLLIN:
-                self._reply(self.ranks.recv_multipart(zmq.NOBLOCK), gathered)
+                self._read(self._reply, self.ranks.recv_multipart(zmq.NOBLOCK), gathered)
                 moved = True
             for (notebook, cell_id), replies in gathered.items():
                 msg = self.session.msg(REPLIES, content={"replies": replies},
@@ -80,6 +85,15 @@ class CellFanout:
                 self.cells.send_multipart([notebook, *self.session.serialize(msg)])
             if not moved:
                 return
+
+    @staticmethod
+    def _read(handle, *args) -> None:
+        """One message: one that cannot be read is dropped, and the loop goes on (were it to
+        end here, the messages behind it would wait for an edge that never comes)."""
+        try:
+            handle(*args)
+        except Exception:
+            log.warning("a message the cell fan-out could not read was dropped", exc_info=True)
 
     def _signed(self, frames: list) -> list | None:
         """[identities, header, parent, metadata, content] of a message whose signature holds."""
@@ -101,23 +115,29 @@ class CellFanout:
         signed = self._signed(frames)
         if signed is None:
             return
+        signature = frames[frames.index(DELIM) + 1]
+        if signature in self.seen:
+            log.warning("a cell request seen before (a replay) was dropped")
+            return
         idents, header, _parent, _metadata, content = signed
         unpack, pack = self.session.unpack, self.session.pack
-        try:
-            header, content = unpack(header), unpack(content)
-            if header["msg_type"] != REQUEST or not idents:
-                return
-            cell_id, targets = header["msg_id"], content["targets"]
-            parts = [pack({}), pack(content["metadata"]), pack(content["request"])]
-        except Exception:
-            log.warning("a malformed cell request was dropped", exc_info=True)
+        header, content = unpack(header), unpack(content)
+        if header["msg_type"] != REQUEST or not idents:
             return
+        self.seen[signature] = None
+        while len(self.seen) > SIGNATURES:
+            self.seen.popitem(last=False)
+        cell_id = header["msg_id"]
+        parts = [pack({}), pack(content["metadata"]), pack(content["request"])]
         header["msg_type"] = "execute_request"
-        for ident, msg_id in targets:
+        requests = []  # (every rank's request made before any is sent: all or none go)
+        for ident, msg_id in content["targets"]:
             header["msg_id"] = msg_id
             signed_parts = [pack(header), *parts]
-            self.ranks.send_multipart([ident.encode(), DELIM, self.session.sign(signed_parts),
-                                       *signed_parts])
+            requests.append((msg_id, [ident.encode(), DELIM, self.session.sign(signed_parts),
+                                      *signed_parts]))
+        for msg_id, frames in requests:
+            self.ranks.send_multipart(frames)
             self.asked[msg_id] = (idents[0], cell_id)
         while len(self.asked) > REMEMBERED:
             self.asked.popitem(last=False)
@@ -127,11 +147,8 @@ class CellFanout:
         signed = self._signed(frames)
         if signed is None:
             return
-        try:
-            msg_id = self.session.unpack(signed[2])["msg_id"]
-            metadata = self.session.unpack(signed[3])
-        except Exception:
-            return
+        msg_id = self.session.unpack(signed[2])["msg_id"]
+        metadata = self.session.unpack(signed[3])
         asked = self.asked.pop(msg_id, None)
         if asked is not None:
             kept = {k: metadata[k] for k in KEPT if k in metadata}
@@ -148,6 +165,7 @@ def install() -> None:
     def init_hub_with_fanout(self) -> None:
         # (bound before the hub writes the connection files, which carry its port)
         cells = self.context.socket(zmq.ROUTER)
+        cells.router_handover = True  # (a notebook that reconnects keeps its identity: cell_routes.py)
         if self.enable_curve:
             cells.curve_server = True
             cells.curve_secretkey = self.curve_secretkey
@@ -155,7 +173,7 @@ def install() -> None:
             f"{self.client_transport}://{self.client_ip}")
         init_hub(self)
         ranks = self.context.socket(zmq.DEALER)
-        ranks.sndhwm = 0  # (a cell on 256 ranks is 256 messages at once)
+        ranks.sndhwm = 0  # (never a blocking send on the controller's one event loop)
         self.connect(ranks, self.client_url("mux"))
         self._spmd_fanout = CellFanout(self.session, self.loop, cells, ranks)
 

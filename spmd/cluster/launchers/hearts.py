@@ -3,14 +3,18 @@
 ipyparallel's hub finishes an engine's registration once the heart monitor has heard the
 engine's heart. The monitor pings every heart each period (300 ms at 64 ranks), and took a
 pong from a heart it did not know as new only at the next beat: a registration waited one to
-two periods (0.7 s of a 64-rank restart). Here (installed by controller.py, before the
-monitor's process is forked from the controller):
+two periods (0.7 s of a 64-rank restart). Here (installed by controller.py):
 
 - a new heart's first pong to the current ping announces it to the hub at once;
-- when a heart connects to the ping socket, the current ping is sent again 20 ms later (once
-  for all hearts that connect meanwhile), so a new heart need not wait for the next beat to
-  answer. The repeated ping carries the same beat, so hearts that answer it twice count once
-  and the misses are counted as before.
+- when a heart has connected to the ping socket (its handshake done), the current ping is
+  sent again 20 ms later, so a new heart need not wait for the next beat to answer. Hearts
+  that connect meanwhile are covered by the same repeat, or by one more 20 ms after the last
+  of them. A repeated ping carries the same beat: hearts that answer it twice count once,
+  and misses are counted as before.
+
+The monitor runs in a process of its own (multiprocessing): a forked one inherits the
+patches; one started afresh (spawn, forkserver) starts through ``start_heartmonitor`` here,
+which installs them first.
 
 Threads: the heart monitor's process has one thread, its event loop; all of this runs there.
 """
@@ -24,15 +28,32 @@ from zmq.eventloop.zmqstream import ZMQStream
 # ping socket by then, on the loopback; a heart that misses it answers the next beat).
 REPING_SECONDS = 0.02
 
-_handle_pong = _start = None  # ipyparallel's own, bound by install()
+_handle_pong = _start = None  # ipyparallel's own, bound by _patch()
 
 
 def install() -> None:
+    """(the controller, before it starts the heart monitor's process)"""
+    import ipyparallel.controller.app as app
+
+    _patch()
+    app.start_heartmonitor = start_heartmonitor
+
+
+def start_heartmonitor(*args, **kwargs) -> None:
+    """ipyparallel's ``start_heartmonitor`` (the monitor process's target), patched."""
+    from ipyparallel.controller import heartmonitor
+
+    _patch()
+    heartmonitor.start_heartmonitor(*args, **kwargs)
+
+
+def _patch() -> None:
     global _handle_pong, _start
     from ipyparallel.controller.heartmonitor import HeartMonitor
 
-    _handle_pong, _start = HeartMonitor.handle_pong, HeartMonitor.start
-    HeartMonitor.handle_pong, HeartMonitor.start = handle_pong, start
+    if HeartMonitor.start is not start:  # (once: a forked monitor has them already)
+        _handle_pong, _start = HeartMonitor.handle_pong, HeartMonitor.start
+        HeartMonitor.handle_pong, HeartMonitor.start = handle_pong, start
 
 
 def handle_pong(self, msg: list) -> None:
@@ -46,20 +67,25 @@ def handle_pong(self, msg: list) -> None:
 def start(self) -> None:
     """``HeartMonitor.start``, and the ping repeated soon after a heart connects."""
     _start(self)
-    events = ZMQStream(self.ping_stream.socket.get_monitor_socket(zmq.EVENT_ACCEPTED), self.loop)
-    pending = False
+    socket = self.ping_stream.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    events = ZMQStream(socket, self.loop)
+    loop = self.loop
+    last = 0.0  # when the latest heart connected
+    timer = None
 
     def ping() -> None:
-        nonlocal pending
-        pending = False
+        nonlocal timer
+        timer = None
         self.ping_stream.send(str(self.lifetime).encode("ascii"))
         self.ping_stream.flush()
+        if last > loop.time() - REPING_SECONDS:  # (one connected since: its own, later)
+            timer = loop.call_at(last + REPING_SECONDS, ping)
 
     def connected(_event: list) -> None:
-        nonlocal pending
-        if not pending:
-            pending = True
-            self.loop.call_later(REPING_SECONDS, ping)
+        nonlocal last, timer
+        last = loop.time()
+        if timer is None:
+            timer = loop.call_at(last + REPING_SECONDS, ping)
 
     events.on_recv(connected)
     self._spmd_connections = events  # (kept: the stream is the monitor socket's reader)

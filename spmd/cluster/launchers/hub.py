@@ -20,9 +20,10 @@ Here (installed by controller.py, before the hub is made):
 - the application's logger writes at the level asked for (traitlets builds it at DEBUG and
   filters in the handler, so the hub's four ``log.debug``/``log.info`` a request were built
   as records and thrown away);
-- the monitor's messages that have arrived are read in one go: pyzmq's stream reads one
-  message per turn of the event loop, and the hub gets two a rank for every cell (its request
-  and its reply) and one for every output.
+- the monitor's messages that have arrived are read in one go, up to ``DRAINED``: pyzmq's
+  stream reads one message per turn of the event loop, and the hub gets two a rank for every
+  cell (its request and its reply) and one for every output. (The bound lets the cell
+  fan-out and registrations, on the same loop, have their turn during a flood of outputs.)
 
 Threads: everything here runs on the controller's main thread (its event loop), where the
 hub's state lives.
@@ -34,6 +35,9 @@ import hmac
 import logging
 
 import zmq
+
+# The most monitor messages read in one turn of the controller's event loop (about 5 ms).
+DRAINED = 256
 
 # ipyparallel's own, bound by install()
 _save_queue_request = _save_queue_result = _monitor_iopub_message = _logging_config = None
@@ -72,7 +76,7 @@ def drained(stream, handle):
         if not draining:
             draining = True
             try:
-                stream.flush(zmq.POLLIN)  # (pyzmq's: the stream's callback for each)
+                stream.flush(zmq.POLLIN, DRAINED)  # (pyzmq's: the stream's callback for each)
             finally:
                 draining = False
 

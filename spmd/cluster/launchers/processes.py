@@ -49,8 +49,14 @@ def check_room(n: int, backend: str = "jax", forked: bool = False) -> None:
 def started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
     """What user code started inside the ranks (``subprocess``, DataLoader workers): once its
     engine is gone it would live on, reparented to init."""
-    ranks = [getattr(ln, "process", None) for ln in cluster.rank_launchers().values()]
-    todo = [process.pid for process in ranks if process is not None]
+    todo = []  # (pid, when it started) of the ranks still running, then of what they started
+    for launcher in cluster.rank_launchers().values():
+        process = getattr(launcher, "process", None)
+        try:
+            if process is not None and process.is_running():  # (psutil: not a reused pid)
+                todo.append((process.pid, process.create_time()))
+        except psutil.Error:
+            continue
     if not todo:
         return []
     # (one pass over the machine's processes: psutil's children() makes one for each rank,
@@ -60,9 +66,15 @@ def started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
         children.setdefault(process.info["ppid"], []).append(process)
     found = []
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child.pid)
+        pid, born = todo.pop()
+        for child in children.get(pid, []):
+            try:
+                child_born = child.create_time()
+            except psutil.Error:
+                continue
+            if child_born >= born:  # (one older had the pid before it: psutil's own check)
+                found.append(child)
+                todo.append((child.pid, child_born))
     return found
 
 
@@ -96,13 +108,7 @@ class Ended:
     def status(self) -> str:
         return psutil.STATUS_DEAD
 
-    def children(self, recursive: bool = False) -> list:
-        return []
-
     def send_signal(self, sig: int) -> None:
-        raise psutil.NoSuchProcess(self.pid)
-
-    def kill(self) -> None:
         raise psutil.NoSuchProcess(self.pid)
 
 
