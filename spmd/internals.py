@@ -83,6 +83,8 @@ INTERNALS = [
              "the cluster's calls on its own event-loop thread (startup.py, session.py)"),
     Internal("ipyparallel", "ipyparallel", "Cluster._thread_loop", "notebook",
              "the event loop that starts and stops the cluster (launch.py, session.py)"),
+    Internal("ipyparallel", "ipyparallel", "Cluster._async_thread", "notebook",
+             "the thread of the cluster's event loop, whose loop the stop closes (session.py)"),
     Internal("ipyparallel", "ipyparallel.cluster.launcher", "LocalEngineLauncher._wait",
              "notebook", "a rank's exit code, seen in the middle of a cell (launch.py)"),
     Internal("ipyparallel", "ipyparallel.cluster.launcher",

@@ -286,3 +286,20 @@ def test_a_rank_whose_registration_the_notebook_missed_is_found(fresh, monkeypat
     assert hidden == [0]  # (it was hidden once, by one of the two paths)
     assert session(fresh).client.ids == [0, 1]
     psum_runs(fresh)
+
+
+def test_starts_and_stops_leave_no_descriptors_open_in_the_notebook(fresh):
+    """Each start had left the cluster's event loop (its selector and self-pipe) and the rank
+    server's pipe open: a notebook that starts and stops all day ran out of descriptors."""
+    def cycle() -> None:
+        for line in ("%spmd start -n 2 --backend none", "x = 1", "%spmd restart", "%spmd stop"):
+            assert run(fresh, line).error is None, line
+
+    cycle()  # (the first start opens what stays for the process's life: zmq's context)
+    before = set(os.listdir("/proc/self/fd"))
+    cycle()
+    cycle()
+    left = {fd: os.readlink(f"/proc/self/fd/{fd}")
+            for fd in set(os.listdir("/proc/self/fd")) - before
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert left == {}

@@ -200,6 +200,13 @@ class Session(Startup, Restarts, Deaths, Cells):
             loop = getattr(cluster, "_thread_loop", None)
             if loop is not None and end_loop:
                 loop.add_callback(loop.stop)
+                # (closed once its thread has left it: an open one keeps its selector and
+                # self-pipe, three descriptors a start and stop)
+                thread = getattr(cluster, "_async_thread", None)
+                if thread is not None and thread is not threading.current_thread():
+                    thread.join(timeout=5)
+                    if not thread.is_alive():
+                        loop.close()
         if server is not None:  # (a start that failed before its cluster)
             server.close()
         self.logs.close()

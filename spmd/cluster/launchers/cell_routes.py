@@ -70,6 +70,14 @@ class CellRoutes:
         self.stream = ZMQStream(socket, client._io_loop)
         self.stream.on_recv(self._replies, copy=True)
 
+    def close(self, linger=None) -> None:
+        """(once the IO thread has stopped) The socket to the fan-out is closed, where the
+        IO thread's loop did not close it as it ended (ipyparallel closes its loop with every
+        descriptor registered on it)."""
+        socket = self.stream.socket if self.stream is not None else None
+        if socket is not None and not socket.closed:
+            self.stream.close(linger=linger)
+
     def send(self, code: str, metadata: dict, ranks: dict[int, tuple[int, str]],
              events: Callable) -> dict[int, str]:
         """(main thread) ``code`` to ``ranks`` (rank: (engine id, engine identity));

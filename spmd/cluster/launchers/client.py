@@ -67,6 +67,12 @@ class SpmdClient(ipyparallel.Client):
         super()._setup_streams()
         self.cells.connect()
 
+    def close(self, linger=None) -> None:
+        """ipyparallel's, and the socket to the fan-out (ipyparallel closes the sockets it
+        knows, once its IO thread has stopped)."""
+        super().close(linger)
+        self.cells.close(linger)
+
     @unpack_message
     def _dispatch_iopub(self, msg) -> None:
         kind = msg["header"]["msg_type"]

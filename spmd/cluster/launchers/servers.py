@@ -233,6 +233,7 @@ class RankServer:
                     self._exit_events.pop(message["exited"], threading.Event()).set()
                     continue
                 self._replied.notify_all()
+        self.process.stdout.close()  # (its end: the pipe is this thread's to close)
         said = _last_line(self.log_path)
         with self._replied:
             self.why_not = self.why_not or ("it ended" + (f": {said}" if said else ""))
