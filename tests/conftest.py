@@ -292,6 +292,27 @@ def client_connection(session) -> dict:
         return json.load(f)
 
 
+@contextlib.contextmanager
+def controller_socket(info: dict, port: int, curve: bool):
+    """A DEALER connected to one of the controller's client ports (``curve``: with a key of
+    its own and the server's, as a client of an encrypting controller)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    # (a DEALER whose only peer dropped it, as a failed CurveZMQ handshake does, blocks in
+    # send for ever: seen once in a CI run; a send not taken in 3 s is no answer)
+    sock.sndtimeo = 3000
+    if curve:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = info["curve_serverkey"].encode()
+    try:
+        sock.connect(f"{info['interface']}:{port}")
+        yield sock
+    finally:
+        sock.close()
+
+
 def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False,
                    key: str | None = None, wait: float = 30.0) -> bool:
     """Whether the controller's cell fan-out runs ``code`` on one engine for a request signed
@@ -303,19 +324,14 @@ def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False
     from spmd.cluster.launchers.fanout import PORT_KEY, REPLIES, REQUEST
 
     signer = Signer(key=(key or info["key"]).encode(), signature_scheme=info["signature_scheme"])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    if curve:
-        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        sock.curve_serverkey = info["curve_serverkey"].encode()
-    try:
-        sock.connect(f"{info['interface']}:{info[PORT_KEY]}")
-        request = {"request": {"code": code, "silent": False, "user_expressions": {}},
-                   "metadata": {}, "targets": [[engine_ident, f"probe-{time.time()}"]]}
-        signer.send(sock, REQUEST, content=request)
+    request = {"request": {"code": code, "silent": False, "user_expressions": {}},
+               "metadata": {}, "targets": [[engine_ident, f"probe-{time.time()}"]]}
+    with controller_socket(info, info[PORT_KEY], curve) as sock:
+        try:
+            signer.send(sock, REQUEST, content=request)
+        except zmq.Again:
+            return False
         if not sock.poll(int(wait * 1000)):
             return False
         _idents, msg = signer.recv(sock)
         return msg["header"]["msg_type"] == REPLIES and len(msg["content"]["replies"]) == 1
-    finally:
-        sock.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import (
+    controller_socket,
     fanout_answers,
     kernel_stream,
     report,
@@ -60,23 +61,12 @@ def hub_answers(info: dict, curve: bool) -> bool:
     from jupyter_client.session import Session as Signer
 
     signer = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    # (a DEALER whose only peer dropped it, as a failed CurveZMQ handshake does, blocks in
-    # send for ever: seen once in a CI run; a send not taken in 3 s is no answer)
-    sock.sndtimeo = 3000
-    if curve:
-        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        sock.curve_serverkey = info["curve_serverkey"].encode()
-    try:
-        sock.connect(f"{info['interface']}:{info['registration']}")
+    with controller_socket(info, info["registration"], curve) as sock:
         try:
             signer.send(sock, "connection_request")
         except zmq.Again:
             return False
         return bool(sock.poll(3000))
-    finally:
-        sock.close()
 
 
 def magics(shell):

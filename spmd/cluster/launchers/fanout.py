@@ -96,7 +96,8 @@ class CellFanout:
             log.warning("a message the cell fan-out could not read was dropped", exc_info=True)
 
     def _signed(self, frames: list) -> list | None:
-        """[identities, header, parent, metadata, content] of a message whose signature holds."""
+        """[identities, signature, header, parent, metadata, content] of a message whose
+        signature holds."""
         try:
             at = frames.index(DELIM)
         except ValueError:
@@ -108,18 +109,17 @@ class CellFanout:
                 body[0], self.session.sign(body[1:5])):
             log.warning("a message with a bad signature was dropped")
             return None
-        return [frames[:at], *body[1:5]]
+        return [frames[:at], *body[:5]]
 
     def _cell(self, frames: list) -> None:
         """A cell from the notebook: an execute request to each of its ranks."""
         signed = self._signed(frames)
         if signed is None:
             return
-        signature = frames[frames.index(DELIM) + 1]
+        idents, signature, header, _parent, _metadata, content = signed
         if signature in self.seen:
             log.warning("a cell request seen before (a replay) was dropped")
             return
-        idents, header, _parent, _metadata, content = signed
         unpack, pack = self.session.unpack, self.session.pack
         header, content = unpack(header), unpack(content)
         if header["msg_type"] != REQUEST or not idents:
@@ -147,8 +147,9 @@ class CellFanout:
         signed = self._signed(frames)
         if signed is None:
             return
-        msg_id = self.session.unpack(signed[2])["msg_id"]
-        metadata = self.session.unpack(signed[3])
+        _idents, _signature, _header, parent, metadata, _content = signed
+        msg_id = self.session.unpack(parent)["msg_id"]
+        metadata = self.session.unpack(metadata)
         asked = self.asked.pop(msg_id, None)
         if asked is not None:
             kept = {k: metadata[k] for k in KEPT if k in metadata}
