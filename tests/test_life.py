@@ -325,3 +325,56 @@ def test_starts_and_stops_leave_no_descriptors_open_in_the_notebook(fresh):
             for fd in set(os.listdir("/proc/self/fd")) - before
             if os.path.exists(f"/proc/self/fd/{fd}")}
     assert left == {}
+
+
+def test_a_shutdown_while_the_main_thread_takes_the_kernels_start_raises_nothing(fresh):
+    """ipykernel's control thread runs the shutdown while the main thread may take the
+    kernel's background start (``pending`` becomes None). A trace on the shutdown's thread
+    makes that land at the worst moment for certain: right after the shutdown's first line
+    that reads ``pending``, before the next one runs."""
+    import linecache
+
+    from spmd.magics.arguments import start_settings
+    from spmd.magics.background import BackgroundStart
+    from spmd.magics.lifecycle import Lifecycle
+
+    magics = fresh.magics_manager.registry["SpmdMagics"]
+    _opts, settings = start_settings(["-n", "2", "--backend", "none"])
+    # (a start refused at once: nothing runs, and its cancel still has its session to end)
+    pending = BackgroundStart(settings, refused="%spmd start: not wanted here.")
+    before = magics.session, magics.starting
+    magics.pending, magics.session, magics.starting = pending, None, None
+    code, taken, errors = Lifecycle.shutdown.__code__, [], []
+    previous = [""]
+
+    def trace(frame, event, _arg):
+        return lines if frame.f_code is code else None
+
+    def lines(frame, event, _arg):
+        if event == "line":
+            if not taken and "self.pending" in previous[0]:
+                magics.pending = None  # (what _take_pending does on the main thread)
+                taken.append(frame.f_lineno)
+            previous[0] = linecache.getline(code.co_filename, frame.f_lineno)
+        return lines
+
+    def shut_down() -> None:
+        sys.settrace(trace)
+        try:
+            magics.shutdown()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=shut_down)
+    try:
+        thread.start()
+        thread.join(30)
+        assert taken, "the trace never came between the shutdown's read of pending and its use"
+        assert not errors, errors
+        assert pending.session._cancelled.is_set()  # (the start it had read was given up)
+    finally:
+        magics._shutting_down = False
+        magics.pending = None
+        magics.session, magics.starting = before

@@ -187,8 +187,10 @@ class Lifecycle:
         at a shutdown request): a start under way is cancelled, a cell's wait ends, and the
         stop runs once the main thread has let go. No start begins after it."""
         self._shutting_down = True
-        if self.pending is not None:
-            self.pending.cancel()
+        # (read once: the main thread may take the start, and set pending to None, meanwhile)
+        pending = self.pending
+        if pending is not None:
+            pending.cancel()
         for session in (self.starting, self.session):
             if session is not None:
                 session.shutdown()
