@@ -161,3 +161,23 @@ def test_torchs_own_check_turns_a_size_mismatch_into_errors_the_census_names(fre
     script = (tmp_path / "job.py").read_text()
     check = 'os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")'
     assert check in script and script.index(check) < script.index("import torch\n"), script
+
+
+def test_a_report_leaves_out_a_rank_that_had_not_begun_the_cell(cluster):
+    """The report asks each rank for this cell's record: a rank that has not begun the cell
+    (here held in a pre_run_cell hook before its record starts; at many ranks, a ^C or a
+    death right after the send) answers with none, not with its last cell's, which would
+    read as other programs than this cell's."""
+    out = run(cluster, "s = total(x)\nimport time\n"
+                       "def held(info=None, _once=[]):\n"
+                       "    if not _once:\n        _once.append(1)\n        time.sleep(60)\n"
+                       "if rank == 1:\n"
+                       "    get_ipython().events.callbacks['pre_run_cell'].insert(0, held)")
+    assert out.error is None, report(out)
+    out = run(cluster, "%%spmd --timeout 5\nm = jax.jit(lambda x: x.max())(x)\n"
+                       "m.block_until_ready()")
+    text = report(out)
+    assert "Timed out after 5 s" in text, text
+    assert "programs differ" not in text, text
+    assert ("Census of the cell's cross-process programs:\n  Rank 1 had not begun the cell "
+            "(still before its first line): its launches are not compared.") in text, text

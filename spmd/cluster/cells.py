@@ -156,7 +156,7 @@ class Cells:
         stall.stacks = self.stacks(busy)
         stall.in_debugger = run.debugger_paused()
         # Why, before an interrupt or a death's end takes the ranks' records with them.
-        stall.census = census.for_report(self.client, run.engine_ids, stall)
+        stall.census = census.for_report(self.client, run.engine_ids, stall, run.requests)
         if reason == DIED:
             self._end_after_death(stall.deaths)
             return stall

@@ -30,15 +30,18 @@ def fetch(client, engine_ids: dict[int, int], requests: dict[int, str] | None = 
           timeout: float = 1.0) -> dict[int, dict]:
     """{rank: its record of a cell (its last one, or the request ``requests[rank]``)}, for
     the ranks that answered and kept it."""
+    replies = _ask(client, engine_ids, requests, timeout)
+    return {rank: reply["census"] for rank, reply in replies.items()
+            if reply is not None and reply.get("census") is not None}
+
+
+def _ask(client, engine_ids: dict[int, int], requests: dict[int, str] | None,
+         timeout: float) -> dict[int, dict | None]:
+    """{rank: its census reply (None: no answer)}."""
     asked = {eid: {"request": (requests or {}).get(rank)} for rank, eid in engine_ids.items()}
     replies = control.request(client, list(asked), CENSUS, {"request": None}, timeout,
                               contents=asked)
-    found = {}
-    for rank, engine_id in engine_ids.items():
-        reply = replies.get(engine_id)
-        if reply is not None and reply.get("census") is not None:
-            found[rank] = reply["census"]
-    return found
+    return {rank: replies.get(engine_id) for rank, engine_id in engine_ids.items()}
 
 
 def differ(digests: dict[int, list | None]) -> bool:
@@ -130,23 +133,40 @@ def explain(records: dict[int, dict], waiting: bool = True,
                         "Hint: " + HINTS["programs"]]
 
 
-def for_report(client, engine_ids: dict[int, int], stall) -> list[str]:
+def for_report(client, engine_ids: dict[int, int], stall,
+               requests: dict[int, str]) -> list[str]:
     """The census section of a stall's report, read from the living ranks (half a second at
-    most); never raises: the report, the interrupt and the out-of-step guard come first."""
+    most); never raises: the report, the interrupt and the out-of-step guard come first.
+    Each rank is asked for this cell's record (``requests``: rank -> the cell's request id):
+    a rank that had not begun the cell (a ^C or a death right after the send) has none, and
+    its last cell's record must not read as this cell's programs."""
     dead = {d.rank for d in stall.deaths}
+    finished = set(stall.finished)
     try:
-        records = fetch(client, {r: e for r, e in engine_ids.items() if r not in dead},
-                        timeout=0.5)
-        return report_lines(records, set(stall.finished))
+        replies = _ask(client, {r: e for r, e in engine_ids.items()
+                                if r not in dead and r in requests}, requests, timeout=0.5)
+        records = {r: reply["census"] for r, reply in replies.items()
+                   if reply is not None and reply.get("census") is not None}
+        # (a rank that answered without a record is still before the cell's first line; one
+        # that finished has a record, unless the census was not installed there)
+        before = sorted(r for r, reply in replies.items() if reply is not None
+                        and reply.get("census") is None and r not in finished)
+        return report_lines(records, finished, before)
     except Exception as exc:
         return ["", f"(The census could not be read: {type(exc).__name__}: {exc}.)"]
 
 
-def report_lines(records: dict[int, dict], finished: set[int] | None = None) -> list[str]:
-    """The report's census section (nothing where the records agree or are too few)."""
+def report_lines(records: dict[int, dict], finished: set[int] | None = None,
+                 before: list[int] | None = None) -> list[str]:
+    """The report's census section (nothing where the records agree or are too few, and
+    every rank had begun the cell). ``before``: the ranks that had not begun it."""
     said = explain(records, finished=finished)
-    return [] if said is None else ["", "Census of the cell's cross-process programs:",
-                                    *["  " + line for line in said[1]]]
+    lines = [] if said is None else said[1]
+    if before:
+        lines = [f"{rank_words(before).capitalize()} had not begun the cell (still before its "
+                 "first line): its launches are not compared.", *lines]
+    return [] if not lines else ["", "Census of the cell's cross-process programs:",
+                                 *["  " + line for line in lines]]
 
 
 def warning(records: dict[int, dict], raised: bool = False) -> str | None:
