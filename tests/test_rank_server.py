@@ -147,6 +147,39 @@ def test_a_rank_server_that_ends_during_a_restart_is_one_sentence(fresh, monkeyp
     assert run(fresh, "print('ok')").stdout == "[ranks 0-1] ok\n"
 
 
+DRAW = ("import random, numpy, torch\n"
+        "print(torch.rand(3).tolist(), numpy.random.rand(), random.random())")
+
+
+def draws(shell) -> list[str]:
+    """What each rank drew (torch, numpy's global state, random), one line a rank."""
+    out = run(shell, DRAW)
+    assert out.error is None, report(out)
+    lines = [line.split("] ", 1)[1] for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) == 2, out.stdout  # (one a rank: a line for all would be "[ranks 0-1]")
+    return lines
+
+
+def test_forked_ranks_draw_their_own_random_numbers_at_start_and_after_restart(fresh):
+    """torch seeds its CPU generator when it is imported, and the rank server imported it
+    before it forked: every rank drew the same torch.rand, and every restart drew them again
+    (before). Each rank's generators now start fresh, and differ after a restart too."""
+    pytest.importorskip("torch")
+    assert run(fresh, "%spmd start -n 2 --backend torch").error is None
+    first = draws(fresh)
+    assert first[0] != first[1], first
+    torch_draws = [line.split("]", 1)[0] for line in first]
+    assert torch_draws[0] != torch_draws[1], first  # (torch alone, not just numpy's)
+    out = run(fresh, "%spmd restart")
+    assert "forked by the rank server" in out.stdout, out.stdout + out.stderr
+    again = draws(fresh)
+    assert again[0] != again[1], again
+    assert not set(again) & set(first), (first, again)
+    # jax's keys are not state: the same key draws the same numbers on every rank
+    out = run(fresh, "import jax\nprint(jax.random.uniform(jax.random.key(0), (2,)))")
+    assert out.stdout.startswith("[ranks 0-1] "), out.stdout
+
+
 def test_a_restart_after_the_notebook_set_a_jax_variable_starts_afresh(fresh):
     """jax reads JAX_* once, at import, and the rank server imported it at the start: after
     the notebook sets JAX_ENABLE_X64, a restart starts the ranks afresh, with a new server,

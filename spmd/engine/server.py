@@ -274,15 +274,25 @@ def _name_process(name: str) -> None:
 
 def _fresh_randomness() -> None:
     """A forked child starts with its server's random state: every rank would draw the same
-    numbers, where fresh processes draw their own."""
+    numbers (and every restart the same again), where fresh processes draw their own. Each
+    generator the server's imports made is seeded afresh from the system's entropy."""
     import random
 
     random.seed()
-    # (only where the server imported it: numpy imports numpy.random lazily, and importing
+    # (only where the server imported them: numpy imports numpy.random lazily, and importing
     # it here cost each rank 8 ms of CPU at its start; a later import seeds itself afresh)
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # torch seeds its CPU generator once, at import. Its CUDA generators start from one
+        # fixed seed in every process; they are seeded with the CPU's new one when CUDA
+        # starts (torch.seed's own way: a queued call, which costs 1-2 ms, so only in a
+        # build that has CUDA or ROCm).
+        seed = torch.default_generator.seed()
+        if torch.version.cuda or torch.version.hip:
+            torch.cuda.manual_seed_all(seed)
 
 
 def _check_internals() -> None:
