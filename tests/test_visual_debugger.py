@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
+import re
+import signal
 import time
 
 import pytest
@@ -280,3 +283,88 @@ def test_a_rank_paused_in_the_debugger_is_not_diverged():
         assert reply["content"]["status"] == "ok", text
         assert text == "[ranks 0-1] done\n" or sorted(text.splitlines()) == [
             "[rank 0] done", "[rank 1] done"]
+
+
+def rank_pids(kc) -> dict[int, int]:
+    reply, text = kernel_stream(kc, "import os\nprint(os.getpid())")
+    assert reply["content"]["status"] == "ok", text
+    return {int(r): int(p) for r, p in re.findall(r"\[rank (\d)\] (\d+)", text)}
+
+
+def test_a_rank_that_cannot_answer_holds_a_burst_of_requests_once():
+    """Rank 1 is stopped (SIGSTOP) while both ranks are paused: JupyterLab's burst of requests
+    waits for it once, each answered with one sentence; a step sent to no rank forgets none."""
+    with debugged_kernel() as (km, kc):
+        pids = rank_pids(kc)
+        _, msg_id, _ = stop_at(kc, CELL, 4)
+        paused(kc, 2)
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            said = [debug(kc, "threads"), debug(kc, "threads"),
+                    debug(kc, "continue", {"threadId": paused(kc, 2)[0]})]
+            burst = time.monotonic() - t0
+            for r in said:
+                # (the controller drops its engine after 3 s of missed heartbeats)
+                assert not r["success"] and re.match(
+                    r"Rank 1 (did not answer the debugger|has ended)", r["message"]), r
+                assert "\n" not in r["message"] and r["message"].count(": ") <= 1, r
+            # (each request had waited 30 s for it: 90 s here)
+            assert burst < 25, burst
+            assert len(paused(kc, 2)) == 2  # (the continue told no rank: both still paused)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        km.interrupt_kernel()
+        reply, text = reply_to(kc, msg_id, timeout=60)
+        report = "\n".join(reply["content"]["traceback"])
+        assert "Ranks 0-1 were paused in the debugger: the interrupt let them go on" in report
+
+
+def test_a_step_that_cannot_reach_a_rank_leaves_the_others_known_as_paused():
+    """Rank 1 stops first, then its engine is lost to the controller (stopped past its
+    heartbeats): a continue cannot reach it, and rank 0, never told to go on, is still
+    known as paused (an interrupt can then let it go)."""
+    with debugged_kernel() as (km, kc):
+        pids = rank_pids(kc)
+        code = ("import jax, time\nrank = jax.process_index()\ntime.sleep(3 * (1 - rank))\n"
+                "y = rank * 10 + 5\nprint('after', y)")
+        _, msg_id, stopped = stop_at(kc, code, 4)
+        assert rank_of(kc, stopped["body"]["threadId"]) == 1
+        paused(kc, 2)
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # (until the controller has let rank 1's engine go)
+                said = debug(kc, "threads")
+                if not said["success"] and re.search(r"(?i)rank 1 (is gone|has ended)",
+                                                     said["message"]):
+                    break
+                assert time.monotonic() < deadline, said
+                time.sleep(0.5)
+            said = debug(kc, "continue", {"threadId": stopped["body"]["threadId"]})
+            assert not said["success"], said
+            # (a step that failed at rank 1 had forgotten rank 0 without telling it to go on)
+            assert len(paused(kc, 2, timeout=5)) == 2
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+
+
+def test_after_a_restart_a_request_and_the_first_cell_wait_for_the_debuggers_set_up():
+    """After a restart, a debug request and the first cell come at once: the cell runs once
+    the new ranks have debugpy and the breakpoints, and stops at them."""
+    with debugged_kernel() as (km, kc):
+        path, msg_id, _ = stop_at(kc, CELL, 4)
+        assert debug(kc, "continue", {"threadId": paused(kc, 2)[0]})["success"]
+        reply_to(kc, msg_id)
+        reply, text = kernel_stream(kc, "%spmd restart")
+        assert reply["content"]["status"] == "ok", text
+        request = kc.session.msg("debug_request", {"type": "request", "seq": next(_seq),
+                                                   "command": "threads", "arguments": {}})
+        kc.control_channel.send(request)  # (the control thread brings the new ranks up)
+        msg_id = kc.execute(CELL)
+        stopped = event(kc, "stopped", timeout=60)
+        frames = debug(kc, "stackTrace", {"threadId": stopped["body"]["threadId"]})
+        assert frames["body"]["stackFrames"][0]["source"]["path"] == path
+        assert debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})["success"]
+        reply, text = reply_to(kc, msg_id)
+        assert reply["content"]["status"] == "ok", reply["content"]

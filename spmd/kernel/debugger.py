@@ -23,9 +23,17 @@ JupyterLab shows one stopped thread at a time: which rank's stop it is told of i
 
 Threads: requests run on ipykernel's control thread; events come on ipyparallel's IO thread;
 the kernel's main thread calls ``before_cell`` (new ranks after a restart get the debugger)
-and ``after_cell``. All hold ``_lock`` while they touch ``_stopped`` and ``shown``, and read
-``breakpoints`` and ``_setup`` (the control thread's) as copies; the reference tables have a
-lock of their own. Nothing here waits for the session's lock, which a running cell holds.
+and ``after_cell``. All hold ``_lock`` while they touch ``_stopped``, ``shown`` and
+``_silent``, and read ``breakpoints`` and ``_setup`` (the control thread's) as copies; the
+reference tables have a lock of their own. New ranks are brought up by one thread at a time
+(``_up``: the other waits for it), and counted as listening only once set up, so neither a
+request nor a cell reaches ranks half set up. Nothing here waits for the session's lock, which
+a running cell holds.
+
+Waits: a request waits once for all its ranks, ``QUICK_SECONDS`` (``ANSWER_SECONDS`` where
+the ranks start something or compute); a rank that ended fails it at once, and one that did
+not answer is left out for ``SILENT_SECONDS`` (until it sends an event or answers): the rest of
+JupyterLab's burst of requests, and a Shut Down queued behind it, do not wait for it again.
 """
 
 from __future__ import annotations
@@ -33,18 +41,24 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 
 from IPython.core.inputtransformer2 import leading_empty_lines
 
+from spmd.cluster.lockstep import control
 from spmd.engine import debugging
 from spmd.kernel.dap import reply, with_arguments
 from spmd.kernel.references import References
-from spmd.kernel.shown import PICK, Shown
+from spmd.kernel.shown import PICK, Shown, rank_of
 
 BROADCAST = ("initialize", "attach", "configurationDone", "setBreakpoints",
              "setExceptionBreakpoints", "setFunctionBreakpoints", "dumpCell", "disconnect")
 STEPS = ("continue", "next", "stepIn", "stepOut", "stepBack", "reverseContinue")
-ANSWER_SECONDS = 30.0  # a rank's reply (attach starts debugpy's adapter; evaluate computes)
+ANSWER_SECONDS = 30.0  # a rank's reply where it starts something or computes:
+SLOW = ("initialize", "attach", "evaluate", "setVariable", "setExpression", "copyToGlobals",
+        "variables", "inspectVariables", "richInspectVariables")  # (reprs of big arrays)
+QUICK_SECONDS = 10.0  # any other reply: debugpy answers from what it holds
+SILENT_SECONDS = 30.0  # a rank that did not answer is asked nothing for this long
 START_SECONDS = 15.0  # how long the debugger waits for the kernel's own start
 
 
@@ -61,7 +75,9 @@ class RankDebugger(Shown):
         self.cells_folder = cells_folder  # JupyterLab's tmpFilePrefix, without the last '/'
         self._lock = threading.Lock()
         self.refs = References()  # every rank's thread, frame and variable ids, made ours
-        self._stopped: dict[int, tuple[int, dict]] = {}  # rank -> (its thread, its event)
+        self._stopped: dict[int, dict[int, dict]] = {}  # rank -> {its thread: its event}
+        self._silent: dict[int, float] = {}  # rank -> when it did not answer (monotonic)
+        self._up = threading.Lock()  # held while new ranks are brought up
         self.shown: int | None = None  # the rank whose stop JupyterLab shows
         self.started = False
         self.breakpoints: dict[str, list] = {}  # cell path -> breakpoints (rank 0's reply)
@@ -87,15 +103,16 @@ class RankDebugger(Shown):
     async def _process(self, command: str, request: dict) -> dict:
         if command == "debugInfo":
             with self._lock:  # (the rank shown first: JupyterLab takes the first)
-                stopped = [self.refs.ours("thread", r, t) for r, (t, _) in sorted(
-                    self._stopped.items(), key=lambda item: item[0] != self.shown)]
+                stopped = [self.refs.ours("thread", r, t) for r, threads in sorted(
+                    self._stopped.items(), key=lambda item: item[0] != self.shown)
+                    for t in reversed(threads)]
             return reply(request, debug_info(self.started, self.cells_folder,
                                              self.breakpoints, stopped))
         session = await self._session(command)
-        if command == "initialize":
-            await self._listen(session)
-        elif self.started and not self._listening(session):
-            await self.bring_up(session)  # (new ranks since: a restart)
+        if not self._listening(session) and (command in ("initialize", "attach")
+                                               or self.started):
+            # (new ranks since, a restart: they get what the ones before were told)
+            await self.bring_up(session, replay=command != "initialize")
         if command in BROADCAST:
             return await self._broadcast(session, request)
         if command in STEPS:
@@ -138,60 +155,71 @@ class RankDebugger(Shown):
     def _listening(self, session) -> bool:
         return self._gen is session.gen and self._client is session.client
 
-    async def _listen(self, session) -> None:
-        """Every rank runs debugpy (once per generation of ranks)."""
-        if self._listening(session):
-            return
-        client = session.client
-        client.on_debug_event = self._event
-        self._client, self._gen = client, session.gen
-        with self._lock:
-            self._stopped.clear()
-            self.shown = None
-            self.refs.clear()
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.gather(*[loop.run_in_executor(None, lambda r=rank.rank: session.call(
-                r, debugging.listen, self.cells_folder, timeout=ANSWER_SECONDS))
-                for rank in session.ranks])
-        except Exception as exc:
-            self._gen = None
-            raise NoRanks(f"The ranks could not start debugpy ({type(exc).__name__}: {exc}).") from None
-
     async def before_cell(self) -> None:
         """(the kernel's main thread, before a cell while the debugger is on) Ranks started
         since the debugger was turned on are brought up too, with its breakpoints."""
         session = self._live()
-        if session is None or not session.running:
-            return
-        if self._gen is session.gen and self._client is session.client:
+        if session is None or not session.running or self._listening(session):
             return
         try:
-            await self.bring_up(session)
+            await self.bring_up(session, replay=True)
         except Exception as exc:  # (the cell runs all the same, without the debugger)
             print(f"The debugger is not on the new ranks: {exc}", file=sys.stderr)
 
-    async def bring_up(self, session) -> None:
-        """New ranks (after a restart) while the debugger is on: they listen and get what
-        the ranks before them were told (attach, breakpoints)."""
-        await self._listen(session)
-        setup, breakpoints_now = dict(self._setup), dict(self.breakpoints)
-        for command in ("initialize", "attach", "setExceptionBreakpoints"):
-            if command in setup:
-                await ask_all(session, setup[command])
-        for path, breakpoints in breakpoints_now.items():
-            await ask_all(session, {"type": "request", "seq": 0, "command": "setBreakpoints",
-                                      "arguments": {"source": {"path": path},
-                                                    "breakpoints": breakpoints}})
+    async def bring_up(self, session, replay: bool) -> None:
+        """Every rank runs debugpy (once per generation of ranks) and, with ``replay``, gets
+        what the ranks before it were told (attach, breakpoints); only then do its requests
+        and cells count it as listening. One thread at a time: the other waits."""
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self._up.acquire, True, 2 * ANSWER_SECONDS):
+            raise NoRanks("The debugger is still being set up on the ranks: try again in a "
+                          "moment.")
+        try:
+            if self._listening(session):  # (the other thread did it meanwhile)
+                return
+            client = session.client
+            client.on_debug_event = self._on_event
+            with self._lock:
+                self._stopped.clear()
+                self._silent.clear()
+                self.shown = None
+                self.refs.clear()
+            try:
+                await asyncio.gather(*[loop.run_in_executor(
+                    None, lambda r=rank.rank: session.call(
+                        r, debugging.listen, self.cells_folder, timeout=ANSWER_SECONDS))
+                    for rank in session.ranks])
+            except Exception as exc:
+                raise NoRanks(f"The ranks could not start debugpy ({type(exc).__name__}: "
+                              f"{exc}).") from None
+            if replay:
+                setup, breakpoints_now = dict(self._setup), dict(self.breakpoints)
+                for command in ("initialize", "attach", "setExceptionBreakpoints"):
+                    if command in setup:
+                        await self._ask_all(session, setup[command])
+                for path, breakpoints in breakpoints_now.items():
+                    await self._ask_all(session, {
+                        "type": "request", "seq": 0, "command": "setBreakpoints",
+                        "arguments": {"source": {"path": path}, "breakpoints": breakpoints}})
+            self._client, self._gen = client, session.gen
+        finally:
+            self._up.release()
+
+    def _on_event(self, engine_id: int, event: dict) -> None:
+        """(ipyparallel's IO thread) A rank's debug event: it answers again."""
+        rank = rank_of(self._live(), engine_id)
+        with self._lock:
+            self._silent.pop(rank, None)
+        self._event(engine_id, event)
 
     async def _broadcast(self, session, request: dict) -> dict:
         command = request["command"]
         if command == "disconnect":
             try:
-                return (await ask_all(session, request))[0]
+                return (await self._ask_all(session, request))[0]
             finally:
                 self._disconnected()
-        replies = await ask_all(session, request)
+        replies = await self._ask_all(session, request)
         first = replies[0]
         if first.get("success") is False:
             return first
@@ -219,7 +247,8 @@ class RankDebugger(Shown):
         self.breakpoints.clear()
         self._setup.clear()
         with self._lock:
-            threads = [self.refs.ours("thread", r, t) for r, (t, _) in self._stopped.items()]
+            threads = [self.refs.ours("thread", r, t)
+                       for r, stops in self._stopped.items() for t in stops]
             self._stopped.clear()
             self.shown = None
         self._tell_continued(threads)
@@ -228,35 +257,41 @@ class RankDebugger(Shown):
             self._client.resume(list(self._client.paused))
 
     async def _step(self, session, request: dict) -> dict:
-        """Continue or step every paused rank, each its own stopped thread."""
+        """Continue or step every paused rank: the thread asked for on its rank, the first
+        to stop on each other rank (debugpy lets a rank's other threads go on with it)."""
         with self._lock:
-            stopped = dict(self._stopped)
+            stopped = {rank: list(stops) for rank, stops in self._stopped.items()}
             asked = self.refs.rank_and_id("thread", request["arguments"].get("threadId", 0))
         if not stopped:
             return reply(request, {"allThreadsContinued": True})
         sends = {}
-        for rank, (thread, _) in stopped.items():
+        for rank, threads in stopped.items():
+            thread = asked[1] if asked and asked[0] == rank and asked[1] in threads else threads[0]
             sends[rank] = with_arguments(request, threadId=thread)
-        # (forgotten before the ranks go on: a step's own stop may come before its reply)
-        with self._lock:
-            for rank in stopped:
+
+        def told(rank: int) -> None:
+            # (forgotten as it is told to go on, before its request leaves: a step's own stop
+            # may come before its reply; a rank never told stays paused, and known as such)
+            with self._lock:
                 self._stopped.pop(rank, None)
-            self.refs.forget_frames()
-            self.shown = None
-        self._client.resume([session.ranks[r].engine_id for r in stopped])
-        replies = await ask_each(session, sends)
-        asked_rank = asked[0] if asked else min(stopped)
+                if self.shown == rank:
+                    self.shown = None
+            self.refs.forget_frames(rank)
+            self._client.resume([session.ranks[rank].engine_id])
+
+        replies = await self._ask_each(session, sends, told)
+        asked_rank = asked[0] if asked and asked[0] in replies else min(stopped)
         said = replies.get(asked_rank) or next(iter(replies.values()))
         return self.refs.from_rank(asked_rank, said)
 
     async def _pause(self, session, request: dict) -> dict:
-        replies = await ask_each(session, {
+        replies = await self._ask_each(session, {
             r.rank: with_arguments(request, threadId=self._main_thread(r.rank)) for r in session.ranks})
         return replies[0]
 
     async def _threads(self, session, request: dict) -> dict:
         threads = []
-        for rank, said in (await ask_all(session, request)).items():
+        for rank, said in (await self._ask_all(session, request)).items():
             for thread in said.get("body", {}).get("threads", []):
                 threads.append({"id": self.refs.ours("thread", rank, thread["id"]),
                                 "name": f"rank {rank}: {thread['name']}"})
@@ -274,11 +309,75 @@ class RankDebugger(Shown):
                 running = rank not in self._stopped
             if running:  # (a rank going on from a step: its stack would be the old one)
                 return reply(request, {"stackFrames": [], "totalFrames": 0})
-        said = (await ask_each(session, {rank: request}))[rank]
+        said = (await self._ask_each(session, {rank: request}))[rank]
         return self.refs.from_rank(rank, said)
 
 
     # -- sending ---------------------------------------------------------------------------
+
+    async def _ask_all(self, session, request: dict) -> dict[int, dict]:
+        """Every rank's debug_reply to ``request``."""
+        return await self._ask_each(session, {r.rank: request for r in session.ranks})
+
+    async def _ask_each(self, session, requests: dict[int, dict], told=None) -> dict[int, dict]:
+        """Each rank's debug_reply to its request, in rank order; ``told(rank)`` is called just
+        before a rank's request is sent. Nothing is sent where a rank has ended or is left out
+        (it did not answer lately); one wait for all the replies, which a rank's end cuts
+        short. Raises NoRanks, its text one sentence."""
+        client = session.client
+        dead, now = session.dead_ranks(), time.monotonic()
+        idents = {}
+        for rank in requests:
+            try:
+                idents[rank] = client._engines[session.ranks[rank].engine_id].encode("utf8")
+            except (KeyError, IndexError):
+                dead.add(rank)
+            with self._lock:
+                since = self._silent.get(rank)
+            if rank in dead:
+                raise NoRanks(ended([rank]))
+            if since is not None and now - since < SILENT_SECONDS:
+                raise NoRanks(f"Rank {rank} did not answer the debugger lately (stopped, or "
+                              "stuck outside Python?), so it is asked nothing for "
+                              f"{SILENT_SECONDS - (now - since):.0f} s more: interrupt the "
+                              "kernel, or %spmd restart.")
+        futures = {}
+        for rank, request in requests.items():
+            if told is not None:
+                told(rank)
+            futures[rank] = client._send(client._control_stream, "debug_request",
+                                         content=request, ident=idents[rank])
+        slow = any(r.get("command") in SLOW for r in requests.values())
+        seconds = ANSWER_SECONDS if slow else QUICK_SECONDS
+        waiting = {asyncio.wrap_future(f): rank for rank, f in futures.items()}
+        deadline = time.monotonic() + seconds
+        while waiting and time.monotonic() < deadline:
+            await asyncio.wait(list(waiting), timeout=min(0.25, deadline - time.monotonic()))
+            waiting = {w: rank for w, rank in waiting.items() if not w.done()}
+            gone = session.dead_ranks() & set(waiting.values()) if waiting else set()
+            if gone:
+                self._drop(client, futures, waiting)
+                raise NoRanks(ended(sorted(gone)))
+        if waiting:
+            late = sorted(waiting.values())
+            self._drop(client, futures, waiting)
+            with self._lock:
+                self._silent.update({rank: time.monotonic() for rank in late})
+            who = f"Rank {late[0]}" if len(late) == 1 else "Ranks " + ", ".join(map(str, late))
+            raise NoRanks(f"{who} did not answer the debugger within {seconds:.0f} s (stopped, "
+                          f"or stuck outside Python?), and {'is' if len(late) == 1 else 'are'} "
+                          f"asked nothing for {SILENT_SECONDS:.0f} s: interrupt the kernel, or "
+                          "%spmd restart.")
+        with self._lock:
+            for rank in futures:
+                self._silent.pop(rank, None)
+        return {rank: futures[rank].result()["content"] for rank in sorted(futures)}
+
+    @staticmethod
+    def _drop(client, futures: dict, waiting: dict) -> None:
+        """The requests still unanswered leave the client's futures."""
+        for rank in waiting.values():
+            control.drop(client, futures[rank])
 
     def _live(self):
         """The session whose ranks run cells: the kernel's own start's until a cell takes it
@@ -290,33 +389,12 @@ class RankDebugger(Shown):
 
 
 
-async def ask_all(session, request: dict) -> dict[int, dict]:
-    """Every rank's debug_reply to ``request``."""
-    return await ask_each(session, {r.rank: request for r in session.ranks})
-
-
-async def ask_each(session, requests: dict[int, dict]) -> dict[int, dict]:
-    """Each rank's debug_reply to its request, in rank order."""
-    client = session.client
-    futures = {}
-    for rank, request in requests.items():
-        try:
-            ident = client._engines[session.ranks[rank].engine_id].encode("utf8")
-        except (KeyError, IndexError):
-            raise NoRanks(f"rank {rank} is gone: %spmd restart starts the ranks again, then "
-                          "turn the debugger on again.") from None
-        futures[rank] = asyncio.wrap_future(
-            client._send(client._control_stream, "debug_request", content=request,
-                         ident=ident))
-    replies = {}
-    for rank, future in futures.items():
-        try:
-            msg = await asyncio.wait_for(future, ANSWER_SECONDS)
-        except asyncio.TimeoutError:
-            raise NoRanks(f"rank {rank} did not answer the debugger within "
-                          f"{ANSWER_SECONDS:.0f} s") from None
-        replies[rank] = msg["content"]
-    return replies
+def ended(ranks: list[int]) -> str:
+    """The sentence for ranks that have ended."""
+    who = f"Rank {ranks[0]} has" if len(ranks) == 1 else f"Ranks {', '.join(map(str, ranks))} have"
+    return (f"{who} ended, or the controller lost {'it' if len(ranks) == 1 else 'them'}: "
+            "%spmd restart starts the ranks again, then turn the debugger on "
+            "again.")
 
 
 def debug_info(started: bool, cells_folder: str, breakpoints: dict, stopped: list) -> dict:

@@ -35,7 +35,7 @@ class Shown:
                 paused = client.paused
                 gone = [r for r in self._stopped
                         if r >= len(session.ranks) or session.ranks[r].engine_id not in paused]
-            threads = [self.refs.ours("thread", r, self._stopped.pop(r)[0]) for r in gone]
+            threads = [self.refs.ours("thread", r, t) for r in gone for t in self._stopped.pop(r)]
             if self.shown in gone:
                 self.shown = None
         self._tell_continued(threads)
@@ -76,8 +76,10 @@ class Shown:
             return  # (one debuggee, as JupyterLab sees it)
         body = dict(event.get("body") or {})
         if name == "stopped":
-            with self._lock:
-                self._stopped[rank] = (body.get("threadId", 0), event)
+            with self._lock:  # (every stopped thread of the rank is kept; the last is shown)
+                stops = self._stopped.setdefault(rank, {})
+                stops.pop(body.get("threadId", 0), None)
+                stops[body.get("threadId", 0)] = event
                 showing = self.shown is not None and self.shown in self._stopped
             if not showing:
                 self._show(rank)
@@ -87,11 +89,16 @@ class Shown:
             # JupyterLab empties its Variables at any thread's continued, and lets go of the
             # threads it steps by itself (those left _stopped before the step was sent).
             with self._lock:
-                stop = self._stopped.pop(rank, None)
-                if stop is not None and self.shown == rank:
-                    self.shown = None
-            if stop is not None:
-                self._tell_continued([self.refs.ours("thread", rank, stop[0])])
+                stops = self._stopped.get(rank, {})
+                went = (list(stops) if body.get("allThreadsContinued", True)
+                        else [t for t in stops if t == body.get("threadId")])
+                for thread in went:
+                    del stops[thread]
+                if went and not stops:
+                    self._stopped.pop(rank, None)
+                    if self.shown == rank:
+                        self.shown = None
+            self._tell_continued([self.refs.ours("thread", rank, t) for t in went])
             return
         if "threadId" in body:
             body["threadId"] = self.refs.ours("thread", rank, body["threadId"])
@@ -102,10 +109,10 @@ class Shown:
     def _show(self, rank: int) -> bool:
         """Tell JupyterLab of rank ``rank``'s stop: it then asks for that rank's stack."""
         with self._lock:
-            stop = self._stopped.get(rank)
-            if stop is None:  # (it went on meanwhile)
+            stops = self._stopped.get(rank)
+            if not stops:  # (it went on meanwhile)
                 return False
-            thread, event = stop
+            thread, event = list(stops.items())[-1]
             self.shown = rank
         # (new ids for its frames: JupyterLab refreshes its Variables only for a frame it has
         # not shown yet, and it emptied them at the last evaluate)
@@ -128,8 +135,8 @@ class Shown:
 
     def _main_thread(self, rank: int) -> int:
         with self._lock:
-            stop = self._stopped.get(rank)
-        return stop[0] if stop else 1  # (debugpy numbers the main thread 1)
+            stops = self._stopped.get(rank)
+        return next(iter(stops)) if stops else 1  # (debugpy numbers the main thread 1)
 
 
 def rank_of(session, engine_id: int) -> int | None:

@@ -16,26 +16,41 @@ def request(client, engine_ids: list[int], msg_type: str, content: dict, timeout
     """Send one request to each engine (``contents``: each engine's own, where given);
     {engine id: the reply's content, or None when the engine is gone or did not answer
     within ``timeout`` seconds}."""
-    futures = {}
-    for engine_id in engine_ids:
+    sends = [(e, (contents or {}).get(e, content)) for e in engine_ids]
+    return {e: said for (e, _), said in zip(sends, send_all(client, msg_type, sends, timeout))}
+
+
+def send_all(client, msg_type: str, sends: list[tuple[int, dict]], timeout: float) -> list:
+    """Each (engine id, content) of ``sends`` sent at once, then one wait of ``timeout``
+    seconds for them all: each reply's content, in order (None: the engine is gone or did not
+    answer). A request left unanswered is dropped from the client's futures."""
+    futures = []
+    for engine_id, content in sends:
         try:
             ident = client._build_targets([engine_id])[0][0]
-            futures[engine_id] = client._send(
-                client._control_stream, msg_type, ident=ident,
-                content=(contents or {}).get(engine_id, content),
-            )
+            futures.append(client._send(client._control_stream, msg_type, ident=ident,
+                                        content=content))
         except Exception:  # unregistered (dead), or the client is closed
-            futures[engine_id] = None
+            futures.append(None)
     deadline = time.monotonic() + timeout
-    replies = {}
-    for engine_id, future in futures.items():
+    replies = []
+    for future in futures:
         try:
             msg = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:  # no future, a timeout
-            replies[engine_id] = None
+            replies.append(None)
+            if future is not None:
+                drop(client, future)
             continue
-        replies[engine_id] = msg["content"]
+        replies.append(msg["content"])
     return replies
+
+
+def drop(client, future) -> None:
+    """(any thread) An unanswered request leaves the client's futures (its reply, should it
+    come, is then ignored). Cancelled on the IO thread, which is the one that sets results."""
+    if not client._closed:  # (a closed client's futures went with it)
+        client._io_loop.add_callback(future.cancel)
 
 
 def stacks(client, engine_ids: list[int], timeout: float = 1.0) -> dict[int, list | None]:
@@ -53,11 +68,10 @@ def signal(client, engine_ids: list[int], signum: int, timeout: float = 1.0) -> 
 
 def resume_debugged(client, engine_ids: list[int], timeout: float = 2.0) -> None:
     """Ranks paused in JupyterLab's debugger go on (DAP ``continue`` on each stopped thread):
-    an interrupt then reaches their cell."""
+    an interrupt then reaches their cell. Sent to every rank at once, one wait for all."""
     paused = dict(client.paused)
-    for engine_id in engine_ids:
-        for thread in paused.get(engine_id, ()):
-            request(client, [engine_id], "debug_request",
-                    {"type": "request", "seq": 0, "command": "continue",
-                     "arguments": {"threadId": thread}}, timeout)
+    sends = [(engine_id, {"type": "request", "seq": 0, "command": "continue",
+                          "arguments": {"threadId": thread}})
+             for engine_id in engine_ids for thread in paused.get(engine_id, ())]
+    send_all(client, "debug_request", sends, timeout)
     client.resume(engine_ids)
