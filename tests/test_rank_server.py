@@ -202,6 +202,30 @@ def test_a_restart_after_the_notebook_set_a_jax_variable_starts_afresh(fresh):
         os.environ.pop("JAX_ENABLE_X64", None)
 
 
+def test_a_jax_variable_set_on_the_ranks_is_told_once_and_kept_by_the_restart(fresh):
+    """``%env JAX_ENABLE_X64=1`` in auto mode runs on the ranks, where jax read it at import
+    already: the cell says so, once, and the next restart starts the ranks with it (before:
+    still float32 after the restart, and nothing said why)."""
+    assert run(fresh, "%spmd start -n 2").error is None
+    try:
+        out = run(fresh, "%env JAX_ENABLE_X64=1")
+        said = out.stdout + out.stderr
+        assert out.error is None, said
+        assert ("[ranks 0-1] JAX_ENABLE_X64 changes nothing in ranks that imported jax "
+                "already (jax and XLA read them once, at import): %spmd restart starts the "
+                "ranks with them.") in said, said
+        out = run(fresh, "import jax.numpy as jnp\nprint(jnp.ones(1).dtype)")
+        assert out.stdout == "[ranks 0-1] float32\n", out.stdout + out.stderr  # (once)
+        assert "JAX_ENABLE_X64" not in os.environ  # (the notebook's own: kept for the restart)
+        out = run(fresh, "%spmd restart")
+        assert out.error is None, out.stderr
+        assert "JAX_ENABLE_X64 changed since the rank server imported jax" in out.stdout
+        out = run(fresh, "import jax.numpy as jnp\nprint(jnp.ones(1).dtype)")
+        assert out.stdout == "[ranks 0-1] float64\n", out.stdout + out.stderr
+    finally:
+        os.environ.pop("JAX_ENABLE_X64", None)
+
+
 def test_a_restart_starts_the_ranks_in_the_notebooks_folder_now(fresh, tmp_path):
     """After the notebook changed its folder (%%local), the restarted ranks start there, as a
     fresh start's would (before: in the folder the rank server started in)."""

@@ -4,6 +4,7 @@ connection stays. Without a server (mpi, slurm, --rank-server off) a restart sta
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -23,6 +24,7 @@ class Restarts:
         """Start the ranks again, keeping the controller and the client, forked by the rank
         servers. False (nothing done) where there are none, or they ended: the caller then
         stops and starts afresh. Raises StartError if the new ranks fail to join."""
+        self._keep_rank_env()
         if self._server is None:
             return False
         t0 = time.perf_counter()
@@ -43,6 +45,21 @@ class Restarts:
                 raise
         self.start_seconds = time.perf_counter() - t0
         return True
+
+    def _keep_rank_env(self) -> None:
+        """The variables jax reads at import that cells changed on the ranks (``%env
+        JAX_ENABLE_X64=1`` in auto mode) become the notebook's, which every rank of this
+        restart, forked or afresh, starts with (engine/import_env.py)."""
+        routes = getattr(self.client, "cells", None)
+        changed = routes.rank_env if routes is not None else {}
+        if not changed:
+            return
+        routes.rank_env = {}
+        for name, value in changed.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     def _refork(self) -> None:
         cluster, n = self.cluster, self.settings.n

@@ -25,6 +25,7 @@ from spmd.engine import (
     census,
     commands,
     control,
+    import_env,
     jit_cache,
     placement,
     prompts,
@@ -275,6 +276,7 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     results.install(shell)  # (a cell's value that spans processes, shown once)
     started.install()  # (a cell that sets up jax again is told what the rank has)
     census.install(shell.kernel, shell)  # (each cell's cross-process launches, recorded)
+    import_env.install(shell.kernel, shell)  # (a cell that sets JAX_*: kept for the restart)
     if "jax" in _join.backends:
         census.install_jax()
     if "torch" in _join.backends:

@@ -29,6 +29,7 @@ from ipyparallel import util
 from zmq.eventloop.zmqstream import ZMQStream
 
 from spmd.cluster.launchers.fanout import PORT_KEY, REPLIES, REQUEST
+from spmd.engine.import_env import CHANGED
 from spmd.engine.quiet import COUNT
 
 DONE = "done"
@@ -55,6 +56,9 @@ class CellRoutes:
     def __init__(self, client) -> None:
         self.client = client
         self.routes: dict[str, _Route] = {}  # a rank's request id -> its route
+        # The variables jax reads at import that cells changed on the ranks (None: removed),
+        # engine/import_env.py: replaced whole by the IO thread, taken by a restart.
+        self.rank_env: dict[str, str | None] = {}
         self.stream: ZMQStream | None = None
 
     def connect(self) -> None:
@@ -136,6 +140,9 @@ class CellRoutes:
         if msg["header"]["msg_type"] != REPLIES:
             return
         for msg_id, metadata in msg["content"]["replies"]:
+            changed = metadata.get(CHANGED)
+            if changed is not None:  # (a cell set JAX_* on the ranks: the restart keeps it)
+                self.rank_env = {**self.rank_env, **changed}
             route = self.routes.get(msg_id)
             if route is None:  # (its cell ended without it)
                 continue

@@ -40,8 +40,9 @@ import zmq
 PORT_KEY = "spmd_cells"
 REQUEST = "spmd_cell_request"
 REPLIES = "spmd_cell_replies"
-# What the notebook reads of a rank's reply metadata (spmd/engine/quiet.py, census.py).
-KEPT = ("spmd_iopub", "spmd_census")
+# What the notebook reads of a rank's reply metadata (spmd/engine/quiet.py, census.py,
+# import_env.py).
+KEPT = ("spmd_iopub", "spmd_census", "spmd_env")
 # Requests in flight remembered (a rank that died never answers its own), and the signatures
 # of the notebook's requests (jupyter_client's own replay guard keeps as many).
 REMEMBERED = 200_000
