@@ -361,3 +361,20 @@ def test_a_dtensor_as_a_cells_value_is_shown_once_as_one_process_prints_it(clust
     assert out.error is None and out.stdout == ""
     assert out.texts[0].startswith("[rank 0]\nDTensor(local_tensor=tensor([[0., 1.],"), out.texts
     assert "\n[rank 1]\nDTensor(local_tensor=tensor([[ 6.,  7.]," in out.texts[0], out.texts
+
+
+@pytest.mark.timeout(240)
+def test_torch_sizes_that_differ_on_plain_gloo_are_named_from_the_surviving_rank(cluster):
+    """all_reduce of 4 floats against 5 on plain gloo: gloo aborts one rank, whose census
+    dies with it; the survivor's names its side, and gloo's "collective mismatch" line gets
+    the hint that --check-collectives names both."""
+    out = run(cluster, "t = torch.ones(4 + rank)\ndist.all_reduce(t)")
+    text = report(out)
+    dead = session(cluster).ranks[0].state == "died"
+    assert re.search(rf"^Rank {1 - dead} died: killed by SIGABRT", text, re.M), text
+    survivor, size = (1, 5) if dead else (0, 4)
+    assert (f"Census of the cell's cross-process programs:\n  Rank {survivor}'s 1st "
+            f"collective: all_reduce float32[{size}]; rank {1 - survivor} died inside "
+            "all_reduce (a rank's census dies with it).\n  Hint: gloo names neither side of "
+            "a collective whose sizes differ: %spmd start --check-collectives") in text, text
+    restart_and_all_reduce(cluster)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from spmd.cluster.lockstep import control
 from spmd.cluster.lockstep.run import rank_words
-from spmd.engine.census import CENSUS
+from spmd.engine.census import CENSUS, TORCH_COLLECTIVES
 
 HINTS = {
     "shapes": "Pad every process's input to a size agreed by every process (a constant, not "
@@ -23,6 +23,9 @@ HINTS = {
              "never a set's).",
     "programs": "Every process must launch the same programs in the same order: a branch "
                 "on the rank around a jitted call or a collective launches different ones.",
+    "gloo": "gloo names neither side of a collective whose sizes differ: %spmd start "
+            "--check-collectives (torch's own check) makes every rank raise instead, each "
+            "naming its op and sizes.",
 }
 
 
@@ -151,22 +154,59 @@ def for_report(client, engine_ids: dict[int, int], stall,
         # that finished has a record, unless the census was not installed there)
         before = sorted(r for r, reply in replies.items() if reply is not None
                         and reply.get("census") is None and r not in finished)
-        return report_lines(records, finished, before)
+        return report_lines(records, finished, before, stall.deaths)
     except Exception as exc:
         return ["", f"(The census could not be read: {type(exc).__name__}: {exc}.)"]
 
 
 def report_lines(records: dict[int, dict], finished: set[int] | None = None,
-                 before: list[int] | None = None) -> list[str]:
-    """The report's census section (nothing where the records agree or are too few, and
-    every rank had begun the cell). ``before``: the ranks that had not begun it."""
+                 before: list[int] | None = None, deaths=()) -> list[str]:
+    """The report's census section (nothing where the records agree or are too few, every
+    rank had begun the cell, and no rank died inside a collective). ``before``: the ranks
+    that had not begun it; ``deaths``: the stall's (watchdog.Death)."""
     said = explain(records, finished=finished)
     lines = [] if said is None else said[1]
     if before:
         lines = [f"{rank_words(before).capitalize()} had not begun the cell (still before its "
                  "first line): its launches are not compared.", *lines]
+    lines += after_deaths(records, deaths)
     return [] if not lines else ["", "Census of the cell's cross-process programs:",
                                  *["  " + line for line in lines]]
+
+
+def after_deaths(records: dict[int, dict], deaths) -> list[str]:
+    """A rank that died inside a collective took its record with it (gloo aborts a rank
+    whose peer sent another size): the survivors' last launches are their side of it, and
+    gloo's own line ("collective mismatch?") gets the hint that names both sides."""
+    inside = {d.rank: op for d in deaths if (op := died_inside(d)) is not None}
+    lines = []
+    if inside:
+        last = {}
+        for rank, rec in records.items():
+            runs = rec["runs"]
+            if rec["count"] and runs and not rec.get("dropped"):
+                program, args, _ = runs[-1]
+                shown = rec["programs"][program]
+                what = "collective" if shown[0] == "torch" else "cross-process program"
+                last[rank] = (f"{ordinal(rec['count'])} {what}: "
+                              f"{_launch(shown, rec['signatures'][args])}")
+        died = "; ".join(f"{rank_words(ranks)} died inside {op}"
+                         for op, ranks in _grouped(inside))
+        said = [f"{rank_words(ranks)}'s {what}" for what, ranks in _grouped(last)]
+        line = "; ".join([*said, f"{died} (a rank's census dies with it)."])
+        lines.append(line[0].upper() + line[1:])
+    if any("collective mismatch" in ln.lower() for d in deaths for ln in d.last_lines):
+        lines.append("Hint: " + HINTS["gloo"])
+    return lines
+
+
+def died_inside(death) -> str | None:
+    """The torch collective a dead rank's crash stack is inside (None: none, or no stack)."""
+    frames = death.crash.frames if death.crash is not None else []
+    for f in reversed(frames):
+        if f.function in TORCH_COLLECTIVES and "torch/distributed" in f.file.replace("\\", "/"):
+            return f.function
+    return None
 
 
 def warning(records: dict[int, dict], raised: bool = False) -> str | None:
