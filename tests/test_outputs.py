@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from conftest import displays, ready_cluster, run
+from conftest import displays, kernel_stream, ready_cluster, run, spmd_kernel
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,3 +165,29 @@ def test_what_a_thread_prints_after_its_cell_ended_is_logged_and_shown_next(clus
     shown = run(cluster, "x = 1").stdout
     assert "[rank 0, after its cell ended] AGAIN 0\n" in shown, shown
     assert "[rank 1, after its cell ended] AGAIN 1\n" in shown, shown
+
+
+# A comm message that ipyparallel's relay to the front end cannot handle (no comm_id), sent by
+# rank 0 only: the other rank's end then starts the grace, so a cell held by it is reported
+# as diverged rather than waited for without end.
+BAD_COMM = (
+    "import os\n"
+    "kernel = get_ipython().kernel\n"
+    "if os.environ['SPMD_RANK'] == '0':\n"
+    "    kernel.session.send(kernel.iopub_socket, 'comm_open', content={'target_name': 'x'},\n"
+    "                        parent=kernel.get_parent('shell'))\n"
+    "print('after')"
+)
+
+
+def test_a_widget_message_the_notebook_cannot_relay_does_not_hold_the_cell():
+    """The SPMD kernel relays the ranks' comm messages to the front end (ipyparallel's
+    handler); one that fails there is still counted among its rank's outputs, so the cell
+    ends, and the next cell runs."""
+    with spmd_kernel() as (_km, kc):
+        reply, text = kernel_stream(kc, BAD_COMM, timeout=60)
+        assert reply["content"]["status"] == "ok", text
+        # (the kernel's log line that says so may show among them)
+        assert "[ranks 0-1] after\n" in text, text
+        reply, text = kernel_stream(kc, "print('next')", timeout=60)
+        assert reply["content"]["status"] == "ok" and text == "[ranks 0-1] next\n", text

@@ -21,6 +21,7 @@ called from the main thread and hands its work to the IO thread.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 
@@ -35,6 +36,8 @@ from spmd.engine.quiet import COUNT
 DONE = "done"
 # Requests remembered whose ranks have not finished (a rank that died never does).
 REMEMBERED = 100_000
+
+log = logging.getLogger(__name__)  # (ipyparallel's Client has no logger of its own)
 
 
 class _Route:
@@ -135,7 +138,7 @@ class CellRoutes:
             _idents, frames = session.feed_identities(frames)
             msg = session.deserialize(frames)  # (its signature checked)
         except Exception:
-            self.client.log.warning("a bad message from the controller's fan-out was dropped")
+            log.warning("a bad message from the controller's fan-out was dropped")
             return
         if msg["header"]["msg_type"] != REPLIES:
             return

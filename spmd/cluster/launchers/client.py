@@ -28,6 +28,7 @@ to the IO thread.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 
 import ipyparallel
@@ -46,6 +47,8 @@ LATE_KEPT = 100_000
 # ipyparallel's own handler, undecorated: this class adds to it, it does not replace it
 # (spmd/internals.py checks that it is there before a cluster starts).
 _dispatch_iopub = getattr(ipyparallel.Client._dispatch_iopub, "__wrapped__", None)
+
+log = logging.getLogger(__name__)  # (ipyparallel's Client has no logger of its own)
 
 
 class SpmdClient(ipyparallel.Client):
@@ -81,10 +84,15 @@ class SpmdClient(ipyparallel.Client):
             return
         parent = msg.get("parent_header") or {}
         if parent.get("msg_id") in self.cells.routes and parent.get("session") == self.session.session:
-            if kind.startswith("comm_"):  # (ipyparallel relays it to the front end)
-                _dispatch_iopub(self, msg)
+            try:
+                if kind.startswith("comm_"):  # (ipyparallel relays it to the front end)
+                    _dispatch_iopub(self, msg)
+            except Exception as exc:  # (this is the IO thread: it must go on)
+                log.warning("a rank's widget message (%s) could not be relayed to the front "
+                            "end: %r", kind, exc)
+            finally:  # (counted whatever came of the relay: its rank's cell must end)
                 self.metadata.pop(parent["msg_id"], None)
-            self.cells.output(msg)
+                self.cells.output(msg)
             return
         try:
             _dispatch_iopub(self, msg)
@@ -109,7 +117,7 @@ class SpmdClient(ipyparallel.Client):
             try:
                 callback(engine_id, event)
             except Exception:  # (this is ipyparallel's IO thread: it must go on)
-                self.log.exception("a rank's debug event could not be passed on")
+                log.exception("a rank's debug event could not be passed on")
 
     def _extract_metadata(self, msg) -> dict:
         """ipyparallel's; a reply names its request's engine, for the request's late
