@@ -150,3 +150,40 @@ def test_without_stdin_input_fails_at_once_on_every_rank(kernel):
     report = "\n".join(reply["content"]["traceback"])
     assert "Error on 2 of 2 ranks" in report
     assert "StdinNotImplementedError" in report and "does not support input requests" in report
+
+
+def test_paused_ranks_that_cannot_answer_are_let_go_together_and_leave_no_futures(module_shell):
+    """Letting paused ranks go (an interrupt) sends every rank's continue at once and waits
+    once; the unanswered requests do not stay in the client's futures. (Two stopped ranks,
+    two threads each: one after another, that was 4 waits.)"""
+    import os
+    import signal
+
+    from conftest import ready_cluster
+
+    from spmd.cluster.lockstep import control
+
+    cluster = ready_cluster(module_shell, "start -n 2 --backend none")
+    session = cluster.magics_manager.registry["SpmdMagics"].session
+    client, ranks = session.client, session.ranks
+    engine_ids = [r.engine_id for r in ranks]
+    for r in ranks:
+        os.kill(r.pid, signal.SIGSTOP)
+    try:
+        # (what the IO thread records from the ranks' stopped events)
+        client._io_loop.add_callback(lambda: setattr(
+            client, "paused", {e: frozenset({1, 2}) for e in engine_ids}))
+        while set(client.paused) != set(engine_ids):
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        control.resume_debugged(client, engine_ids, timeout=2.0)
+        took = time.monotonic() - t0
+        assert took < 4.0, took  # (one wait of 2 s, not four)
+        time.sleep(0.2)  # (the futures are dropped on the IO thread)
+        left = [f for f in list(client._futures.values())
+                if f.header.get("msg_type") == "debug_request"]
+        assert not left, left
+    finally:
+        for r in ranks:
+            os.kill(r.pid, signal.SIGCONT)
+    assert not client.paused
