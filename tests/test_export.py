@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -583,9 +584,22 @@ def _running(launch: str, cwd: str):
         _wait_for_lines(job, f"{TAG} ready", 2)
         yield job, psutil.Process(job.pid).children(recursive=True)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+        _end(job)
+
+
+def _end(job: subprocess.Popen, procs: list = ()) -> None:
+    """Kill the launch ``job``, every process under it and ``procs`` (each rank runs in a
+    session of its own: the launch's process group does not hold it)."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        procs = [*procs, *psutil.Process(job.pid).children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
 
 
 def _none_left(procs: list) -> None:
@@ -655,9 +669,7 @@ def test_ctrl_c_while_the_processes_start_ends_those_started(tmp_path):
         assert job.wait(timeout=10) == 130
         _none_left(procs)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+        _end(job)
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpi"])
@@ -756,3 +768,92 @@ def test_the_launch_runs_the_ranks_interpreter_by_its_path(tmp_path):
                                                MASTER_PORT=str(free_port())))
     assert done.returncode == 0, done.stdout + done.stderr
     assert tagged(done.stdout) == [f"{TAG} ran {r} {bin_dir / 'py3'}" for r in range(2)]
+
+
+def test_two_ranks_that_end_at_once_give_the_failures_status(tmp_path):
+    """Rank 1 exits with 3 and rank 0 with 0 at the same moment, 10 times: the job's status is
+    3 each time (the wait loop read one status a pass, and dropped the other process that had
+    died: 0 in 1 of 6 runs)."""
+    import time
+
+    cells = ["import os, time\n"
+             "time.sleep(max(0.0, float(os.environ['END_AT']) - time.time()))\n"
+             "os._exit(3 if rank == 1 else 0)"]
+    launch = write_job(str(tmp_path), cells, backend="none")
+    statuses = []
+    for _ in range(10):
+        env = dict(os.environ, MASTER_PORT=str(free_port()), END_AT=str(time.time() + 1.5))
+        done = subprocess.run(["bash", launch], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60, env=env)
+        statuses.append(done.returncode)
+    assert statuses == [3] * 10, statuses
+
+
+# (each rank starts a process of its own after 'ready', as a `!cmd` or a Popen does)
+CHILD = (f"print('{TAG} ready', rank, flush=True)\n"
+         "import subprocess, sys, time\n"
+         "child = subprocess.Popen(['sleep', '1000'])\n"
+         f"print('{TAG} child', child.pid, flush=True)\n")
+
+
+@pytest.mark.parametrize("ends", ["ctrl-c", "a failed rank"])
+def test_the_end_of_a_job_ends_what_its_ranks_started(ends, tmp_path):
+    """Each rank starts a child after 'ready'; the job is ended by ^C, or by rank 1 failing:
+    both children are gone afterwards (the launch had signalled its ranks alone: a child of
+    a rank ran on)."""
+    import psutil
+
+    fails = "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n" if ends != "ctrl-c" else ""
+    launch = write_job(str(tmp_path), [CHILD + fails + "time.sleep(120)"], backend="none")
+    job, children = _start(launch, str(tmp_path)), []
+    try:
+        out = _wait_for_lines(job, f"{TAG} child", 2)
+        children = [psutil.Process(int(line.split()[-1])) for line in out.splitlines()
+                    if f"{TAG} child" in line]
+        assert len(children) == 2 and all(c.name() == "sleep" for c in children), out
+        if ends == "ctrl-c":
+            os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(timeout=10) == (130 if ends == "ctrl-c" else 3)
+        _none_left(children)
+    finally:
+        _end(job, children)
+
+
+def test_launches_quote_a_folder_with_quotes_dollars_and_backticks(tmp_path):
+    """The Python's folder in the launch's PATH, named with ", ', $ and a backtick (as given,
+    and under the home folder): the ranks' PATH begins with it, as it is."""
+    where = tmp_path / "say \"hi\" it's $HOME `echo x`"
+    where.mkdir()
+    (where / "py3").symlink_to(os.path.realpath(sys._base_executable))
+    cell = f"import os\nprint('{TAG} path', rank, os.environ['PATH'].split(':')[0])"
+    for python, home in ((str(where / "py3"), str(tmp_path)),
+                         (f"~/{where.name}/py3", str(tmp_path))):
+        launch = write_job(str(tmp_path), [cell], backend="none", python=python)
+        out = run_job(["bash", launch], cwd=str(tmp_path), env={"HOME": home})
+        assert tagged(out) == [f"{TAG} path {r} {where}" for r in range(2)], out
+
+
+def test_an_sbatch_script_of_a_name_with_spaces(tmp_path):
+    """A script named with spaces (and a %, #, quotes, a backslash): its sbatch job's name has
+    none, and its output file is the script's name with the job's id."""
+    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.magics.export import Job
+
+    name = "my 'first' \"job\" #1 100% a\\b"
+    job = Job(Settings(n=2, backend="none"), "slurm", [Rank(r, r) for r in range(2)],
+              str(tmp_path / f"{name}.py"))
+    (tmp_path / f"{name}.py").write_text(job.script([Ran(f"print('{TAG} ran', rank)")]))
+    launch = job.launch_file()
+    (tmp_path / f"{name}.sbatch").write_text(launch.text())
+    assert launch.command() == f"sbatch {shlex.quote(name + '.sbatch')}"
+    assert "#SBATCH --job-name=my__first___job___1_100__a_b\n" in launch.text()
+    why = test_slurm.why_not()
+    if why:
+        pytest.skip(f"no Slurm here: {why}")
+    with test_slurm.Slurm() as slurm:
+        submitted = run_job(["sbatch", "--wait", "--parsable", f"{name}.sbatch"],
+                            cwd=str(tmp_path), env=slurm.env)
+        job_id = submitted.strip().split(";")[0]
+        # (a backslash would turn Slurm's pattern off: an _ in its place)
+        out = (tmp_path / f"{name.replace(chr(92), '_')}-{job_id}.out").read_text()
+        assert tagged(out) == [f"{TAG} ran {r}" for r in range(2)], out

@@ -7,6 +7,7 @@ Plain functions of the cluster's settings; runs on the main thread, like every m
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -42,15 +43,17 @@ class Launch:
         name = os.path.basename(self.path)
         hosts = self.settings.where.hosts
         if self.launcher == "torchrun" and len(hosts) > 1:
-            return ", ".join(f"bash {name} {i} on {h}" for i, (h, _) in enumerate(hosts))
-        return f"sbatch {name}" if self.launcher == "slurm" else f"bash {name}"
+            return ", ".join(f"bash {shlex.quote(name)} {i} on {h}"
+                             for i, (h, _) in enumerate(hosts))
+        return f"sbatch {shlex.quote(name)}" if self.launcher == "slurm" else \
+            f"bash {shlex.quote(name)}"
 
     def text(self) -> str:
         s, n = self.settings, self.settings.n
         script = self.script
         py_dir = os.path.dirname(self.python)
-        py_dir = (py_dir if os.path.isabs(py_dir) else
-                  "$HOME" + py_dir[1:] if py_dir.startswith("~/") else "")
+        py_dir = (_in_double_quotes(py_dir) if os.path.isabs(py_dir) else
+                  "$HOME" + _in_double_quotes(py_dir[1:]) if py_dir.startswith("~/") else "")
         # (the processes run the ranks' own interpreter by its path, whatever `python` is
         # here; PATH is for the tools beside it: torchrun, and the cells' commands)
         path_line = [f'export PATH="{py_dir}:$PATH"  # the Python the ranks ran, with its '
@@ -110,8 +113,8 @@ class Launch:
                *self._label_lines(), *_STOP,
                f"for rank in $(seq 0 {n - 1}); do",
                "  [ -z \"$status\" ] || break  # (^C while they start)",
-               f"  RANK=$rank LOCAL_RANK=$rank {python} {here}{self._labelled()} &",
-               "  running+=($!)",
+               f"  RANK=$rank LOCAL_RANK=$rank setsid {python} {here}{self._labelled()} &",
+               "  running+=($!) groups+=(-$!)",
                "done", *_STARTED, *_WAIT])
 
     @property
@@ -184,7 +187,7 @@ class Launch:
                "  for ((local_rank = 0; local_rank < ${host_count##*:}; local_rank++)); do",
                "    [ -z \"$status\" ] || break 2  # (^C while they start)",
                f'    {ssh} "$host" "{remote}" <&3{self._labelled()} &',
-               "    running+=($!)",
+               "    running+=($!) groups+=($!)  # (the ssh alone: its end ends the process)",
                "    rank=$((rank + 1))",
                "  done",
                "done", *_STARTED, *_WAIT])
@@ -192,8 +195,15 @@ class Launch:
     def _sbatch(self, before: list[str], script: str, python: str) -> str:
         s = self.settings
         name = os.path.basename(script)[:-3]
-        options = [f"#SBATCH --job-name={name}", f"#SBATCH --ntasks={s.n}",
-                   f"#SBATCH --output={name}-%j.out"]
+        job_name = re.sub(r"[^\w.+-]", "_", name)  # (squeue's columns: no spaces)
+        # (sbatch reads an #SBATCH line's value up to a space or a # outside double quotes,
+        # where a backslash keeps the next character; the output's name is a pattern, where
+        # %% is a % and a backslash turns the pattern off)
+        output = name.replace("%", "%%").replace("\\", "_") + "-%j.out"
+        if job_name != name:
+            output = '"' + output.replace('"', '\\"') + '"'
+        options = [f"#SBATCH --job-name={job_name}",
+                   f"#SBATCH --ntasks={s.n}", f"#SBATCH --output={output}"]
         if self.gpus:
             options.append(f"#SBATCH --gpus-per-task={self.gpus}")
         # (the cluster's --launcher-arg options are Slurm's own where it ran under Slurm; an
@@ -204,7 +214,7 @@ class Launch:
                 options.append(option)
         lines = ["#!/bin/bash", *options,
                  f"# {name}.py as {s.n} Slurm tasks, as %spmd start --launcher slurm ran them: "
-                 f"sbatch {name}.sbatch", *before]
+                 f"sbatch {shlex.quote(name + '.sbatch')}", *before]
         if "torch" in self.backends:
             lines += ["# rank 0's node and a port, for torch's rendezvous",
                       'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
@@ -217,19 +227,24 @@ class Launch:
 
 # The job's processes end together. The trap is set before the first one starts: a ^C then
 # would end this shell alone, and the processes it started ignore SIGINT (they run in the
-# background of a shell without a terminal of its own).
+# background of a shell without a terminal of its own). Each process runs in a session of
+# its own (setsid), whose id is its pid: signalled as a group, the processes it started
+# (a cell's `!cmd`, a Popen) end with it, where SIGKILL to the process alone leaves them.
+# (The terminal's ^C and hang-up then reach this shell alone; it passes both on.)
 _STOP = [
-    "# The job's processes end together: at ^C, or when one fails, each is sent SIGINT and",
-    "# SIGTERM, then SIGKILL 3 s later (jax's own SIGTERM handler only notes a preemption);",
-    "# a second ^C kills at once. The job's status is the first failure's.",
-    "status= killer= running=()",
+    "# The job's processes end together: at ^C, or when one fails, each, with what it",
+    "# started, is sent SIGINT and SIGTERM, then SIGKILL 3 s later (jax's own SIGTERM",
+    "# handler only notes a preemption); a second ^C kills at once. The job's status is the",
+    "# first failure's.",
+    "status= killer= running=() groups=()",
     "stop() {",
-    "  if [ -n \"$killer\" ]; then kill -9 \"${running[@]}\" 2>/dev/null; return; fi",
-    "  kill -INT \"${running[@]}\" 2>/dev/null; kill -TERM \"${running[@]}\" 2>/dev/null",
-    "  (sleep 3; kill -9 \"${running[@]}\" 2>/dev/null) & killer=$!",
+    "  if [ -n \"$killer\" ]; then kill -9 -- \"${groups[@]}\" 2>/dev/null; return; fi",
+    "  kill -INT -- \"${groups[@]}\" 2>/dev/null; kill -TERM -- \"${groups[@]}\" 2>/dev/null",
+    "  (sleep 3; kill -9 -- \"${groups[@]}\" 2>/dev/null) & killer=$!",
     "}",
     "trap 'status=${status:-130}; stop' INT",
     "trap 'status=${status:-143}; stop' TERM",
+    "trap 'status=${status:-129}; stop' HUP",
 ]
 # A ^C that came while they started: stopped again, with every process that started (the
 # first stop's SIGKILL knows only those started before it).
@@ -237,18 +252,26 @@ _STARTED = [
     "[ -z \"$status\" ] || { [ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null; killer=; stop; }",
 ]
 # Wait for every process; when one fails, end the others (they would wait for it forever in
-# their next collective) and exit with its status.
+# their next collective) and exit with its status. `wait -n` gives one status, while more
+# than one process may have ended: each one that has is asked for its own (bash keeps it).
+# Once stopped, what the processes started and left running gets the SIGKILL too.
 _WAIT = [
     "while [ ${#running[@]} -gt 0 ]; do",
-    "  wait -n \"${running[@]}\" 2>/dev/null; code=$?",
+    "  wait -n \"${running[@]}\" 2>/dev/null",
     "  still=()",
-    "  for pid in \"${running[@]}\"; do kill -0 \"$pid\" 2>/dev/null && still+=(\"$pid\"); done",
-    "  if [ ${#still[@]} -lt ${#running[@]} ] && [ -z \"$status\" ] && [ \"$code\" != 0 ]; then",
-    "    status=$code; stop  # (one failed: the others would wait for it for ever)",
-    "  fi",
+    "  for pid in \"${running[@]}\"; do",
+    "    if kill -0 \"$pid\" 2>/dev/null; then still+=(\"$pid\"); continue; fi",
+    "    wait \"$pid\" 2>/dev/null; code=$?",
+    "    if [ -z \"$status\" ] && [ \"$code\" != 0 ]; then",
+    "      status=$code; stop  # (one failed: the others would wait for it for ever)",
+    "    fi",
+    "  done",
     "  running=(\"${still[@]}\")",
     "done",
-    "[ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null",
+    "if [ -n \"$killer\" ]; then",
+    "  ! kill -0 -- \"${groups[@]}\" 2>/dev/null || wait \"$killer\"",
+    "  kill \"$killer\" 2>/dev/null",
+    "fi",
     "exit \"${status:-0}\"",
 ]
 
@@ -278,6 +301,11 @@ _MPI_WAIT = [
     "[ -z \"$killer\" ] || kill \"$killer\" 2>/dev/null",
     "exit \"${status:-$code}\"",
 ]
+
+
+def _in_double_quotes(text: str) -> str:
+    """``text`` to write between double quotes in a shell line, as it is."""
+    return re.sub(r'([\\"$`])', r"\\\1", text)
 
 
 def _shell_path(path: str) -> str:
