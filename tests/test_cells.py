@@ -7,7 +7,15 @@ import time
 
 import psutil
 import pytest
-from conftest import client_connection, fanout_answers, ready_cluster, run, session, wait_until_gone
+from conftest import (
+    client_connection,
+    controller_socket,
+    fanout_answers,
+    ready_cluster,
+    run,
+    session,
+    wait_until_gone,
+)
 
 from spmd.magics.render import RankErrors
 
@@ -271,6 +279,88 @@ def test_a_cell_request_not_signed_with_the_clusters_key_runs_on_no_rank(fresh):
     assert fanout_answers(info, rank_0, "signed = True")
     out = run(fresh, "print('signed' in globals())")
     assert out.stdout == "[rank 0] True\n[rank 1] False\n", out.stdout
+    assert run(fresh, "%spmd stop").error is None
+
+
+def signed_request(info: dict, targets: list, code: str = "") -> list[bytes]:
+    """The frames of one cell request to the fan-out, signed with the cluster's key
+    (``targets``: [engine identity, the id its request gets] for each rank)."""
+    from jupyter_client.session import Session as Signer
+
+    from spmd.cluster.launchers.fanout import REQUEST
+
+    signer = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
+    request = {"request": {"code": code, "silent": False, "user_expressions": {}},
+               "metadata": {}, "targets": targets}
+    return signer.serialize(signer.msg(REQUEST, content=request))
+
+
+COUNT_RUNS = "runs = globals().get('runs', 0) + 1"
+
+
+def replays_dropped(s, expected: int) -> int:
+    """How many requests the controller's fan-out has refused as replays (its log's warnings),
+    once there are ``expected`` or 5 s have passed."""
+    deadline = time.monotonic() + 5
+    while True:
+        with open(s.cluster.controller.output_file) as f:
+            found = f.read().count("(a replay) was dropped")
+        if found >= expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(180)
+def test_a_replayed_cell_request_runs_on_no_rank_even_after_a_flood(fresh):
+    """A cell request the fan-out has run is refused when it comes again, byte for byte; and
+    still after more new requests than the fan-out remembers (a flood cannot make it forget
+    one that could then be replayed)."""
+    from spmd.cluster.launchers.fanout import PORT_KEY, SEEN
+
+    assert run(fresh, "%spmd start -n 2 --backend none").error is None
+    s = session(fresh)
+    info = client_connection(s)
+    rank_0 = s.client._engines[s.ranks[0].engine_id]
+    cell = signed_request(info, [[rank_0, f"probe-{time.time()}"]], COUNT_RUNS)
+    with controller_socket(info, info[PORT_KEY], curve=False) as sock:
+        sock.send_multipart(cell)
+        assert sock.poll(30_000), "the fan-out did not run the request once"
+        sock.recv_multipart()
+        sock.send_multipart(cell)  # (the same bytes: a replay)
+        assert not sock.poll(3000)
+        # (requests for no rank: each is remembered, and runs nowhere)
+        for _ in range(SEEN):
+            sock.send_multipart(signed_request(info, []))
+        sock.send_multipart(cell)
+        assert not sock.poll(3000)
+    out = run(fresh, "print(globals().get('runs', 0))")
+    assert out.stdout == "[rank 0] 1\n[rank 1] 0\n", out.stdout
+    # (the fan-out's own refusal both times, not only the rank's: a rank drops a message whose
+    # signature it has seen, but a restarted rank, or one without a key, would run it)
+    assert replays_dropped(s, 2) == 2
+    assert run(fresh, "%spmd stop").error is None
+
+
+def test_a_cluster_whose_key_is_empty_runs_cell_after_cell(fresh, monkeypatch):
+    """ipyparallel runs a cluster without a key when one is configured empty (nothing is
+    signed): the fan-out's replay guard must not take every cell after the first for a replay
+    (every signature is the same empty one)."""
+    from spmd.cluster import startup
+
+    made = startup.cluster_config
+
+    def without_key(*args, **kwargs):
+        config = made(*args, **kwargs)
+        config.Cluster.controller_args = [*config.Cluster.controller_args, "--Session.key="]
+        return config
+
+    monkeypatch.setattr(startup, "cluster_config", without_key)
+    out = run(fresh, "%spmd start -n 2 --backend none")
+    assert out.error is None, out.stdout + out.stderr
+    assert client_connection(session(fresh))["key"] == ""  # (the cluster really has none)
+    for i in range(3):
+        out = run(fresh, f"print({i})")
+        assert out.error is None and out.stdout == f"[ranks 0-1] {i}\n", out.stdout
     assert run(fresh, "%spmd stop").error is None
 
 

@@ -21,8 +21,13 @@ does not gather the replies (only ``apply``'s buffers), so the notebook would st
 message per rank.
 
 A reply whose signature does not hold is dropped; so is a request, and a request seen
-before (a replay: its signature is remembered). A message that cannot be read is dropped
-alone, and the others go on. Requests whose ranks never answer (a rank that died) are
+before (a replay). The replay guard remembers the ids of the last ``SEEN`` requests (an id is
+in the signed header, so a replay carries it; a signature would not do: without a key every
+signature is empty), and refuses any request dated no later than the newest of those it has
+forgotten, so that a flood of new requests cannot make it forget an old one that can then be
+replayed. The dates are the notebook's own clock against itself: a clock set back by more than
+``SEEN`` cells' time would refuse cells until it caught up. A message that cannot be read is
+dropped alone, and the others go on. Requests whose ranks never answer (a rank that died) are
 forgotten oldest first beyond ``REMEMBERED``.
 
 Threads: everything here runs on the controller's main thread (its event loop), with the hub.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+from datetime import datetime
 
 import zmq
 
@@ -43,10 +49,10 @@ REPLIES = "spmd_cell_replies"
 # What the notebook reads of a rank's reply metadata (spmd/engine/quiet.py, census.py,
 # import_env.py).
 KEPT = ("spmd_iopub", "spmd_census", "spmd_env")
-# Requests in flight remembered (a rank that died never answers its own), and the signatures
-# of the notebook's requests (jupyter_client's own replay guard keeps as many).
+# Requests in flight remembered (a rank that died never answers its own), and the ids of the
+# notebook's requests (jupyter_client's own replay guard keeps as many signatures).
 REMEMBERED = 200_000
-SIGNATURES = 2**16
+SEEN = 2**16
 DELIM = b"<IDS|MSG>"
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: pyzmq's enums are slow)
 
@@ -63,7 +69,9 @@ class CellFanout:
         self.ranks = ranks
         # a rank's request id -> (the notebook's identity, the cell's id)
         self.asked: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
-        self.seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # the replay guard: the ids of recent requests, and the newest date of those forgotten
+        self.seen: collections.OrderedDict[str, datetime] = collections.OrderedDict()
+        self.forgotten: datetime | None = None
         loop.add_handler(cells, self._pump, loop.READ)
         loop.add_handler(ranks, self._pump, loop.READ)
 
@@ -117,17 +125,12 @@ class CellFanout:
         signed = self._signed(frames)
         if signed is None:
             return
-        idents, signature, header, _parent, _metadata, content = signed
-        if signature in self.seen:
-            log.warning("a cell request seen before (a replay) was dropped")
-            return
+        idents, _signature, header, _parent, _metadata, content = signed
         unpack, pack = self.session.unpack, self.session.pack
-        header, content = unpack(header), unpack(content)
-        if header["msg_type"] != REQUEST or not idents:
+        header = unpack(header)
+        if header["msg_type"] != REQUEST or not idents or not self._first_time(header):
             return
-        self.seen[signature] = None
-        while len(self.seen) > SIGNATURES:
-            self.seen.popitem(last=False)
+        content = unpack(content)
         cell_id = header["msg_id"]
         parts = [pack({}), pack(content["metadata"]), pack(content["request"])]
         header["msg_type"] = "execute_request"
@@ -142,6 +145,26 @@ class CellFanout:
             self.asked[msg_id] = (idents[0], cell_id)
         while len(self.asked) > REMEMBERED:
             self.asked.popitem(last=False)
+
+    def _first_time(self, header: dict) -> bool:
+        """Whether a request is new (remembered from now on), not a replay."""
+        msg_id = header["msg_id"]
+        try:  # (jupyter_client writes it in UTC with a 'Z', which 3.10 cannot read)
+            date = datetime.fromisoformat(str(header["date"]).replace("Z", "+00:00"))
+        except (KeyError, ValueError):
+            log.warning("a cell request without a date was dropped")
+            return False
+        if date.tzinfo is None:  # (naive and aware dates do not compare)
+            log.warning("a cell request dated without a time zone was dropped")
+            return False
+        if msg_id in self.seen or (self.forgotten is not None and date <= self.forgotten):
+            log.warning("a cell request seen before (a replay) was dropped")
+            return False
+        self.seen[msg_id] = date
+        while len(self.seen) > SEEN:
+            _old, when = self.seen.popitem(last=False)
+            self.forgotten = when if self.forgotten is None else max(self.forgotten, when)
+        return True
 
     def _reply(self, frames: list, gathered: dict) -> None:
         """A rank's reply: into its cell's gathered replies."""
