@@ -187,3 +187,27 @@ def test_paused_ranks_that_cannot_answer_are_let_go_together_and_leave_no_future
         for r in ranks:
             os.kill(r.pid, signal.SIGCONT)
     assert not client.paused
+
+
+def test_a_cells_folder_another_user_made_first_is_refused(tmp_path):
+    """The ranks' cell folder has a public name (/tmp/ipykernel_<the kernel's pid>): one that
+    another user made first, or a link, is refused with a sentence (before: used as found)."""
+    import os
+
+    from spmd.engine.debugging import own_folder
+
+    mine = tmp_path / "ipykernel_1"
+    assert own_folder(str(mine)) == str(mine)
+    assert (mine.stat().st_mode & 0o777) == 0o700
+    assert own_folder(str(mine)) == str(mine)  # (again: it is ours)
+    link = tmp_path / "ipykernel_2"
+    link.symlink_to(mine)
+    with pytest.raises(PermissionError, match="is a link or another user's"):
+        own_folder(str(link))
+    if os.getuid() != 0:
+        pytest.skip("giving a folder to another user needs root (CI is root)")
+    theirs = tmp_path / "ipykernel_3"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # (nobody)
+    with pytest.raises(PermissionError, match=r"another user's \(uid 65534\): remove it"):
+        own_folder(str(theirs))

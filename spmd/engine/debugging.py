@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import stat
 import sys
 import threading
 
@@ -33,6 +34,21 @@ _debugger = None  # ipykernel's Debugger, once listen() ran
 def attached() -> bool:
     """JupyterLab's debugger is attached to this rank (``breakpoint()`` then stops in it)."""
     return _debugger is not None and bool(_debugger.is_started)
+
+
+def own_folder(folder: str) -> str:
+    """``folder``, made private if it is not there; refused where it is another user's (or a
+    link): its name is public (``/tmp/ipykernel_<pid>``), so another user of this host could
+    make it first, and read or change the cells the debugger shows."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    found = os.lstat(folder)
+    if stat.S_ISLNK(found.st_mode) or not stat.S_ISDIR(found.st_mode) \
+            or found.st_uid != os.getuid():
+        raise PermissionError(
+            f"{folder}, where the ranks keep the cells the debugger shows, is a link or "
+            f"another user's (uid {found.st_uid}): remove it, or restart the kernel, whose "
+            "folder is named after its pid")
+    return folder
 
 
 def listen(cells_folder: str) -> dict:
@@ -59,8 +75,7 @@ def listen(cells_folder: str) -> dict:
         ipkernel = sys.modules.get("ipykernel.ipkernel")
         if ipkernel is not None and hasattr(ipkernel, "_is_debugpy_available"):
             ipkernel._is_debugpy_available = True  # (ipykernel 6 bound it at import too)
-    folder = cells_folder.rstrip(os.sep)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    folder = own_folder(cells_folder.rstrip(os.sep))
 
     def cells_here() -> str:
         return folder
