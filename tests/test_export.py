@@ -793,23 +793,28 @@ def test_two_ranks_that_end_at_once_give_the_failures_status(tmp_path):
 CHILD = (f"print('{TAG} ready', rank, flush=True)\n"
          "import subprocess, sys, time\n"
          "child = subprocess.Popen(['sleep', '1000'])\n"
-         f"print('{TAG} child', child.pid, flush=True)\n")
+         # (one write: mpiexec labels each piece it reads)
+         f"print(f'{TAG} child {{child.pid}} started', flush=True)\n")
 
 
+@pytest.mark.parametrize("launcher", ["local", "mpi"])
 @pytest.mark.parametrize("ends", ["ctrl-c", "a failed rank"])
-def test_the_end_of_a_job_ends_what_its_ranks_started(ends, tmp_path):
+def test_the_end_of_a_job_ends_what_its_ranks_started(ends, launcher, tmp_path):
     """Each rank starts a child after 'ready'; the job is ended by ^C, or by rank 1 failing:
     both children are gone afterwards (the launch had signalled its ranks alone: a child of
     a rank ran on)."""
     import psutil
 
     fails = "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n" if ends != "ctrl-c" else ""
-    launch = write_job(str(tmp_path), [CHILD + fails + "time.sleep(120)"], backend="none")
+    if launcher == "mpi" and not shutil.which("mpiexec"):
+        pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
+    launch = write_job(str(tmp_path), [CHILD + fails + "time.sleep(120)"], backend="none",
+                       launcher=launcher)
     job, children = _start(launch, str(tmp_path)), []
     try:
-        out = _wait_for_lines(job, f"{TAG} child", 2)
-        children = [psutil.Process(int(line.split()[-1])) for line in out.splitlines()
-                    if f"{TAG} child" in line]
+        out = _wait_for_lines(job, " started", 2)
+        children = [psutil.Process(int(pid))
+                    for pid in re.findall(rf"{TAG} child (\d+) started", out)]
         assert len(children) == 2 and all(c.name() == "sleep" for c in children), out
         if ends == "ctrl-c":
             os.killpg(job.pid, signal.SIGINT)

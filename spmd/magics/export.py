@@ -215,7 +215,7 @@ class Job:
             lines += self._jax_initialize(both)
         if "jax" in self.backends or self.pmi:  # (after jax's: its atexit runs first)
             lines += _fail_fast("jax" in self.backends, self.pmi)
-            self.imports |= {"atexit", "builtins", "sys"}
+            self.imports |= {"atexit", "builtins", "sys"} | ({"signal"} if self.pmi else set())
         if "torch" in self.backends:
             if s.check_collectives:
                 lines += ["", "# torch's own check of each collective across the processes, as "
@@ -335,7 +335,12 @@ def _fail_fast(jax: bool, pmi: bool) -> list[str]:
            if jax else ["# status, and mpiexec ends the others. (Undone at the end.)"])
     leave = ["    finally:", "        os._exit(exit_status)"]
     if pmi:
+        # (mpiexec ends the others' process groups, each its own, but not the group of one
+        # that left: what this one started, a `!cmd` or a Popen, is ended here)
         leave = ["        if pmi >= 0 and exit_status:  # (mpiexec's status is then this one's)",
+                 "            if os.getpgid(0) == os.getpid():  # (what it started, too)",
+                 "                signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+                 "                os.killpg(0, signal.SIGTERM)",
                  '            os.write(pmi, b"cmd=abort exitcode=%d\\n" % exit_status)',
                  *leave]
     return [
