@@ -82,7 +82,8 @@ def with_hint(how: str) -> str:
 _SIGNAL_HINTS = {
     "SIGKILL": " (sent by hand, or by the out-of-memory killer)",
     "SIGSEGV": " (a crash in C code)",
-    "SIGABRT": " (it aborted: jax does this on a fatal error, or when another rank died)",
+    "SIGABRT": " (it aborted: jax, XLA and torch's gloo do this on a fatal error, or when another "
+                "rank died)",
     "SIGBUS": " (a crash in C code)",
 }
 
