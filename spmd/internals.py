@@ -40,7 +40,7 @@ INTERNALS = [
     *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
                "the socket to the controller's cell fan-out (launchers/cell_routes.py)")
       for name in ("_setup_streams", "_context", "_config", "_closed", "curve_serverkey",
-                   "curve_publickey", "curve_secretkey")],
+                   "curve_publickey", "curve_secretkey", "_unregister_engine")],
     *[Internal("ipyparallel", "ipyparallel.controller.app", f"IPController.{name}", "notebook",
                "the controller's cell fan-out (launchers/fanout.py)")
       for name in ("init_hub", "save_connection_dict", "client_json_file", "connect",

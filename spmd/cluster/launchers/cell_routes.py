@@ -12,8 +12,11 @@ it sent (``spmd_iopub``, engine/quiet.py). A rank whose reply carries no count s
 A rank that has finished leaves the routes: what it prints later (a thread of the cell) is a
 late output, for the next cell (client.py).
 
-A cell the notebook stopped waiting for keeps its routes: its ranks that finish later are
-heard by whoever polls it next (``%spmd status``, an interrupt).
+A cell the notebook stopped waiting for keeps its routes while its ranks run it: those that
+finish later are heard by whoever polls it next (``%spmd status``, an interrupt). A rank's
+routes go when the controller says it ended (``forget_engine``: it died, or a restart or a
+stop ended it), so that no cell it left unfinished is kept (with the outputs its cell has not
+taken) until ``REMEMBERED``.
 
 Threads: ``routes`` is the IO thread's (ipyparallel's client's event loop). ``send`` is
 called from the main thread and hands its work to the IO thread.
@@ -34,7 +37,8 @@ from spmd.engine.import_env import CHANGED
 from spmd.engine.quiet import COUNT
 
 DONE = "done"
-# Requests remembered whose ranks have not finished (a rank that died never does).
+# Requests remembered whose ranks have not finished (a backstop: a rank that ended is
+# forgotten as the controller tells of it, forget_engine).
 REMEMBERED = 100_000
 
 log = logging.getLogger(__name__)  # (ipyparallel's Client has no logger of its own)
@@ -130,6 +134,11 @@ class CellRoutes:
         route.came += 1
         self._maybe_done(msg["parent_header"]["msg_id"], route)
         return True
+
+    def forget_engine(self, engine_id: int) -> None:
+        """(IO thread) An engine that ended: its requests will never finish."""
+        for msg_id in [m for m, route in self.routes.items() if route.engine_id == engine_id]:
+            del self.routes[msg_id]
 
     def _replies(self, frames: list) -> None:
         """(IO thread) Replies the fan-out gathered."""

@@ -99,6 +99,12 @@ class SpmdClient(ipyparallel.Client):
         finally:
             self._after_iopub(msg)
 
+    def _unregister_engine(self, msg) -> None:
+        """ipyparallel's; and the routes of that engine's cells go: it ended (a rank that
+        died, the old ranks of a restart or a stop), and will never finish them."""
+        super()._unregister_engine(msg)
+        self.cells.forget_engine(int(msg["content"]["id"]))
+
     def _debug_event(self, msg) -> None:
         engine_id = self._engine(msg.get("metadata", {}).get("engine"))
         if engine_id is None:
