@@ -337,10 +337,7 @@ class RankDebugger(Shown):
             if rank in dead:
                 raise NoRanks(ended([rank]))
             if since is not None and now - since < SILENT_SECONDS:
-                raise NoRanks(f"Rank {rank} did not answer the debugger lately (stopped, or "
-                              "stuck outside Python?), so it is asked nothing for "
-                              f"{SILENT_SECONDS - (now - since):.0f} s more: interrupt the "
-                              "kernel, or %spmd restart.")
+                raise NoRanks(left_out(rank, SILENT_SECONDS - (now - since)))
         futures = {}
         for rank, request in requests.items():
             if told is not None:
@@ -349,35 +346,15 @@ class RankDebugger(Shown):
                                          content=request, ident=idents[rank])
         slow = any(r.get("command") in SLOW for r in requests.values())
         seconds = ANSWER_SECONDS if slow else QUICK_SECONDS
-        waiting = {asyncio.wrap_future(f): rank for rank, f in futures.items()}
-        deadline = time.monotonic() + seconds
-        while waiting and time.monotonic() < deadline:
-            await asyncio.wait(list(waiting), timeout=min(0.25, deadline - time.monotonic()))
-            waiting = {w: rank for w, rank in waiting.items() if not w.done()}
-            gone = session.dead_ranks() & set(waiting.values()) if waiting else set()
-            if gone:
-                self._drop(client, futures, waiting)
-                raise NoRanks(ended(sorted(gone)))
-        if waiting:
-            late = sorted(waiting.values())
-            self._drop(client, futures, waiting)
+        late = await _wait(session, futures, seconds)
+        if late:
             with self._lock:
                 self._silent.update({rank: time.monotonic() for rank in late})
-            who = f"Rank {late[0]}" if len(late) == 1 else "Ranks " + ", ".join(map(str, late))
-            raise NoRanks(f"{who} did not answer the debugger within {seconds:.0f} s (stopped, "
-                          f"or stuck outside Python?), and {'is' if len(late) == 1 else 'are'} "
-                          f"asked nothing for {SILENT_SECONDS:.0f} s: interrupt the kernel, or "
-                          "%spmd restart.")
+            raise NoRanks(no_answer(late, seconds))
         with self._lock:
             for rank in futures:
                 self._silent.pop(rank, None)
         return {rank: futures[rank].result()["content"] for rank in sorted(futures)}
-
-    @staticmethod
-    def _drop(client, futures: dict, waiting: dict) -> None:
-        """The requests still unanswered leave the client's futures."""
-        for rank in waiting.values():
-            control.drop(client, futures[rank])
 
     def _live(self):
         """The session whose ranks run cells: the kernel's own start's until a cell takes it
@@ -387,6 +364,44 @@ class RankDebugger(Shown):
             return pending.session if pending.done and pending.error is None else None
         return self.magics.session
 
+
+
+async def _wait(session, futures: dict, seconds: float) -> list[int]:
+    """Wait up to ``seconds`` for every rank's reply ({rank: future}); the ranks that did not
+    answer (their requests leave the client's futures). Raises NoRanks as soon as a rank
+    that has not answered ends."""
+    waiting = {asyncio.wrap_future(f): rank for rank, f in futures.items()}
+    deadline = time.monotonic() + seconds
+    while waiting and time.monotonic() < deadline:
+        await asyncio.wait(list(waiting), timeout=min(0.25, deadline - time.monotonic()))
+        waiting = {w: rank for w, rank in waiting.items() if not w.done()}
+        gone = session.dead_ranks() & set(waiting.values()) if waiting else set()
+        if gone:
+            _drop(session.client, futures, waiting)
+            raise NoRanks(ended(sorted(gone)))
+    _drop(session.client, futures, waiting)
+    return sorted(waiting.values())
+
+
+def _drop(client, futures: dict, waiting: dict) -> None:
+    """The requests still unanswered leave the client's futures."""
+    for rank in waiting.values():
+        control.drop(client, futures[rank])
+
+
+def left_out(rank: int, seconds: float) -> str:
+    """The sentence for a rank left out, for ``seconds`` more, as it did not answer."""
+    return (f"Rank {rank} did not answer the debugger lately (stopped, or stuck outside "
+            f"Python?), so it is asked nothing for {seconds:.0f} s more: interrupt the kernel, "
+            "or %spmd restart.")
+
+
+def no_answer(late: list[int], seconds: float) -> str:
+    """The sentence for ranks that did not answer within ``seconds``."""
+    who = f"Rank {late[0]}" if len(late) == 1 else "Ranks " + ", ".join(map(str, late))
+    return (f"{who} did not answer the debugger within {seconds:.0f} s (stopped, or stuck "
+            f"outside Python?), and {'is' if len(late) == 1 else 'are'} asked nothing for "
+            f"{SILENT_SECONDS:.0f} s: interrupt the kernel, or %spmd restart.")
 
 
 def ended(ranks: list[int]) -> str:
