@@ -29,8 +29,9 @@ class Deaths:
         return {**self.gen.ssh, **self.gen.launchers}
 
     def dead_ranks(self) -> set[int]:
-        """Ranks whose process has ended, or that the controller lost."""
-        ended = {r for r, ln in self._watched.items() if ln.exited_at is not None}
+        """Ranks whose process has ended, or that the controller lost. (Any thread: the
+        debugger's control thread asks too, so the table is copied in one step.)"""
+        ended = {r for r, ln in list(self._watched.items()) if ln.exited_at is not None}
         return ended | set(self._vanished_ranks())
 
     def local_ranks(self) -> set[int]:
