@@ -130,6 +130,7 @@ INTERNALS = [
                "(engine/debugging.py)", required=False) for project, module, path in (
         ("ipykernel", "ipykernel.debugger", "Debugger"),
         ("ipykernel", "ipykernel.debugger", "_is_debugpy_available"),
+        ("ipykernel", "ipykernel.debugger", "DebugpyClient.get_host_port"),
         ("ipykernel", "ipykernel.compiler", "get_tmp_directory"),
         ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.dispatch_debugpy"),
         ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.poll_stopped_queue"),

@@ -85,9 +85,12 @@ def listen(cells_folder: str) -> dict:
     ipykernel.debugger.get_tmp_directory = cells_here
 
     loop = kernel.control_thread.io_loop
-    debugger, (host, port) = _on_control_thread(
-        loop, lambda: _make_debugger(kernel, ipykernel.debugger))
-    debugpy.listen((host, int(port)))
+    debugger = _on_control_thread(loop, lambda: _make_debugger(kernel, ipykernel.debugger))
+    # debugpy's adapter picks its own free port: one found free here first (ipykernel binds
+    # and unbinds a socket) could be taken by another rank before the adapter bound it
+    # (seen at a restart: "Address already in use")
+    client = debugger.debugpy_client
+    client.debugpy_host, client.debugpy_port = debugpy.listen((client.debugpy_host, 0))
     debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
     kernel.debugger = debugger
     asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
@@ -115,8 +118,7 @@ def _make_debugger(kernel, module):
         kernel.debug_just_my_code,
         kernel.filter_internal_frames,
     )
-    # (a free port for debugpy, found by binding this socket once: on its own thread)
-    return debugger, debugger.debugpy_client.get_host_port()
+    return debugger
 
 
 def _on_control_thread(loop, fn):
