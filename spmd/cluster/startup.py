@@ -23,6 +23,7 @@ from spmd.cluster.lockstep.watchdog import last_lines
 from spmd.cluster.ranks import Generation, Rank, StartError
 from spmd.engine import bootstrap as engine
 from spmd.engine.address import coordinator_addresses
+from spmd.engine.import_env import read_at_import as import_time_env
 from spmd.engine.server import modules_for as server_modules
 
 
@@ -55,12 +56,6 @@ def _within(seconds: float, fn, *args) -> str:
     thread.start()
     thread.join(seconds)
     return found[0] if found else ""
-
-
-def import_time_env() -> dict[str, str]:
-    """The variables jax and XLA read once, at import (``JAX_ENABLE_X64``, ``XLA_FLAGS``...):
-    a rank forked by a server that imported jax before they changed computes as before."""
-    return {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))}
 
 
 def _init_failure(rank: int, exc: Exception) -> StartError:

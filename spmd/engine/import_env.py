@@ -24,7 +24,9 @@ _PREFIXES_BYTES = tuple(p.encode() for p in PREFIXES)
 
 
 def read_at_import() -> dict[str, str]:
-    """This process's variables that jax and XLA read once."""
+    """This process's variables that jax and XLA read once, at import (``JAX_ENABLE_X64``,
+    ``XLA_FLAGS``...): a rank forked by a server that imported jax before they changed
+    computes as before (the notebook compares its own with its server's at a restart)."""
     return {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)}
 
 

@@ -105,8 +105,8 @@ class CellFanout:
             log.warning("a message the cell fan-out could not read was dropped", exc_info=True)
 
     def _signed(self, frames: list) -> list | None:
-        """[identities, signature, header, parent, metadata, content] of a message whose
-        signature holds."""
+        """[identities, header, parent, metadata, content] of a message whose signature
+        holds."""
         try:
             at = frames.index(DELIM)
         except ValueError:
@@ -118,14 +118,14 @@ class CellFanout:
                 body[0], self.session.sign(body[1:5])):
             log.warning("a message with a bad signature was dropped")
             return None
-        return [frames[:at], *body[:5]]
+        return [frames[:at], *body[1:5]]
 
     def _cell(self, frames: list) -> None:
         """A cell from the notebook: an execute request to each of its ranks."""
         signed = self._signed(frames)
         if signed is None:
             return
-        idents, _signature, header, _parent, _metadata, content = signed
+        idents, header, _parent, _metadata, content = signed
         unpack, pack = self.session.unpack, self.session.pack
         header = unpack(header)
         if header["msg_type"] != REQUEST or not idents or not self._first_time(header):
@@ -171,7 +171,7 @@ class CellFanout:
         signed = self._signed(frames)
         if signed is None:
             return
-        _idents, _signature, _header, parent, metadata, _content = signed
+        _idents, _header, parent, metadata, _content = signed
         msg_id = self.session.unpack(parent)["msg_id"]
         metadata = self.session.unpack(metadata)
         asked = self.asked.pop(msg_id, None)

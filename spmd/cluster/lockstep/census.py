@@ -33,7 +33,11 @@ def fetch(client, engine_ids: dict[int, int], requests: dict[int, str] | None = 
           timeout: float = 1.0) -> dict[int, dict]:
     """{rank: its record of a cell (its last one, or the request ``requests[rank]``)}, for
     the ranks that answered and kept it."""
-    replies = _ask(client, engine_ids, requests, timeout)
+    return _records(_ask(client, engine_ids, requests, timeout))
+
+
+def _records(replies: dict[int, dict | None]) -> dict[int, dict]:
+    """{rank: its record}, of the ranks that answered with one."""
     return {rank: reply["census"] for rank, reply in replies.items()
             if reply is not None and reply.get("census") is not None}
 
@@ -148,8 +152,7 @@ def for_report(client, engine_ids: dict[int, int], stall,
     try:
         replies = _ask(client, {r: e for r, e in engine_ids.items()
                                 if r not in dead and r in requests}, requests, timeout=0.5)
-        records = {r: reply["census"] for r, reply in replies.items()
-                   if reply is not None and reply.get("census") is not None}
+        records = _records(replies)
         # (a rank that answered without a record is still before the cell's first line; one
         # that finished has a record, unless the census was not installed there)
         before = sorted(r for r, reply in replies.items() if reply is not None
