@@ -38,23 +38,23 @@ INTERNALS = [
     Internal("ipyparallel", "ipyparallel", "Client._engines", "notebook",
              "an engine's identity, to send a cell to a rank (lockstep/run.py)"),
     *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
-               "the socket to the controller's cell fan-out (launchers/cell_routes.py)")
+               "the socket to the controller's cell fan-out (channel/cell_routes.py)")
       for name in ("_setup_streams", "_context", "_config", "_closed", "curve_serverkey",
                    "curve_publickey", "curve_secretkey", "_unregister_engine")],
     *[Internal("ipyparallel", "ipyparallel.controller.app", f"IPController.{name}", "notebook",
-               "the controller's cell fan-out (launchers/fanout.py)")
+               "the controller's cell fan-out (controller/fanout.py)")
       for name in ("init_hub", "save_connection_dict", "client_json_file", "connect",
                    "client_url", "enable_curve", "curve_secretkey", "client_transport",
                    "client_ip", "context", "loop", "session")],
     *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
-               "the hub reads its monitor's waiting messages in one go (launchers/hub.py)")
+               "the hub reads its monitor's waiting messages in one go (controller/hub.py)")
       for name in ("monitor", "dispatch_monitor_traffic")],
     *[Internal("ipyparallel", "ipyparallel.controller.heartmonitor", f"HeartMonitor.{name}",
-               "notebook", "a rank registered at its first heartbeat (launchers/hearts.py)")
+               "notebook", "a rank registered at its first heartbeat (controller/hearts.py)")
       for name in ("handle_pong", "start", "responses", "hearts", "handle_new_hearts",
                    "ping_stream", "lifetime", "loop")],
     Internal("ipyparallel", "ipyparallel.controller.app", "start_heartmonitor", "notebook",
-             "the heart monitor's process starts with hearts.py installed (launchers/hearts.py)"),
+             "the heart monitor's process starts with hearts.py installed (controller/hearts.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._futures", "notebook",
              "whether an output's request (%px, apply) is still running (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._build_targets", "notebook",
@@ -72,7 +72,7 @@ INTERNALS = [
     Internal("ipyparallel", "ipyparallel", "Client._io_loop", "notebook",
              "the IO thread that owns the client's engine tables (client.py)"),
     *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
-               "the controller keeps of each request only its id (launchers/hub.py)")
+               "the controller keeps of each request only its id (controller/hub.py)")
       for name in ("save_queue_request", "save_queue_result", "monitor_iopub_message",
                    "by_ident", "pending", "queues", "completed", "all_completed")],
     Internal("ipyparallel", "ipyparallel", "Client._extract_metadata", "notebook",

@@ -321,7 +321,7 @@ def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False
     import zmq
     from jupyter_client.session import Session as Signer
 
-    from spmd.cluster.launchers.fanout import PORT_KEY, REPLIES, REQUEST
+    from spmd.controller.fanout import PORT_KEY, REPLIES, REQUEST
 
     signer = Signer(key=(key or info["key"]).encode(), signature_scheme=info["signature_scheme"])
     request = {"request": {"code": code, "silent": False, "user_expressions": {}},

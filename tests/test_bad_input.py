@@ -185,7 +185,7 @@ def test_the_controller_writes_its_connection_file_whole(tmp_path):
     import threading
     from types import SimpleNamespace
 
-    from spmd.cluster.launchers.controller import save_connection_dict
+    from spmd.controller.start import save_connection_dict
 
     controller = SimpleNamespace(
         profile_dir=SimpleNamespace(security_dir=str(tmp_path)), log=logging.getLogger("test")

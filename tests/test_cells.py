@@ -287,7 +287,7 @@ def signed_request(info: dict, targets: list, code: str = "") -> list[bytes]:
     (``targets``: [engine identity, the id its request gets] for each rank)."""
     from jupyter_client.session import Session as Signer
 
-    from spmd.cluster.launchers.fanout import REQUEST
+    from spmd.controller.fanout import REQUEST
 
     signer = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
     request = {"request": {"code": code, "silent": False, "user_expressions": {}},
@@ -315,7 +315,7 @@ def test_a_replayed_cell_request_runs_on_no_rank_even_after_a_flood(fresh):
     """A cell request the fan-out has run is refused when it comes again, byte for byte; and
     still after more new requests than the fan-out remembers (a flood cannot make it forget
     one that could then be replayed)."""
-    from spmd.cluster.launchers.fanout import PORT_KEY, SEEN
+    from spmd.controller.fanout import PORT_KEY, SEEN
 
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     s = session(fresh)

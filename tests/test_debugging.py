@@ -161,7 +161,7 @@ def test_paused_ranks_that_cannot_answer_are_let_go_together_and_leave_no_future
 
     from conftest import ready_cluster
 
-    from spmd.cluster.lockstep import control
+    from spmd.cluster.channel import control
 
     cluster = ready_cluster(module_shell, "start -n 2 --backend none")
     session = cluster.magics_manager.registry["SpmdMagics"].session

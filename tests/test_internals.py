@@ -38,7 +38,7 @@ def test_a_missing_private_part_is_one_sentence_with_the_version(monkeypatch):
 
 
 def test_the_controller_refuses_plain_text_where_encryption_was_asked_for(monkeypatch, tmp_path):
-    from spmd.cluster.launchers import controller
+    from spmd.controller import start as controller
 
     monkeypatch.setenv(controller.CURVE_ENV, "1")
     app = types.SimpleNamespace(

@@ -290,7 +290,7 @@ def test_a_rank_whose_registration_the_notebook_missed_is_found(fresh, monkeypat
     registration in between is never announced to it (seen with ranks on other hosts, whose
     CurveZMQ subscription is slow to hold). Here neither path tells the client of engine 0,
     as in that race; the start still finds it, from the controller's own list."""
-    from spmd.cluster.launchers.client import SpmdClient
+    from spmd.cluster.channel.client import SpmdClient
 
     hidden = []
     update_engines = SpmdClient._update_engines

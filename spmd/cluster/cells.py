@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 
 from spmd.cluster import interrupts
-from spmd.cluster.lockstep import census, control, where
+from spmd.cluster.channel import control
+from spmd.cluster.lockstep import census, where
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall

@@ -10,7 +10,8 @@ from spmd.cluster import interrupts
 from spmd.cluster.launchers import processes, remote
 from spmd.cluster.launchers.forks import ForkedEngineLauncher, ForkedSSHEngineLauncher
 from spmd.cluster.launchers.launch import RankedEngineLauncher
-from spmd.cluster.lockstep import control, where
+from spmd.cluster.channel import control
+from spmd.cluster.lockstep import where
 from spmd.cluster.lockstep.watchdog import Death, last_lines, with_hint
 from spmd.cluster.ranks import OutOfStep
 

@@ -15,7 +15,7 @@ import time
 
 from spmd import internals
 from spmd.cluster.launchers import forks, processes, remote, servers, ssh
-from spmd.cluster.launchers.controller import CURVE_ENV
+from spmd.controller.start import CURVE_ENV
 from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
 from spmd.cluster.lockstep.run import rank_words

@@ -45,7 +45,7 @@ import time
 
 from IPython.core.inputtransformer2 import leading_empty_lines
 
-from spmd.cluster.lockstep import control
+from spmd.cluster.channel import control
 from spmd.engine import debugging
 from spmd.kernel.dap import reply, with_arguments
 from spmd.kernel.references import References

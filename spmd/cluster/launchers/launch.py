@@ -20,7 +20,7 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLaun
 from traitlets.config import Config
 
 from spmd.cluster.launchers import remote, ssh
-from spmd.cluster.launchers.client import SpmdClient
+from spmd.cluster.channel.client import SpmdClient
 from spmd.engine import bootstrap as engine
 from spmd.engine import placement
 from spmd.engine.orphans import PARENT_ENV
@@ -132,7 +132,7 @@ def cluster_config(
     c.Cluster.controller_ip = address
     c.Cluster.controller_location = address
     c.Cluster.delay = 0.0
-    c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.cluster.launchers.controller"]
+    c.LocalControllerLauncher.controller_cmd = [sys.executable, "-m", "spmd.controller"]
     c.LocalControllerLauncher.environment = {PARENT_ENV: str(os.getpid())}
     c.Cluster.controller_args = [
         f"--HeartMonitor.period={heartbeat_ms(n)}",
@@ -144,7 +144,7 @@ def cluster_config(
         f"--IPController.registration_timeout={max(30, init_timeout)}",
         # Schedulers as threads, not processes: on 2 cores every process costs start-up time.
         "--IPController.use_threads=True",
-        # No task database: nothing asks the hub for a request's record (launchers/hub.py).
+        # No task database: nothing asks the hub for a request's record (controller/hub.py).
         "--IPController.db_class=NoDB",
         "--log-level=WARN",
     ]

@@ -11,7 +11,7 @@ encoded: [program, argument types, times]).
 
 from __future__ import annotations
 
-from spmd.cluster.lockstep import control
+from spmd.cluster.channel import control
 from spmd.cluster.lockstep.run import rank_words
 from spmd.engine.census import CENSUS, TORCH_COLLECTIVES
 

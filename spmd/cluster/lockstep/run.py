@@ -2,7 +2,7 @@
 
 The cell goes out once for all its ranks, through the controller's fan-out, and the client's
 IO thread hears each rank's outputs, in the order the rank produced them, and when the rank
-has finished (launchers/cell_routes.py; its routes are in place before the request leaves, so
+has finished (channel/cell_routes.py; its routes are in place before the request leaves, so
 no early output is missed). The IO thread only puts events on a queue: the notebook's main
 thread consumes them, which is where streaming to the notebook must happen (ipykernel routes
 output by the main thread's current cell).
@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from spmd.cluster.launchers.cell_routes import DONE
-from spmd.cluster.lockstep import control
+from spmd.cluster.channel.cell_routes import DONE
+from spmd.cluster.channel import control
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.engine import prompts
 from spmd.engine.quiet import COUNTED

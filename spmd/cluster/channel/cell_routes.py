@@ -1,4 +1,4 @@
-"""The notebook's side of a cell sent once for all its ranks (launchers/fanout.py).
+"""The notebook's side of a cell sent once for all its ranks (controller/fanout.py).
 
 ``send`` hands one signed ``spmd_cell_request`` to the controller's fan-out; the ranks'
 replies come back gathered, a message for all the replies that arrived together. Each rank's
@@ -32,7 +32,7 @@ import zmq
 from ipyparallel import util
 from zmq.eventloop.zmqstream import ZMQStream
 
-from spmd.cluster.launchers.fanout import PORT_KEY, REPLIES, REQUEST
+from spmd.controller.fanout import PORT_KEY, REPLIES, REQUEST
 from spmd.engine.import_env import CHANGED
 from spmd.engine.quiet import COUNT
 

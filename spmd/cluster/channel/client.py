@@ -34,7 +34,7 @@ import threading
 import ipyparallel
 from ipyparallel.client.client import unpack_message
 
-from spmd.cluster.launchers.cell_routes import CellRoutes
+from spmd.cluster.channel.cell_routes import CellRoutes
 
 # Requests whose engine is remembered for their late outputs (a few MB at most): hundreds of
 # cells back on 64 ranks.

@@ -1,4 +1,4 @@
-"""``python -m spmd.cluster.launchers.controller``: ipyparallel's controller, ending with the notebook,
+"""``python -m spmd.controller``: ipyparallel's controller, ending with the notebook,
 writing its connection files whole, encrypting its traffic where it leaves the machine,
 keeping of each request only what the cluster needs (hub.py), registering a rank at its first
 heartbeat (hearts.py), and sending a cell to all its ranks from one request of the notebook
@@ -68,14 +68,10 @@ def main() -> None:
     from ipyparallel.controller.app import IPController
     from ipyparallel.controller.app import main as controller_main
 
-    from spmd.cluster.launchers import fanout, hearts, hub
+    from spmd.controller import fanout, hearts, hub
 
     IPController.save_connection_dict = save_connection_dict
     hub.install()
     hearts.install()
     fanout.install()  # (after the connection files' writer: it adds its port to the client's)
     controller_main()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from spmd.controller.start import main
+
+main()
