@@ -115,8 +115,8 @@ class Bench:
         session = self.magics.session
         ranks = [psutil.Process(r.pid) for r in session.ranks]
         others = [session.cluster.controller.process]
-        if session._server is not None:
-            others.append(psutil.Process(session._server.process.pid))
+        if session.rank_server is not None:
+            others.append(psutil.Process(session.rank_server.process.pid))
         others += session.cluster.controller.process.children(recursive=True)
 
         def pss(processes) -> float:

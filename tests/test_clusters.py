@@ -126,7 +126,7 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
 
     session = magics(fresh).session
     # The controller listens for ranks on the bridge's address only, not on all interfaces.
-    bridge = session._address
+    bridge = session.address
     assert bridge not in ("127.0.0.1", "0.0.0.0") and bridge.rsplit(".", 1)[0] in hosts.addresses[0]
     controller = psutil.Process(session.cluster.controller.process.pid)
     listening = {c.laddr.ip for c in controller.net_connections() if c.status == "LISTEN"}
@@ -296,7 +296,7 @@ def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
     and the ranks it forked there: no Python per rank."""
     out = run(fresh, ssh_start(hosts, n=4, extra="--backend none --preload colorsys"))
     assert out.error is None, out.stdout + out.stderr
-    servers = magics(fresh).session._server.servers
+    servers = magics(fresh).session.rank_server.servers
     pids = {host: server.pid for host, server in servers.items()}
     status = run(fresh, "%spmd status").stdout
     assert f"rank servers: node1 pid {pids['node1']}, node2 pid {pids['node2']}" in status, status
@@ -325,7 +325,7 @@ def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
 def test_ssh_a_rank_server_killed_on_its_host_is_named_and_restart_starts_afresh(fresh, hosts):
     assert run(fresh, ssh_start(hosts)).error is None
     assert run(fresh, SETUP).error is None
-    server = magics(fresh).session._server.of("node2")
+    server = magics(fresh).session.rank_server.of("node2")
     hosts.ssh("node2", f"kill -KILL {server.pid}")
     out = run(fresh, "time.sleep(3)\n" + PSUM)
     text = report(out)
@@ -349,7 +349,7 @@ def test_ssh_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh, ho
         "The rank server could not be used (on node1, ModuleNotFoundError: No module named "
         "'no_such_module_for_spmd'): each rank started its own Python."
     ], out.stdout
-    assert magics(fresh).session._server is None
+    assert magics(fresh).session.rank_server is None
     out = run(fresh, "import socket\nprint(socket.gethostname())")
     assert out.stdout == "[rank 0] node1\n[rank 1] node2\n", out.stdout
     assert run(fresh, "%spmd stop").error is None
@@ -540,7 +540,7 @@ def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(fresh,
     # (each host has its own /tmp, as on a cluster: the notebook's clean-up cannot reach it)
     out = run(fresh, ssh_start(hosts, extra=""))
     assert out.error is None, out.stdout + out.stderr
-    profile = magics(fresh).session._profile_dir
+    profile = magics(fresh).session.profile_dir
     for name in hosts.names:
         assert hosts.ssh(name, f"stat -c %a {profile}").strip() == "700"
         assert hosts.ssh(name, f"ls {profile}/log").count("ipengine-") == 1
@@ -666,7 +666,7 @@ def test_mpi_with_a_host_file_listens_where_other_machines_reach_it(fresh, tmp_p
     out = run(fresh, f'%spmd start -n 2 --launcher mpi --launcher-arg "mpi_args=-f {hostfile}"')
     assert out.error is None, out.stdout + out.stderr
     session = magics(fresh).session
-    assert session._address != "127.0.0.1"
+    assert session.address != "127.0.0.1"
     assert session.settings.where.leaves_machine  # (so CurveZMQ is on)
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
@@ -825,7 +825,7 @@ def test_slurm_on_two_nodes_by_sbatch_places_reports_and_restarts(nodes, hosts, 
     out = run(fresh, start)
     assert out.error is None, out.stdout + out.stderr
     # the controller listens on the bridge, where the nodes reach it
-    assert magics(fresh).session._address.rsplit(".", 1)[0] in hosts.addresses[0]
+    assert magics(fresh).session.address.rsplit(".", 1)[0] in hosts.addresses[0]
     assert run(fresh, SETUP).error is None
     out = run(fresh, PLACED)
     assert out.stdout == ON_TWO_NODES, out.stdout + out.stderr

@@ -50,7 +50,7 @@ KILLED_NOTEBOOK = textwrap.dedent(
     shell.run_cell("print('a line for the log')")
     magics = shell.magics_manager.registry["SpmdMagics"]
     s = magics.session
-    print("FOLDERS", s._profile_dir, s._cache_dir, s.logs.folder, flush=True)
+    print("FOLDERS", s.profile_dir, s.cache_dir, s.logs.folder, flush=True)
     import time
     time.sleep(600)
     """
@@ -82,7 +82,7 @@ def test_a_killed_notebooks_folders_are_removed_by_the_next_start(fresh, tmp_pat
     # ... until the next notebook starts a cluster
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     assert not any(os.path.exists(f) for f in folders), folders
-    mine = session(fresh)._profile_dir
+    mine = session(fresh).profile_dir
     assert os.path.isdir(mine)  # (a live notebook's folders are not touched)
     pattern = os.path.join(tempfile.gettempdir(), "spmd-*", "owner.json")
     assert all(os.path.dirname(p) not in folders for p in glob.glob(pattern))

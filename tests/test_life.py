@@ -253,7 +253,7 @@ def test_a_start_that_retries_keeps_its_compilation_cache(fresh, monkeypatch):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    chosen = startup._loopback_ports
+    chosen = startup.loopback_ports
     calls = []
 
     def first_taken(backend: str) -> dict[str, str]:
@@ -262,7 +262,7 @@ def test_a_start_that_retries_keeps_its_compilation_cache(fresh, monkeypatch):
             return {"jax": f"127.0.0.1:{taken.getsockname()[1]}"}
         return chosen(backend)
 
-    monkeypatch.setattr(startup, "_loopback_ports", first_taken)
+    monkeypatch.setattr(startup, "loopback_ports", first_taken)
     try:
         out = run(fresh, "%spmd start -n 2")
     finally:
@@ -373,7 +373,7 @@ def test_a_shutdown_while_the_main_thread_takes_the_kernels_start_raises_nothing
         thread.join(30)
         assert taken, "the trace never came between the shutdown's read of pending and its use"
         assert not errors, errors
-        assert pending.session._cancelled.is_set()  # (the start it had read was given up)
+        assert pending.session.cancelled.is_set()  # (the start it had read was given up)
     finally:
         magics._shutting_down = False
         magics.pending = None

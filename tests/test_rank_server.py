@@ -24,7 +24,7 @@ PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
 
 
 def server_of(shell) -> psutil.Process:
-    server = session(shell)._server
+    server = session(shell).rank_server
     assert server is not None, "no rank server"
     return psutil.Process(server.process.pid)
 
@@ -269,7 +269,7 @@ def test_a_rank_server_whose_imports_start_a_thread_does_not_fork(fresh, tmp_pat
         "The rank server could not be used (RuntimeError: its imports started a thread "
         "(telemetry), and a fork is unsafe): each rank started its own Python." in out.stdout
     ), out.stdout
-    assert session(fresh)._server is None
+    assert session(fresh).rank_server is None
     assert run(fresh, "x = 1").error is None
 
 
@@ -283,7 +283,7 @@ def test_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh):
         "The rank server could not be used (ModuleNotFoundError: No module named "
         "'no_such_module_for_spmd'): each rank started its own Python."
     ], out.stdout
-    assert session(fresh)._server is None
+    assert session(fresh).rank_server is None
     for row in session(fresh).ranks:
         assert psutil.Process(row.pid).ppid() == os.getpid()
     assert run(fresh, SETUP).error is None

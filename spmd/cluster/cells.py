@@ -1,8 +1,16 @@
-"""Cells in lockstep: sending one to the ranks, waiting for all of them, and what happens
-when the wait ends early (a death, a divergence, a timeout, an interrupt); the ranks' stacks."""
+"""The cell runner: sending a cell to the ranks, waiting for all of them, and what happens
+when the wait ends early (a death, a divergence, a timeout, an interrupt); the ranks' stacks
+and signals.
+
+A part of Session (session.py). The main thread runs cells, under Session's lock (a cell's
+report may end ranks). Its own state: the recent cells' text (``sources``, for stack
+dumps), touched under Session's lock only. It reads the generation and what
+the launch runs through its session.
+"""
 
 from __future__ import annotations
 
+import collections
 import signal
 import time
 from collections.abc import Callable
@@ -10,7 +18,7 @@ from collections.abc import Callable
 from spmd.cluster import interrupts
 from spmd.cluster.channel import control
 from spmd.cluster.lockstep import census, where
-from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
+from spmd.cluster.lockstep.outputs import Output
 from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 from spmd.cluster.ranks import OutOfStep
@@ -25,8 +33,25 @@ RESUMED_SECONDS = 10.0
 STOPPED = "stopped"
 
 
-class Cells:
-    """Session's cells (a mixin: the state is Session's, see session.py)."""
+class CellRunner:
+    """Cells on the session's ranks (see the module's opening comment)."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        # The text of recent cells, to show the lines of a stack dump (where.with_sources).
+        self.sources: collections.deque = collections.deque(maxlen=200)
+
+    @property
+    def _gen(self):
+        return self.session.gen  # (read afresh each time: start, restart and stop replace it)
+
+    @property
+    def _client(self):
+        return self.session.launch.client
+
+    def stack(self, rank: int, frames: list[where.Frame]) -> where.Stack:
+        """A rank's frames from the cell on, with the lines of the cells this session sent."""
+        return where.Stack(rank, where.with_sources(where.from_cell_on(frames), self.sources))
 
     def run_cell(
         self,
@@ -47,30 +72,31 @@ class Cells:
         is interrupted. ``run.stall`` then says which, and where the busy ranks were.
         ``max_output``: stream lines kept per rank (0: the settings'; None: all of them).
         """
-        with self._life:
-            self.check_alive()
-            if self.out_of_step:
-                raise OutOfStep(self.out_of_step)
-            targets = {r.rank: r.engine_id for r in self.ranks if ranks is None or r.rank in ranks}
+        s = self.session
+        with s.life:
+            s.check_alive()
+            if s.gen.out_of_step:
+                raise OutOfStep(s.gen.out_of_step)
+            targets = {r.rank: r.engine_id for r in s.gen.ranks if ranks is None or r.rank in ranks}
             run = CellRun(
-                self.client,
+                s.launch.client,
                 targets,
                 code,
                 on_output=on_output,
-                max_lines=self.settings.max_output if max_output == 0 else max_output,
-                log=self.logs,
+                max_lines=s.settings.max_output if max_output == 0 else max_output,
+                log=s.logs,
                 on_prompt=on_prompt,
                 breakpoints=breakpoints,
             )
-            self._cells.append(code)
-            self.logs.begin_cell(code)
+            self.sources.append(code)
+            s.logs.begin_cell(code)
             for rank in targets:
-                self.ranks[rank].state = "busy"
+                s.gen.ranks[rank].state = "busy"
             # From the send on, a SIGINT either ends the wait (the report follows) or waits
             # for the report: people press Interrupt twice, and a second one must not cut the
             # report short and leave the ranks busy without the out-of-step guard.
-            timeout = timeout or self.settings.cell_timeout
-            grace = self.settings.grace if grace is None else grace
+            timeout = timeout or s.settings.cell_timeout
+            grace = s.settings.grace if grace is None else grace
             try:
                 with interrupts.held("the report"):
                     run.send()
@@ -93,11 +119,11 @@ class Cells:
                     if reason:
                         run.stall = self._stop_waiting(run, reason, seconds)
             finally:
-                self.logs.flush()
+                self.session.logs.flush()
                 for rank, cell in run.cells.items():
-                    if cell.done and self.ranks[rank].state == "busy":
-                        self.ranks[rank].state = "idle"
-                        self.ranks[rank].last_seconds = cell.seconds
+                    if cell.done and self._gen.ranks[rank].state == "busy":
+                        self._gen.ranks[rank].state = "idle"
+                        self._gen.ranks[rank].last_seconds = cell.seconds
             return run
 
     def _wait(
@@ -120,9 +146,9 @@ class Cells:
             last = now
             # (the time a person spent at a prompt does not count)
             until = None if timeout is None else run.started + run.paused + timeout
-            if self._stopping.is_set():  # (a shutdown from ipykernel's control thread)
+            if self.session.stopping.is_set():  # (a shutdown from ipykernel's control thread)
                 return STOPPED, None
-            if self._any_death():
+            if self.session.deaths.any():
                 return DIED, None
             if until is not None and now >= until:
                 return TIMEOUT, timeout
@@ -145,11 +171,11 @@ class Cells:
             if tick is not None:
                 tick(run)
         # A rank that died at the very end: its death is the cell's news.
-        return (DIED, None) if self._any_death() else ("", None)
+        return (DIED, None) if self.session.deaths.any() else ("", None)
 
     def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:
-        deaths = self._deaths()
-        if reason == DIED and deaths and "torch" in self.settings.backend:
+        deaths = self.session.deaths.deaths()
+        if reason == DIED and deaths and "torch" in self.session.settings.backend:
             self._let_survivors_finish(run, {d.rank for d in deaths})
         stall = Stall.at(reason, seconds, run.cells, deaths=deaths)
         busy = stall.busy
@@ -157,9 +183,9 @@ class Cells:
         stall.stacks = self.stacks(busy)
         stall.in_debugger = run.debugger_paused()
         # Why, before an interrupt or a death's end takes the ranks' records with them.
-        stall.census = census.for_report(self.client, run.engine_ids, stall, run.requests)
+        stall.census = census.for_report(self._client, run.engine_ids, stall, run.requests)
         if reason == DIED:
-            self._end_after_death(stall.deaths)
+            self.session.end_after_death(stall.deaths)
             return stall
         stall.unresponsive = self._interrupt(run, busy)
         what = {DIVERGED: "diverged", INTERRUPTED: "was interrupted"}.get(reason)
@@ -167,7 +193,7 @@ class Cells:
         # Ranks stopped in the middle of a cell may be in the middle of a collective, or past
         # one the others never reached: the next collective would hang or mix up data. Only
         # a restart brings them back together.
-        self.gen.out_of_step = (
+        self._gen.out_of_step = (
             f"the last cell {what}, so the ranks are out of step: %spmd restart before going on."
         )
         return stall
@@ -185,7 +211,7 @@ class Cells:
             until = time.monotonic() + seconds
             while (
                 time.monotonic() < until
-                and not self._stopping.is_set()
+                and not self.session.stopping.is_set()
                 and any(not run.cells[r].done for r in ranks)
             ):
                 run.poll(0.02)
@@ -199,7 +225,7 @@ class Cells:
         paused in JupyterLab's debugger go on first: paused, they would never see it."""
         paused = run.debugger_paused()
         if paused:
-            control.resume_debugged(self.client, [self.ranks[r].engine_id for r in paused])
+            control.resume_debugged(self._client, [self._gen.ranks[r].engine_id for r in paused])
         self.signal(signal.SIGINT, busy)
         run.wait(until=time.monotonic() + grace, poll=0.02)
         # A SIGINT that lands while debugpy is still letting a paused rank go is swallowed
@@ -211,98 +237,51 @@ class Cells:
             run.wait(until=time.monotonic() + grace, poll=0.02)
             again = [r for r in run.busy_ranks if r in paused]
         left = [r for r in run.busy_ranks if r in busy]
-        self.gen.unfinished = run if left else None
+        self._gen.unfinished = run if left else None
         return left
-
-    def late_outputs(self) -> list[tuple[int, Output]]:
-        """What ranks printed after their cell had ended (a thread, a callback) since the
-        last cell, in order and kept short as a cell's output is (--max-output): for the
-        notebook to show. Every line of it is in the ranks' logs already."""
-        self.collect_late()
-        late, self._late = self._late, []
-        by_rank: dict[int, RankCell] = {}
-        order = []
-        for rank, out in late:
-            if rank not in by_rank:
-                by_rank[rank] = RankCell(rank, max_lines=self.settings.max_output)
-                order.append(rank)
-            by_rank[rank].add(out)
-        shown = []
-        for rank in order:
-            by_rank[rank].finish()
-            shown += [(rank, out) for out in by_rank[rank].outputs]
-        return shown
-
-    def collect_late(self) -> None:
-        """Take what the client kept of the ranks' late outputs: streams into the logs now
-        (a death report points there), everything kept for the next cell to show."""
-        with self._life:
-            self._collect_late()
-
-    def _collect_late(self) -> None:
-        client = self.client
-        late = getattr(client, "late", None)
-        if not late:
-            return
-        while True:
-            try:
-                engine_id, kind, content = late.popleft()
-            except IndexError:
-                break
-            rank, out = self._engine_rank.get(engine_id), output_from_message(kind, content)
-            if rank is None or out is None:
-                continue
-            if out.kind in ("stdout", "stderr"):
-                self.logs.write(rank, out.text)
-            self._late.append((rank, out))
-        dropped, client.late_dropped = client.late_dropped, 0
-        if dropped:
-            self._late.append((0, Output("stderr", f"... {dropped:,} outputs printed after "
-                                         "their cell ended were too many to keep ...\n")))
-        self.logs.flush()
 
     def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
         """The main-thread Python stack of each rank (None: it did not answer)."""
-        if not ranks or self.client is None:
+        if not ranks or self._client is None:
             return {}
         # Local ranks answer a signal from C (even while holding the GIL); the others
         # answer on their control channel.
         local = {
             r: (
-                self.gen.launchers[r].process,
-                self.gen.launchers[r].stack_file,
-                self.ranks[r].main_thread,
+                self._gen.launchers[r].process,
+                self._gen.launchers[r].stack_file,
+                self._gen.ranks[r].main_thread,
             )
             for r in ranks
-            if r in self.gen.launchers
+            if r in self._gen.launchers
         }
         found = where.dump(local) if local else {}
-        far = [r for r in ranks if r not in self.gen.launchers]
+        far = [r for r in ranks if r not in self._gen.launchers]
         if far:
-            by_engine = control.stacks(self.client, [self.ranks[r].engine_id for r in far])
+            by_engine = control.stacks(self._client, [self._gen.ranks[r].engine_id for r in far])
             for r in far:
-                frames = by_engine.get(self.ranks[r].engine_id)
+                frames = by_engine.get(self._gen.ranks[r].engine_id)
                 found[r] = None if frames is None else [where.Frame(*f) for f in frames]
-        return {r: None if frames is None else self._stack(r, frames) for r, frames in found.items()}
+        return {r: None if frames is None else self.stack(r, frames) for r, frames in found.items()}
 
     def interrupt(self) -> tuple[list[int], list[int]]:
         """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
-        with self._life:
+        with self.session.life:
             busy = self.busy_ranks()
             if not busy:
                 return [], []
-            return busy, self._interrupt(self.unfinished, busy)
+            return busy, self._interrupt(self._gen.unfinished, busy)
 
     def call(self, rank: int, fn, *args, timeout: float):
         """``fn(*args)`` on one rank (through ipyparallel's signed ``apply``): its answer.
         Raises the rank's error, or ipyparallel's TimeoutError after ``timeout`` seconds."""
-        ar = self.client[self.ranks[rank].engine_id].apply_async(fn, *args)
+        ar = self._client[self._gen.ranks[rank].engine_id].apply_async(fn, *args)
         return ar.get(timeout)
 
     def busy_ranks(self) -> list[int]:
         """Ranks still running a cell the notebook stopped waiting for."""
-        with self._life:
-            gen = self.gen
+        with self.session.life:
+            gen = self._gen
             run = gen.unfinished
             if run is None:
                 return []
@@ -315,11 +294,12 @@ class Cells:
             return run.busy_ranks
     def signal(self, signum: int = signal.SIGINT, ranks: list[int] | None = None) -> None:
         """Send a signal to the processes of some ranks (default: all)."""
-        if self.cluster is None:
+        cluster, gen = self.session.launch.cluster, self._gen
+        if cluster is None:
             return
-        chosen = [r.rank for r in self.ranks] if ranks is None else ranks
-        self.cluster.signal_ranks([r for r in chosen if r in self.gen.launchers], signum)
-        far = [self.ranks[r].engine_id for r in chosen if r not in self.gen.launchers]
-        if far and self.client is not None:
-            control.signal(self.client, far, signum)
+        chosen = [r.rank for r in gen.ranks] if ranks is None else ranks
+        cluster.signal_ranks([r for r in chosen if r in gen.launchers], signum)
+        far = [gen.ranks[r].engine_id for r in chosen if r not in gen.launchers]
+        if far and self._client is not None:
+            control.signal(self._client, far, signum)
 

@@ -1,5 +1,5 @@
-"""What a cluster is asked for and what it holds: its settings, the rows of its rank table,
-and the two errors its life and its cells raise."""
+"""What a cluster is asked for and what it holds: its settings, what runs (Running), the
+rows of its rank table, and the two errors its life and its cells raise."""
 
 from __future__ import annotations
 
@@ -54,6 +54,22 @@ class Settings:
     check_collectives: bool = False
 
 
+@dataclass(frozen=True)
+class Running:
+    """What one cluster runs, as the launch hands it over (startup.Launch.record): enough to
+    reach its ranks and to end every process and folder it has."""
+
+    cluster: object | None = None  # launchers.launch.SpmdCluster: controller and engines
+    client: object | None = None  # channel.client.SpmdClient: the notebook's connection
+    rank_server: object | None = None  # servers.RankServer or SSHRankServers (None: none)
+    address: str = "127.0.0.1"  # where the controller listens
+    profile_dir: str | None = None  # the cluster's folder (connection files, logs)
+    cache_dir: str | None = None  # the compilation cache the ranks share
+    hash_seed: str = ""  # the ranks' PYTHONHASHSEED where a rank server forks them
+    coordinator: str = ""  # rank 0's address for the others (jax's, else torch's)
+    torch_method: str = ""  # torch's init method as the ranks got it
+
+
 @dataclass
 class Rank:
     """One row of the rank table."""
@@ -69,8 +85,6 @@ class Rank:
     last_seconds: float | None = None
     main_thread: int | None = None  # the thread ident that runs cells, for stack dumps
     memory: int = 0  # the process's resident memory in bytes, where known (0: not known)
-
-
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,34 @@
 """A Session: one SPMD cluster's life, its rank table, and cells run on it in lockstep.
 
-The work is split by seam: starting (startup.py), restarting (restarts.py), deaths
-(deaths.py) and cells (cells.py); Session holds the state they share and stops the cluster.
+Session keeps the lock and the generation, and delegates to parts it owns:
+
+- ``launch`` (startup.py, Launch): the processes, started in named steps, re-forked by a
+  restart (restarts.py), ended by a stop (stopping.py); ``record()`` is a frozen copy of what
+  runs (ranks.Running).
+- ``deaths`` (deaths.py, DeathWatch): which ranks ended or vanished, and how.
+- ``cells`` (cells.py, CellRunner): a cell in lockstep, its wait and report; stacks, signals.
+- ``late`` (late.py, LateOutputs): what ranks print after their cell.
+- ``logs`` (lockstep/logs.py): every line each rank printed.
 
 Who may touch what:
 - ``gen`` (the ranks of this start or restart, their process handles, the unfinished cell,
-  the death) is replaced whole by start, restart and stop, in one assignment; ``cluster``,
-  ``client`` and the folders change only with it. All of these change only while ``_life`` is
-  held: start, restart, stop, death handling and a cell's run (its report may end ranks) hold
-  it from beginning to end. Readers on other threads see one generation or the next, never
-  a mix.
+  the death) is replaced whole by start, restart and stop, in one assignment, by Session
+  only; inside a generation, cells change a rank's state and the unfinished cell, and a
+  death its death. The launch's processes change only with it. All of these change only
+  while ``life`` is held: start, restart, stop, death handling and a cell's run (its report
+  may end ranks) hold it from beginning to end. Readers on other threads see one generation
+  or the next, never a mix.
 - The main thread runs cells, restarts and stops. ipykernel's control thread asks for a stop
   (``shutdown``): it cancels what the main thread is doing (a cell's wait, a start, a
-  restart's wait all give up within ~0.1 s), then takes ``_life`` and stops. The kernel's
-  background start runs ``start`` on a Session of its own, which no cell sees until it ended.
-  ipyparallel's event-loop thread owns the launchers and engine sets; this side reads them
-  only through copies (see SpmdCluster). The client's IO thread hands over what ranks print
-  after their cell through one deque (client.py), taken under ``_life`` (collect_late).
-- ``_server`` (the rank server of this machine, or those of the ssh hosts) is started and
-  closed under ``_life`` with the cluster; ipyparallel's event-loop thread asks it for forks,
+  restart's wait all give up within ~0.1 s: ``cancelled`` and ``stopping``), then takes
+  ``life`` and stops. The kernel's background start runs ``start`` on a Session of its own,
+  which no cell sees until it ended. ipyparallel's event-loop thread owns the launchers and
+  engine sets; this side reads them only through copies (see SpmdCluster). The client's IO
+  thread hands over what ranks print after their cell through one deque (channel/client.py),
+  taken under ``life`` (collect_late). The debugger's control thread asks ``busy`` and
+  ``dead_ranks``, which never wait.
+- The rank server (``rank_server``: this machine's, or those of the ssh hosts) is started and
+  closed under ``life`` with the cluster; ipyparallel's event-loop thread asks it for forks,
   and each server's reader thread is the only writer of what it answered (servers.py).
 - A SIGINT on the main thread during a stop, a restart's end of the old ranks, a start's
   last steps or a cell's report is held until it has finished (interrupts.py).
@@ -27,83 +37,68 @@ Who may touch what:
 from __future__ import annotations
 
 import atexit
-import collections
 import shutil
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import time
 
-from spmd.cluster import interrupts
-from spmd.cluster.cells import AFTER_DEATH_SECONDS, Cells
-from spmd.cluster.deaths import Deaths
-from spmd.cluster.launchers import processes, servers, ssh
-from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster
+from spmd.cluster import interrupts, restarts, stopping
+from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
+from spmd.cluster.deaths import DeathWatch
+from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep.logs import RankLogs
 from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import Death
-from spmd.cluster.ranks import Generation, OutOfStep, Ran, Rank, Settings, StartError
-from spmd.cluster.restarts import Restarts
-from spmd.cluster.startup import Startup
+from spmd.cluster.ranks import (
+    Generation,
+    OutOfStep,
+    Ran,
+    Rank,
+    Running,
+    Settings,
+    StartError,
+)
+from spmd.cluster.startup import Launch, check_can_start
 
 __all__ = [
     "AFTER_DEATH_SECONDS",
     "OutOfStep",
     "Ran",
     "Rank",
+    "Running",
     "Session",
     "Settings",
     "StartError",
 ]
 
-
-@dataclass(eq=False)
-class Session(Startup, Restarts, Deaths, Cells):
-    settings: Settings
-    gen: Generation = field(default_factory=Generation)  # the ranks now (see above)
-    start_seconds: float = 0.0
-    cluster: SpmdCluster | None = None
-    client: object | None = None
-    _address: str = LOOPBACK  # where the controller listens
-    # Set by cancel (the kernel's background start is not wanted) and by shutdown: a start
-    # under way gives up.
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-    # Set by shutdown only: every wait of the main thread gives up (a cell's, a restart's).
-    _stopping: threading.Event = field(default_factory=threading.Event)
-    _life: threading.RLock = field(default_factory=threading.RLock)
-    _profile_dir: str | None = None
-    _cache_dir: str | None = None  # the compilation cache the ranks share
-    _engine_sets: int = 0  # engine sets started so far: their engine ids do not overlap
-    _torch_method: str = ""  # torch's init method as the ranks got it ('' without torch)
-    # The rank server that forks the ranks (servers.RankServer on this machine, or
-    # servers.SSHRankServers, one per host); it lives from the start to the stop, across
-    # restarts. None where there is none (mpi, slurm, --rank-server off, a fallback).
-    _server: object | None = None
-    fell_back: str = ""  # why the ranks started without the rank server ('' if they did not)
-    # What jax and XLA read once, at import, as the rank server had it when it imported them
-    # (startup.import_time_env); a restart whose notebook has other values starts afresh,
-    # and says why in ``afresh_because``.
-    _server_env: dict = field(default_factory=dict)
-    afresh_because: str = ""
-    # The ranks' one string-hash secret (PYTHONHASHSEED) where a rank server forks them ('':
-    # each rank has its own Python, and its own secret, as a job's processes do).
-    hash_seed: str = ""
-    # Every engine id the cluster's ranks had, and its rank (ids change at a restart; a
-    # thread of an old rank may still print): for outputs that come after their cell.
-    _engine_rank: dict = field(default_factory=dict)
-    _late: list = field(default_factory=list)  # late outputs taken, for the next cell
-    # The text of recent cells, to show the lines of a stack dump (see where.with_sources).
-    _cells: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
-    logs: RankLogs = field(default_factory=RankLogs)  # every line each rank printed
-    # The cells since the start or the last restart, in the order they ran, and how each went
-    # (ranks.Ran), for %spmd export. The main thread only: it runs cells and restarts.
-    ran: list = field(default_factory=list)
-    # Told how a start goes: ("registered" | "joined", how many so far, of how many, the
-    # coordinator's address or '').
-    progress: Callable[[str, int, int, str], None] | None = None
-    coordinator: str = ""  # rank 0's address for the others (jax's, else torch's)
+# How rank 0 says its coordinator's port was taken: jax raises the first when the join fails
+# on its thread; the second is gRPC's own line when the engine exits before it registered.
+PORT_TAKEN = ("Failed to start RPC server", "Failed to add port to server")
 
 
-    # The current generation's fields, for readers (the magics, the panel, tests).
+class Session:
+    def __init__(self, settings: Settings, cache_dir: str | None = None,
+                 logs: RankLogs | None = None) -> None:
+        self.settings = settings
+        self.gen = Generation()  # the ranks now (see above)
+        self.life = threading.RLock()
+        # Set by cancel (the kernel's background start is not wanted) and by shutdown: a
+        # start under way gives up.
+        self.cancelled = threading.Event()
+        # Set by shutdown only: every wait of the main thread gives up (a cell's, a restart's).
+        self.stopping = threading.Event()
+        # ``cache_dir``: a restart's compilation cache, so compiled cells stay compiled.
+        self.launch = Launch(settings, self.cancelled, cache_dir=cache_dir)
+        self.deaths = DeathWatch(self)
+        self.cells = CellRunner(self)
+        self.late = LateOutputs()
+        self.logs = logs if logs is not None else RankLogs()  # (a restart's go on)
+        # The cells since the start or the last restart, in the order they ran, and how each
+        # went (ranks.Ran), for %spmd export. The main thread only: it runs cells and restarts.
+        self.ran: list[Ran] = []
+        self.start_seconds = 0.0
+        self.afresh_because = ""  # why a restart started afresh ('' when it did not)
+
+    # What runs, for readers (the magics, the panel, the debugger, the benchmarks, tests).
 
     @property
     def ranks(self) -> list[Rank]:
@@ -124,12 +119,143 @@ class Session(Startup, Restarts, Deaths, Cells):
     @property
     def running(self) -> bool:
         """Whether the ranks run (after a death they do not, though the controller may)."""
-        return self.cluster is not None and self.gen.death is None
+        return self.launch.cluster is not None and self.gen.death is None
+
+    @property
+    def cluster(self):
+        return self.launch.cluster
+
+    @property
+    def client(self):
+        return self.launch.client
+
+    @property
+    def rank_server(self):
+        """The rank server that forks the ranks (None where there is none)."""
+        return self.launch.rank_server
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The compilation cache the ranks share (kept across restarts)."""
+        return self.launch.cache_dir
+
+    @property
+    def address(self) -> str:
+        """Where the controller listens."""
+        return self.launch.address
+
+    # (the cluster's folder, the ranks' PYTHONHASHSEED, rank 0's address for the others,
+    # why the ranks started without the rank server)
+    profile_dir = property(lambda self: self.launch.profile_dir)
+    hash_seed = property(lambda self: self.launch.hash_seed)
+    coordinator = property(lambda self: self.launch.coordinator)
+    fell_back = property(lambda self: self.launch.fell_back)
+
+    @property
+    def progress(self):
+        return self.launch.progress
+
+    @progress.setter
+    def progress(self, tell) -> None:
+        """``tell(stage, done, of, coordinator)`` hears how a start goes."""
+        self.launch.progress = tell
+
+    def record(self) -> Running:
+        """What runs now, as a frozen copy."""
+        return self.launch.record()
+
+    def busy(self) -> bool:
+        """Whether a cell, a start, a restart or a stop holds the cluster now, or ranks still
+        run a cell the notebook stopped waiting for. (Any thread; never waits.)"""
+        free = self.life.acquire(blocking=False)
+        if free:
+            self.life.release()
+        return not free or self.gen.unfinished is not None
+
+    # The cluster's life.
+
+    def start(self) -> None:
+        """Start the engines and join them into one distributed job. Raises StartError."""
+        t0 = time.perf_counter()
+        check_can_start(self.settings)
+        with self.life:
+            for attempt in (1, 2):
+                self.launch.prepare()
+                atexit.register(self.stop)
+                try:
+                    self.launch.open_cluster()
+                    self._new_generation(self.launch.connect())
+                    self.launch.join(self.gen.ranks)
+                    break
+                except StartError as exc:
+                    # another program took the coordinator's port in the meantime: once more,
+                    # with the same compilation cache
+                    again = (
+                        attempt == 1
+                        and not self.cancelled.is_set()
+                        and any(sign in str(exc) for sign in PORT_TAKEN)
+                    )
+                    self.stop(keep_cache=again)
+                    if not again:
+                        raise
+                except BaseException:
+                    self.stop()
+                    raise
+        self.start_seconds = time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        """Make a ``start`` running on another thread give up soon, stopping what it began."""
+        self.cancelled.set()
+
+    def _new_generation(self, engine_ids: list[int]) -> None:
+        """The ranks are these engines, in this order (rank = position: ids change after a
+        restart)."""
+        cluster = self.launch.cluster
+        self.gen = Generation(
+            ranks=[Rank(rank=r, engine_id=eid) for r, eid in enumerate(engine_ids)],
+            launchers=cluster.rank_launchers(),
+            ssh=cluster.ssh_launchers(),
+        )
+        self.late.know(self.gen.ranks)
+
+    def restart(self) -> bool:
+        """Start the ranks again, keeping the controller and the client, forked by the rank
+        servers. False (nothing done) where there are none, or they ended: the caller then
+        stops and starts afresh. Raises StartError if the new ranks fail to join."""
+        restarts.keep_rank_env(self.launch.client)
+        server = self.launch.rank_server
+        if server is None:
+            return False
+        t0 = time.perf_counter()
+        with self.life, interrupts.held("the restart"):
+            if self.launch.cluster is None or self.stopping.is_set() or not server.usable:
+                return False  # (a server that ended: the restart starts a new one)
+            # (a new server imports jax with what changed: the restart starts afresh)
+            self.afresh_because = restarts.why_afresh(self.launch)
+            if self.afresh_because:
+                return False
+            try:
+                self._refork()
+            except BaseException:
+                self.stop(keep_cache=True)
+                raise
+        self.start_seconds = time.perf_counter() - t0
+        return True
+
+    def _refork(self) -> None:
+        engine_ids, coordinators = restarts.refork(self.launch)
+        self.cells.sources.clear()
+        self.ran.clear()  # (what the new ranks have not run, an export leaves out)
+        with interrupts.interruptible():  # (a ^C here gives up the restart: the stop follows)
+            self.launch.wait_registered(engine_ids)
+            self._new_generation(list(engine_ids))
+            self.launch.tell_coordinator(coordinators)
+            self.launch.join(self.gen.ranks)  # (coordinators given at the fork)
 
     def stop(self, keep_cache: bool = False) -> None:
         """End every engine and the controller. Safe to call twice, and at exit.
         ``keep_cache``: keep the compilation cache for the next start (a restart)."""
-        with self._life, interrupts.held("the stop"):
+        with self.life, interrupts.held("the stop"):
             self._stop(keep_cache)
 
     def shutdown(self, wait: float = 4.0) -> None:
@@ -138,79 +264,113 @@ class Session(Startup, Restarts, Deaths, Cells):
         has. A main thread that does not let go within ``wait`` seconds (a rank's prompt
         waits for an answer that will not come) is stopped beside: the kernel's process ends
         right after, and its manager would kill it without a stop."""
-        self._stopping.set()
-        self._cancelled.set()
-        got = self._life.acquire(timeout=wait)
+        self.stopping.set()
+        self.cancelled.set()
+        got = self.life.acquire(timeout=wait)
         try:
             # (beside a main thread that may still wait on the cluster's event loop: that
             # loop is left running, for the process's end to take)
             self._stop(keep_cache=False, end_loop=got)
         finally:
             if got:
-                self._life.release()
+                self.life.release()
 
     def _stop(self, keep_cache: bool, end_loop: bool = True) -> None:
         atexit.unregister(self.stop)
-        cluster, client = self.cluster, self.client
-        if not keep_cache and self._cache_dir and self._cache_dir != self.settings.cache_dir:
-            shutil.rmtree(self._cache_dir, ignore_errors=True)
-            self._cache_dir = None
-        if client is not None and cluster is not None:
-            self._end_far_ranks()
+        launch = self.launch
+        if not keep_cache and launch.cache_dir and launch.cache_dir != self.settings.cache_dir:
+            shutil.rmtree(launch.cache_dir, ignore_errors=True)
+            launch.cache_dir = None
+        running = launch.record()
+        if running.client is not None and running.cluster is not None:
+            stopping.end_far_ranks(running, self.gen)
             if end_loop:  # (with the lock: a rank's last words before the stop, into its log)
                 self.collect_late()
-        self.client = self.cluster = None
+        running = launch.hand_over()
         self.gen = self.gen.ended()
-        if client is not None:
-            client.close(linger=0)
-        server, self._server = self._server, None
-        removed: set[str] = set()
-        if cluster is not None:
-            started_in_ranks = processes.started_by_ranks(cluster)
-            far = list(cluster.ssh_launchers().values())
-            lost = {ln.location for ln in far if ln.lost}
-            # (where the hosts keep it: relative to their home, when it is under ours)
-            remote_dir = next(
-                (ln.remote_profile_dir for ln in far if getattr(ln, "remote_profile_dir", "")),
-                self._profile_dir,
-            )
-            controller = getattr(cluster.controller, "process", None)  # (a psutil handle)
-            try:
-                # Engines exit on SIGTERM at once (engine.initialize installs that); one that
-                # is stuck in C++ is killed after LocalProcessLauncher.stop_seconds_until_kill.
-                cluster._in_thread(cluster.stop_cluster)
-            finally:  # (whatever ipyparallel's stop raised, the rest ends all the same)
-                # ipyparallel stops the controller beside the engines: where the engines'
-                # stop raised first, the controller's may not have finished
-                processes.end_within([controller] if controller is not None else [], 2.0)
-                processes.end(started_in_ranks)
-                where = self.settings.where
-                # The rank servers kill any rank still there as they end; over ssh, each
-                # removes the cluster's files on its host.
-                if isinstance(server, servers.SSHRankServers):
-                    lost |= {host for host in server.servers if server.lost(host)}
-                    removed = server.close()
-                elif server is not None:
-                    server.close()
-                server = None
-                if where.launcher == "ssh" and self._profile_dir:  # (their files, their disks)
-                    hosts = [h for h, _ in where.hosts if h not in lost and h not in removed]
-                    ssh.remove_folder(hosts, where.ssh_cmd, where.ssh_args, remote_dir)
-            # ... and end that thread's loop: every restart makes a new Cluster.
-            loop = getattr(cluster, "_thread_loop", None)
-            if loop is not None and end_loop:
-                loop.add_callback(loop.stop)
-                # (closed once its thread has left it: an open one keeps its selector and
-                # self-pipe, three descriptors a start and stop)
-                thread = getattr(cluster, "_async_thread", None)
-                if thread is not None and thread is not threading.current_thread():
-                    thread.join(timeout=5)
-                    if not thread.is_alive():
-                        loop.close()
-        if server is not None:  # (a start that failed before its cluster)
-            server.close()
+        stopping.end_all(running, self.settings, end_loop)
         self.logs.close()
-        self._remove_torch_file()
-        if self._profile_dir:
-            shutil.rmtree(self._profile_dir, ignore_errors=True)
-            self._profile_dir = None
+        launch.remove_torch_file()
+        if launch.profile_dir:
+            shutil.rmtree(launch.profile_dir, ignore_errors=True)
+            launch.profile_dir = None
+
+    # Deaths.
+
+    def dead_ranks(self) -> set[int]:
+        """Ranks whose process has ended, or that the controller lost (any thread)."""
+        return self.deaths.dead_ranks()
+
+    def local_ranks(self) -> set[int]:
+        """Ranks with a process on this machine that the notebook started."""
+        return self.deaths.local_ranks()
+
+    def notice_deaths(self) -> None:
+        """If a rank died since the last look, stop the others and say so from now on."""
+        with self.life:
+            if self.launch.cluster is not None and self.gen.death is None and self.deaths.any():
+                self.end_after_death(self.deaths.deaths())
+
+    def check_alive(self) -> None:
+        """Raise OutOfStep if a rank died (now, or earlier) and the cluster is stopped."""
+        self.notice_deaths()
+        if self.death is not None:
+            raise OutOfStep(self.out_of_step)
+
+    def end_after_death(self, deaths: list[Death]) -> None:
+        """The ranks end (their report is made); the generation keeps the death."""
+        first = deaths[0]
+        with self.life, interrupts.held("the stop after a death"):
+            self.gen.death = first
+            self.gen.out_of_step = (
+                f"rank {first.rank} died ({first.how}) and the cluster was stopped: "
+                "%spmd restart starts a fresh one."
+            )
+            for d in deaths:
+                self.ranks[d.rank].state = "died"
+                self.deaths.mark_lost(d)
+            if self.launch.rank_server is not None:
+                # the controller and the rank server stay, for a fast restart
+                stopping.end_ranks(self.launch.record(), self.gen)
+                self.gen = self.gen.ended()
+            else:
+                self.stop(keep_cache=True)
+
+    # Cells (cells.py), and what ranks print after them (late.py).
+
+    def run_cell(self, code: str, **how) -> CellRun:
+        """Send ``code`` to the ranks and wait until every one has finished (lockstep); see
+        CellRunner.run_cell for ``how``."""
+        return self.cells.run_cell(code, **how)
+
+    def interrupt(self) -> tuple[list[int], list[int]]:
+        """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
+        return self.cells.interrupt()
+
+    def busy_ranks(self) -> list[int]:
+        """Ranks still running a cell the notebook stopped waiting for."""
+        return self.cells.busy_ranks()
+
+    def stacks(self, ranks: list[int]):
+        """The main-thread Python stack of each rank (None: it did not answer)."""
+        return self.cells.stacks(ranks)
+
+    def signal(self, signum: int, ranks: list[int] | None = None) -> None:
+        """Send a signal to the processes of some ranks (default: all)."""
+        self.cells.signal(signum, ranks)
+
+    def call(self, rank: int, fn, *args, timeout: float):
+        """``fn(*args)`` on one rank: its answer (raises the rank's error, or a timeout)."""
+        return self.cells.call(rank, fn, *args, timeout=timeout)
+
+    def collect_late(self) -> None:
+        """Take what the client kept of the ranks' late outputs: streams into the logs now
+        (a death report points there), everything kept for the next cell to show."""
+        with self.life:
+            self.late.collect(self.launch.client, self.logs)
+
+    def late_outputs(self) -> list:
+        """What ranks printed after their cell had ended (a thread, a callback) since the
+        last cell, in order and kept short as a cell's output is (--max-output)."""
+        self.collect_late()
+        return self.late.take(self.settings.max_output)

@@ -1,9 +1,14 @@
-"""Starting a cluster: the controller and the engines, the client, and every rank joining
-the distributed job (jax's or torch's); cancelling a start that runs on another thread."""
+"""The launch: the processes of one cluster, started in named steps (the controller and
+the engines, the client, every rank joining jax's or torch's job), re-forked by a restart
+(restarts.py) and ended by a stop (stopping.py), and the frozen record of what runs.
+
+Launch's state is its own. Session calls its steps with Session's lock held, on the thread
+that starts (the main thread, or the kernel's background start on a Session of its own);
+other threads read only ``record()``, a frozen copy, or the fields Session exposes.
+"""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -15,21 +20,36 @@ import time
 
 from spmd import internals
 from spmd.cluster.launchers import forks, processes, remote, servers, ssh
-from spmd.controller.start import CURVE_ENV
 from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
 from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.lockstep.watchdog import last_lines
-from spmd.cluster.ranks import Generation, Rank, StartError
+from spmd.cluster.ranks import Rank, Running, StartError
+from spmd.controller.start import CURVE_ENV
 from spmd.engine import bootstrap as engine
 from spmd.engine.address import coordinator_addresses
 from spmd.engine.import_env import read_at_import as import_time_env
 from spmd.engine.server import modules_for as server_modules
 
 
-def _loopback_ports(backend: str) -> dict[str, str]:
+def loopback_ports(backend: str) -> dict[str, str]:
     """A free port on 127.0.0.1 for each backend's coordinator (jax's and torch's differ)."""
     return coordinator_addresses(LOOPBACK, [b for b in backend.split(",") if b != "none"])
+
+
+def check_can_start(settings) -> None:
+    """Raise StartError where a start cannot work: a package's private part this project
+    uses has changed, or this machine has no room for the ranks."""
+    try:
+        internals.check("notebook")
+    except internals.InternalsChanged as exc:
+        raise StartError(str(exc)) from None
+    if settings.where.on_this_machine:
+        try:
+            forked = settings.rank_server and settings.where.launcher == "local"
+            processes.check_room(settings.n, settings.backend, forked)
+        except processes.StartRefused as exc:
+            raise StartError(str(exc)) from None
 
 
 def _cluster_log() -> logging.Logger:
@@ -81,67 +101,70 @@ SYNC_ENGINES_S = 1.0
 PORT_TAKEN = ("Failed to start RPC server", "Failed to add port to server")
 
 
-class Startup:
-    """Session's start (a mixin: the state is Session's, see session.py)."""
+class Launch:
+    """The processes of one cluster and the steps that start them (see the module's
+    opening comment for who may call what)."""
 
-    def start(self) -> None:
-        """Start the engines and join them into one distributed job. Raises StartError."""
-        t0 = time.perf_counter()
-        try:
-            internals.check("notebook")
-        except internals.InternalsChanged as exc:
-            raise StartError(str(exc)) from None
-        if self.settings.where.on_this_machine:
-            try:
-                asked = self.settings
-                forked = asked.rank_server and asked.where.launcher == "local"
-                processes.check_room(asked.n, asked.backend, forked)
-            except processes.StartRefused as exc:
-                raise StartError(str(exc)) from None
-        if self._cache_dir is None and "jax" in self.settings.backend:
-            self._cache_dir = self.settings.cache_dir or owned_folder("spmd-jax-cache-")
-        with self._life:
-            for attempt in (1, 2):
-                self._profile_dir = new_profile_dir()
-                atexit.register(self.stop)
-                try:
-                    self._init_cluster()
-                    self._init_client()
-                    self._init_distributed()
-                    break
-                except StartError as exc:
-                    # another program took the coordinator's port in the meantime: once more,
-                    # with the same compilation cache
-                    again = (
-                        attempt == 1
-                        and not self._cancelled.is_set()
-                        and any(sign in str(exc) for sign in PORT_TAKEN)
-                    )
-                    self.stop(keep_cache=again)
-                    if not again:
-                        raise
-                except BaseException:
-                    self.stop()
-                    raise
-        self.start_seconds = time.perf_counter() - t0
+    def __init__(self, settings, cancelled: threading.Event, cache_dir: str | None = None):
+        self.settings = settings
+        self._cancelled = cancelled  # (Session's: set by cancel and by shutdown)
+        self.cluster: SpmdCluster | None = None
+        self.client = None
+        # The rank server that forks the ranks (servers.RankServer on this machine, or
+        # servers.SSHRankServers, one per host); it lives from the start to the stop, across
+        # restarts. None where there is none (mpi, slurm, --rank-server off, a fallback).
+        self.rank_server = None
+        self.address = LOOPBACK  # where the controller listens
+        self.profile_dir: str | None = None
+        self.cache_dir = cache_dir  # the compilation cache the ranks share
+        self.engine_sets = 0  # engine sets started so far: their engine ids do not overlap
+        self.torch_method = ""  # torch's init method as the ranks got it ('' without torch)
+        # What jax and XLA read once, at import, as the rank server had it when it imported
+        # them; a restart whose notebook has other values starts afresh (restarts.py).
+        self.server_env: dict = {}
+        # The ranks' one string-hash secret (PYTHONHASHSEED) where a rank server forks them
+        # ('': each rank has its own Python, and its own secret, as a job's processes do).
+        self.hash_seed = ""
+        self.fell_back = ""  # why the ranks started without the rank server ('' if not)
+        self.coordinator = ""  # rank 0's address for the others (jax's, else torch's)
+        # Told how a start goes: ("registered" | "joined", how many so far, of how many, the
+        # coordinator's address or '').
+        self.progress = None
 
-    def cancel(self) -> None:
-        """Make a ``start`` running on another thread give up soon, stopping what it began."""
-        self._cancelled.set()
+    def record(self) -> Running:
+        """What runs now, as a frozen copy."""
+        return Running(
+            cluster=self.cluster, client=self.client, rank_server=self.rank_server,
+            address=self.address, profile_dir=self.profile_dir, cache_dir=self.cache_dir,
+            hash_seed=self.hash_seed, coordinator=self.coordinator,
+            torch_method=self.torch_method,
+        )
 
-    def _check_cancelled(self) -> None:
-        if self._cancelled.is_set():
-            raise StartError("The start was cancelled.")
+    def hand_over(self) -> Running:
+        """What runs, for the stop to end: the launch forgets its processes (its folders
+        stay until ``remove_folders``)."""
+        running = self.record()
+        self.client = self.cluster = self.rank_server = None
+        return running
 
-    def _init_cluster(self) -> None:
+    # The start's steps, in order.
+
+    def prepare(self) -> None:
+        """The compilation cache (kept across restarts) and this attempt's folder."""
+        if self.cache_dir is None and "jax" in self.settings.backend:
+            self.cache_dir = self.settings.cache_dir or owned_folder("spmd-jax-cache-")
+        self.profile_dir = new_profile_dir()
+
+    def open_cluster(self) -> None:
+        """The controller and the engines (or the rank servers that fork them)."""
         s, placed = self.settings, self.settings.where
         try:
-            self._address = remote.controller_address(placed, placed.ssh_args)
+            self.address = remote.controller_address(placed, placed.ssh_args)
         except remote.HostsError as exc:
             raise StartError(f"{exc}.") from None
         # Local ranks: rank 0 is here. Elsewhere rank 0 proposes its own addresses.
-        coordinators = _loopback_ports(s.backend) if placed.launcher == "local" else {}
-        self._tell_coordinator(coordinators)
+        coordinators = loopback_ports(s.backend) if placed.launcher == "local" else {}
+        self.tell_coordinator(coordinators)
         config = cluster_config(
             s.n,
             s.backend,
@@ -149,44 +172,23 @@ class Startup:
             coordinators=coordinators,
             init_timeout=int(s.start_timeout),
             where=placed,
-            address=self._address,
+            address=self.address,
             gpus_per_process=s.gpus_per_process,
             torch_backend=s.torch_backend,
-            torch_init=self._torch_init(),
+            torch_init=self.torch_init(),
             # (on other hosts, only a folder the user named: this machine's is not theirs)
-            cache_dir=self._cache_dir if placed.on_this_machine else s.cache_dir,
+            cache_dir=self.cache_dir if placed.on_this_machine else s.cache_dir,
             check_collectives=s.check_collectives,
         )
-        if s.curve and self._address != LOOPBACK:
+        if s.curve and self.address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
         if placed.launcher in ("local", "ssh") and s.rank_server:
-            # One process per host imports what the ranks need, once, and forks them.
-            log_dir = os.path.join(self._profile_dir, "log")
-            os.makedirs(log_dir, exist_ok=True)
-            modules = server_modules(s.backend, list(s.preload))
-            # Every rank a server forks has the server's string-hash secret: one for the
-            # whole cluster, on every host (a set's order is the same on every rank), which
-            # the exported job gets too (PYTHONHASHSEED in its launch).
-            self.hash_seed = str(secrets.randbelow(2**32 - 1) + 1)
-            if placed.launcher == "local":
-                self._server = servers.local_server(
-                    placed.python or sys.executable, modules,
-                    os.path.join(log_dir, "rank-server.log"), self.hash_seed,
-                )
-                config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
-            else:  # (it logs in and starts them while the controller starts)
-                self._server = servers.SSHRankServers(
-                    [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
-                    placed.python or sys.executable, modules, log_dir,
-                    folder=ssh.host_folder(self._profile_dir), hash_seed=self.hash_seed,
-                )
-                self._server.start()
-                config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher
+            self._start_rank_server(config)
         if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
-            config.SpmdSlurmEngineSetLauncher.batch_file_name = f"{self._profile_dir}/engines.sbatch"
+            config.SpmdSlurmEngineSetLauncher.batch_file_name = f"{self.profile_dir}/engines.sbatch"
         self.cluster = SpmdCluster(
             n=s.n,
-            profile_dir=self._profile_dir,
+            profile_dir=self.profile_dir,
             config=config,
             engine_timeout=int(s.start_timeout),
             # Errors only: the notebook is not ipyparallel's log. (Its own choice of logger
@@ -195,8 +197,8 @@ class Startup:
             log=_cluster_log(),
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
-        self.cluster.rank_server = self._server
-        self._server_env = import_time_env()
+        self.cluster.rank_server = self.rank_server
+        self.server_env = import_time_env()
         # Always on the cluster's own event-loop thread (ipyparallel's ``_in_thread``, which
         # its ``_sync`` methods use inside a running loop): the launchers keep the loop they
         # started on, and a kernel starts its cluster from a background thread with no loop.
@@ -216,53 +218,122 @@ class Startup:
                 f"The rank server failed while it forked the ranks ({exc}): start again, or "
                 "with --rank-server off."
             ) from None
-        self._note_fallback()
+        self.note_fallback()
 
-    def _note_fallback(self) -> None:
+    def _start_rank_server(self, config) -> None:
+        """One process per host imports what the ranks need, once, and forks them."""
+        s, placed = self.settings, self.settings.where
+        log_dir = os.path.join(self.profile_dir, "log")
+        os.makedirs(log_dir, exist_ok=True)
+        modules = server_modules(s.backend, list(s.preload))
+        # Every rank a server forks has the server's string-hash secret: one for the whole
+        # cluster, on every host (a set's order is the same on every rank), which the
+        # exported job gets too (PYTHONHASHSEED in its launch).
+        self.hash_seed = str(secrets.randbelow(2**32 - 1) + 1)
+        if placed.launcher == "local":
+            self.rank_server = servers.local_server(
+                placed.python or sys.executable, modules,
+                os.path.join(log_dir, "rank-server.log"), self.hash_seed,
+            )
+            config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
+        else:  # (it logs in and starts them while the controller starts)
+            self.rank_server = servers.SSHRankServers(
+                [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
+                placed.python or sys.executable, modules, log_dir,
+                folder=ssh.host_folder(self.profile_dir), hash_seed=self.hash_seed,
+            )
+            self.rank_server.start()
+            config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher
+
+    def connect(self) -> list[int]:
+        """The notebook's client, once every engine registered: the engine ids, sorted."""
+        self.client = self.cluster._in_thread(self.cluster.connect_client)
+        self.wait_registered(range(self.settings.n))
+        return sorted(self.client.ids)
+
+    def join(self, ranks: list[Rank], coordinators: dict[str, str] | None = None) -> None:
+        """Wait until every rank has joined, filling in its row; ``coordinators`` go to ranks
+        that were not given them at launch (remote ranks get rank 0's proposal)."""
+        s = self.settings
+        if coordinators is None and s.where.launcher != "local" and s.backend != "none":
+            try:
+                ar = self.client[ranks[0].engine_id].apply_async(
+                    engine.propose_coordinators, self.address)
+                coordinators = ar.get(s.start_timeout)
+            except Exception as exc:
+                raise _init_failure(0, exc) from None
+        self.tell_coordinator(coordinators or {})
+        self._tell("joined", 0, s.n)
+        # (every rank at once: the others wait for rank 0's coordinator to listen on their
+        # side, see bootstrap._join_jax)
+        pending = {
+            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
+            for r in ranks
+        }
+        deadline = time.monotonic() + s.start_timeout
+        while pending:
+            self.check_cancelled()
+            for rank, ar in list(pending.items()):
+                if not ar.ready():
+                    continue
+                del pending[rank]
+                try:
+                    facts = ar.get()
+                except Exception as exc:  # a RemoteError carries the engine's exception
+                    raise _init_failure(rank, exc) from None
+                row = ranks[rank]
+                if facts["rank"] != rank:  # it asked the controller for id = rank, and got another
+                    raise StartError(
+                        f"Rank {rank}'s engine registered as rank {facts['rank']}, so the ranks "
+                        "would be mixed up: start again."
+                    )
+                row.pid, row.host, row.gpus = facts["pid"], facts["host"], facts.get("gpus")
+                row.local_devices = facts["local_devices"]
+                row.global_devices = facts["global_devices"]
+                row.main_thread = facts["main_thread"]
+                self._tell("joined", s.n - len(pending), s.n)
+            if pending and time.monotonic() > deadline:
+                raise StartError(
+                    f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
+                )
+            time.sleep(0.005)
+
+    # What the steps share with a restart.
+
+    def check_cancelled(self) -> None:
+        if self._cancelled.is_set():
+            raise StartError("The start was cancelled.")
+
+    def note_fallback(self) -> None:
         """Where the rank server could not be used, the ranks started as a Python each: the
         start says so in one line, and the server goes."""
         engine_set = self.cluster.engines.get(self.cluster.rank_set)
         why = getattr(engine_set, "fell_back", "")
-        if why and self._server is not None:
+        if why and self.rank_server is not None:
             self.fell_back = (
                 f"The rank server could not be used ({why.rstrip('.')}): each rank started "
                 "its own Python."
             )
-            self._server.close()
-            self._server = self.cluster.rank_server = None
+            self.rank_server.close()
+            self.rank_server = self.cluster.rank_server = None
             self.hash_seed = ""  # (each rank its own Python, its own secret)
 
-    def _torch_init(self) -> str:
+    def torch_init(self) -> str:
         """torch's init method as the ranks get it: ``file`` becomes a file in the cluster's
         folder. A file left by an earlier start would break this one: it is removed first."""
         method = self.settings.init_method
         if method == "file":
-            method = f"file://{self._profile_dir}/torch-init"
-        self._torch_method = method if "torch" in self.settings.backend else ""
-        self._remove_torch_file()
+            method = f"file://{self.profile_dir}/torch-init"
+        self.torch_method = method if "torch" in self.settings.backend else ""
+        self.remove_torch_file()
         return method
 
-    def _remove_torch_file(self) -> None:
-        if self._torch_method.startswith("file://"):
+    def remove_torch_file(self) -> None:
+        if self.torch_method.startswith("file://"):
             with contextlib.suppress(OSError):
-                os.remove(self._torch_method[len("file://"):])
+                os.remove(self.torch_method[len("file://"):])
 
-    def _init_client(self) -> None:
-        self.client = self.cluster._in_thread(self.cluster.connect_client)
-        self._wait_registered(range(self.settings.n))
-        self._new_generation(engine_ids=sorted(self.client.ids))
-
-    def _new_generation(self, engine_ids: list[int]) -> None:
-        """The ranks are these engines, in this order (rank = position: ids change after a
-        restart)."""
-        self.gen = Generation(
-            ranks=[Rank(rank=r, engine_id=eid) for r, eid in enumerate(engine_ids)],
-            launchers=self.cluster.rank_launchers(),
-            ssh=self.cluster.ssh_launchers(),
-        )
-        self._engine_rank.update({r.engine_id: r.rank for r in self.gen.ranks})
-
-    def _wait_registered(self, engine_ids: range) -> None:
+    def wait_registered(self, engine_ids: range) -> None:
         """Until these engines registered with the controller (engine id = its first id +
         rank). Polls rather than wait_for_engines(timeout): an engine that crashes at start
         fails the start at once, not after the whole timeout."""
@@ -277,8 +348,8 @@ class Startup:
             if s.n - len(missing) != registered:
                 registered = s.n - len(missing)
                 self._tell("registered", registered, s.n)
-            self._check_cancelled()
-            exited = self._exited_engines()
+            self.check_cancelled()
+            exited = _exited_engines(self.cluster)
             if exited:
                 raise StartError(f"An engine process exited during start-up{exited}")
             if time.monotonic() > deadline:
@@ -306,54 +377,7 @@ class Startup:
             + said
         )
 
-    def _init_distributed(self, coordinators: dict[str, str] | None = None) -> None:
-        """Wait until every rank has joined; ``coordinators`` go to ranks that were not given
-        them at launch (remote ranks get rank 0's proposal)."""
-        s = self.settings
-        if coordinators is None and s.where.launcher != "local" and s.backend != "none":
-            try:
-                coordinators = self.call(
-                    0, engine.propose_coordinators, self._address, timeout=s.start_timeout
-                )
-            except Exception as exc:
-                raise _init_failure(0, exc) from None
-        self._tell_coordinator(coordinators or {})
-        self._tell("joined", 0, s.n)
-        # (every rank at once: the others wait for rank 0's coordinator to listen on their
-        # side, see bootstrap._join_jax)
-        pending = {
-            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
-            for r in self.ranks
-        }
-        deadline = time.monotonic() + s.start_timeout
-        while pending:
-            self._check_cancelled()
-            for rank, ar in list(pending.items()):
-                if not ar.ready():
-                    continue
-                del pending[rank]
-                try:
-                    facts = ar.get()
-                except Exception as exc:  # a RemoteError carries the engine's exception
-                    raise _init_failure(rank, exc) from None
-                row = self.ranks[rank]
-                if facts["rank"] != rank:  # it asked the controller for id = rank, and got another
-                    raise StartError(
-                        f"Rank {rank}'s engine registered as rank {facts['rank']}, so the ranks "
-                        "would be mixed up: start again."
-                    )
-                row.pid, row.host, row.gpus = facts["pid"], facts["host"], facts.get("gpus")
-                row.local_devices = facts["local_devices"]
-                row.global_devices = facts["global_devices"]
-                row.main_thread = facts["main_thread"]
-                self._tell("joined", s.n - len(pending), s.n)
-            if pending and time.monotonic() > deadline:
-                raise StartError(
-                    f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
-                )
-            time.sleep(0.005)
-
-    def _tell_coordinator(self, coordinators: dict[str, str]) -> None:
+    def tell_coordinator(self, coordinators: dict[str, str]) -> None:
         if coordinators:
             self.coordinator = coordinators.get("jax") or next(iter(coordinators.values()))
 
@@ -361,17 +385,17 @@ class Startup:
         if self.progress is not None:
             self.progress(stage, done, of, self.coordinator)
 
-    def _exited_engines(self) -> str:
-        """'' while every engine runs; else which exited, and the end of one's log."""
-        exited = {r: p for r, p in self.cluster.rank_launchers().items() if processes.exited(p.process)}
-        if exited:
-            rank, launcher = min(exited.items())
-            who = f"rank {rank}"
-        else:  # mpiexec, for all its ranks at once
-            launcher = self.cluster.launcher_process()
-            if launcher is None or not processes.exited(launcher.process):
-                return ""
-            who = " ".join(launcher.find_args()[:1])
-        tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
-        return f" ({who}); the last lines it wrote:\n{tail}"
 
+def _exited_engines(cluster: SpmdCluster) -> str:
+    """'' while every engine runs; else which exited, and the end of one's log."""
+    exited = {r: p for r, p in cluster.rank_launchers().items() if processes.exited(p.process)}
+    if exited:
+        rank, launcher = min(exited.items())
+        who = f"rank {rank}"
+    else:  # mpiexec, for all its ranks at once
+        launcher = cluster.launcher_process()
+        if launcher is None or not processes.exited(launcher.process):
+            return ""
+        who = " ".join(launcher.find_args()[:1])
+    tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
+    return f" ({who}); the last lines it wrote:\n{tail}"

@@ -99,10 +99,8 @@ class Lifecycle:
                 "not encrypted.",
                 file=sys.stderr,
             )
-        session = Session(settings)
-        session._cache_dir = cache_dir  # a restart's: compiled cells stay compiled
-        if logs is not None:  # ... and the ranks' logs go on
-            session.logs = logs
+        # (a restart's compilation cache: compiled cells stay compiled; and its logs go on)
+        session = Session(settings, cache_dir=cache_dir, logs=logs)
         progress = StartProgress(settings.n, settings.backend)
         session.progress = progress.update
         progress.started = time.monotonic()  # (the same clock as the summary's seconds)
@@ -180,7 +178,7 @@ class Lifecycle:
                 say(f"The ranks start afresh, with a new rank server: "
                     f"{session.afresh_because}.")
             session.stop(keep_cache=True)
-        self._start(session.settings, cache_dir=session._cache_dir, logs=session.logs)
+        self._start(session.settings, cache_dir=session.cache_dir, logs=session.logs)
 
     def shutdown(self) -> None:
         """Stop whatever this notebook started, from any thread (ipykernel's control thread

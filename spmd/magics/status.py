@@ -14,7 +14,7 @@ def summary(session: Session, restarted: bool = False) -> str:
         if s.backend != "none"
         else ""
     )
-    how = ", forked by the rank server" if restarted and session._server is not None else ""
+    how = ", forked by the rank server" if restarted and session.rank_server is not None else ""
     fell_back = f"{session.fell_back}\n" if session.fell_back else ""
     return (
         f"{fell_back}Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
@@ -87,9 +87,9 @@ def _cluster_lines(session: Session, auto_on: bool) -> list[str]:
     lines.append(
         f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
     )
-    if session._server is not None:
+    if session.rank_server is not None:
         lines.append(
-            f"{session._server.describe()} (imported the ranks' modules once; forks them at "
+            f"{session.rank_server.describe()} (imported the ranks' modules once; forks them at "
             "start and restart)"
         )
     elif session.cluster is not None:
