@@ -151,3 +151,32 @@ def test_the_readme_layout_names_every_folder_and_module():
         if f"{folder.name}/" not in layout:
             missing.append(f"{folder.relative_to(ROOT.parent)}/")
     assert not missing, "the README's layout section does not name:\n" + "\n".join(missing)
+
+
+def test_the_session_is_parts_not_mixins():
+    """Session keeps the lock and the generation and delegates to parts it owns (README,
+    "How it works"): no base classes whose methods share one namespace with it."""
+    tree = ast.parse((ROOT / "cluster" / "session.py").read_text())
+    session = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session")
+    assert not session.bases, [ast.unparse(b) for b in session.bases]
+
+
+# What the surface (the magics, the kernel) and the benchmarks hold of the cluster: they read
+# its public face only, never a private name of the session, its generation or the client.
+SURFACE = [ROOT / "magics", ROOT / "kernel", ROOT.parent / "benchmarks"]
+CLUSTER_OBJECTS = {"session", "client", "gen", "generation", "_session", "_client", "_gen"}
+
+
+def test_the_surface_reads_no_private_name_of_the_cluster():
+    reads = []
+    for folder in SURFACE:
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                        and not node.attr.startswith("__")):
+                    continue
+                owner = ast.unparse(node.value)
+                if owner.rpartition(".")[2] in CLUSTER_OBJECTS:
+                    reads.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                                 f"{owner}.{node.attr}")
+    assert not reads, "private names read from outside the cluster:\n" + "\n".join(reads)
