@@ -1,7 +1,8 @@
 """``%spmd``, ``%%spmd`` and ``%%local``: the notebook's handle on the SPMD cluster.
 
 The commands live by what they do: the cluster's life in lifecycle.py, looking at the ranks in
-inspection.py, option parsing in arguments.py; this module dispatches them and runs cells.
+inspection.py, option parsing in arguments.py, the steps of a cell in cell.py; this module
+dispatches them (from its one table of commands) and runs cells through those steps.
 """
 
 from __future__ import annotations
@@ -11,31 +12,30 @@ import ast
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
-from spmd.cluster import interrupts
-from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.run import rank_set, rank_words
-from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
-from spmd.cluster.session import OutOfStep, Ran, Session
+from spmd.cluster.lockstep.run import CellResult
+from spmd.cluster.session import Ran, Session
 from spmd.engine.census import KEPT_CELLS
-from spmd.magics import arrays, values, widgets
 from spmd.magics.arguments import _cell_parser, _words
-from spmd.magics.automode import AutoMode, is_exit
+from spmd.magics.automode import AutoMode
 from spmd.magics.background import BackgroundStart
+from spmd.magics.cell import (
+    cell_failure,
+    cell_value,
+    check_ranks,
+    hint_placeholders,
+    how_it_failed,
+    interrupted_by_us,
+    refusal,
+    refuse_exit,
+    run_on_ranks,
+    show_before,
+    show_cell,
+    warn_if_launches_differ,
+)
 from spmd.magics.inspection import Inspection
 from spmd.magics.lifecycle import Lifecycle
 from spmd.magics.panel import Panel
-from spmd.magics.prompts import Prompter
-from spmd.magics.render import (
-    LiveView,
-    RankErrors,
-    RankResults,
-    group_errors,
-    group_results,
-    labelled,
-    show_group,
-    show_outputs,
-    write,
-)
+from spmd.magics.render import LiveView, RankResults, group_errors, group_results
 from spmd.magics.say import NOT_RUNNING, say
 from spmd.magics.transfers import Transfers
 
@@ -141,10 +141,7 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             raise UsageError("Say what to do: %spmd start -n 4, or stop, restart, status, on, off.")
         handler = _COMMANDS.get(command)
         if handler is None:
-            raise UsageError(
-                f"%spmd has no command {command!r}: use start, stop, restart, status, panel, "
-                "log, debug, interrupt, where, sharding, gather, push, export, on or off."
-            )
+            raise UsageError(f"%spmd has no command {command!r}: use {_command_names()}.")
         # Python expressions keep their quotes and spaces; other commands take shell words.
         return handler(
             self,
@@ -206,7 +203,7 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             s.notice_deaths()
         if not (s.running or allow_stopped):
             if s.death is not None:
-                raise UsageError(_refusal(s, f"{refused}: {s.out_of_step}"))
+                raise UsageError(refusal(s, f"{refused}: {s.out_of_step}"))
             raise UsageError(
                 f"The cluster is stopped: %spmd restart starts {s.settings.n} processes again."
             )
@@ -218,163 +215,60 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         return self._run(_cell_parser().parse_args(_words(f"%%spmd {line}", line)), cell)
 
     def _run(self, opts, cell: str, debugging: bool = False) -> RankResults | None:
+        """One cell on the ranks, in the steps of cell.py: before it, the run, the
+        bookkeeping, what is shown, then its value or its failure."""
         started = self._take_pending()  # the kernel's start line, shown again after a live view
         session = self._require_session(refused="Cell not run")
         panel = Panel(session) if (self.panel or opts.panel) else None
         live = LiveView(where=session.stacks, panel=panel)
-        if started:
-            live.reprint("stdout", started + "\n")
-        _show_late(live, session.late_outputs())
+        show_before(live, session, started)
         n = session.settings.n
-        ranks = opts.ranks
-        if ranks is not None:
-            if ranks[-1] >= n:
-                raise UsageError(f"--ranks {rank_set(ranks)}: this cluster has ranks 0-{n - 1}.")
-            if len(ranks) < n and not debugging:
-                live.note(
-                    "stderr",
-                    f"Running on ranks {rank_set(ranks)} only: a collective in this cell would "
-                    "hang, waiting for the other ranks.\n",
-                )
+        check_ranks(opts.ranks, n, live, debugging)
         if not cell.strip():
             return None
-        if is_exit(cell):
-            raise UsageError(
-                "exit on the ranks would end each rank's process, and the next cell would find "
-                "them dead: %spmd stop ends the cluster, and exit in a cell of its own ends "
-                "this notebook's kernel (and its cluster)."
-            )
-        raw = self.raw_cell
-        try:
-            run = session.run_cell(
-                raw if raw is not None and cell in (raw, raw + "\n") else cell,
-                ranks=ranks,
-                timeout=opts.timeout,
-                grace=opts.grace,
-                on_output=live.add,
-                tick=live.tick,
-                max_output=opts.max_output,
-                on_prompt=Prompter(live),
-                breakpoints=opts.breakpoint or self.breakpoints,
-            )
-        except OutOfStep as exc:
-            raise UsageError(_refusal(session, f"Cell not run: {exc}")) from None
-        finally:
-            live.close()
-        stall = run.stall
-        self.census_cells[self.shell.displayhook.prompt_count] = dict(run.requests)
-        while len(self.census_cells) > KEPT_CELLS:
-            del self.census_cells[min(self.census_cells)]
-        errors = group_errors(run.cells, ignore=_interrupted_by_us(stall))
-        results = group_results(run.cells)
+        refuse_exit(cell)
+        ran = run_on_ranks(session, self._as_sent(cell), opts, live,
+                           opts.breakpoint or self.breakpoints)
+        count = self.shell.displayhook.prompt_count
+        self._keep_requests(count, ran)
+        errors = group_errors(ran.cells, ignore=interrupted_by_us(ran.stall))
+        results = group_results(ran.cells)
         # (recorded first: the cell ran on the ranks, whatever showing it may raise)
-        session.ran.append(Ran(
-            cell if not debugging else f"%spmd debug {ranks[0]}",
-            self.shell.displayhook.prompt_count,
-            tuple(ranks) if ranks is not None and len(ranks) < n else None,
-            "debug" if debugging else "ranks",
-            failed=_how_it_failed(stall, errors),
-            showed_value=bool(results),
-        ))
-        if live.widgets_shown:
-            busy = set(stall.busy) if stall is not None else set()
-            widgets.refresh_texts(session, run.cells, [r for r in run.cells if r not in busy])
-        if panel is not None:
-            panel.freeze(run)
-        show_outputs(run.cells, tabs=self.tabs or opts.tabs)
-        if stall is None and census.differ({r: run.census.get(r) for r in run.cells}):
-            # (part of the cell's report: a ^C in its wait for the records would drop the
-            # errors below)
-            with interrupts.held("the cell's report"):
-                said = census.warning(census.fetch(session.client, run.engine_ids,
-                                                   run.requests), raised=bool(errors))
-            if said:
-                write("stderr", said + "\n")
+        self._record(session, cell, count, opts.ranks, debugging, ran, errors, results)
+        show_cell(session, ran, live, panel, tabs=self.tabs or opts.tabs)
+        warn_if_launches_differ(session, ran, raised=bool(errors))
         if not debugging:
             self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
-        printed = [o.text for c in run.cells.values() for o in c.outputs if o.kind == "stdout"]
-        if not (debugging or stall is not None):
-            hint = arrays.placeholder_hint(session, cell, printed)
-            if hint:
-                write("stderr", hint + "\n")
-        if not (errors or stall is not None):
-            held = values.held_by_one(run.cells)
-            if held is not None:  # (shown once, as the process that holds it prints it)
-                holder, out, part = held
-                write("stdout", values.about_held(holder, part) + "\n")
-                return RankResults.of([(sorted(run.cells), out)], n)
-            spanning = values.payloads(run.cells)
-            if spanning:
-                try:
-                    return self._global_value(session, spanning)
-                except (ValueError, TypeError):  # (values.Incomplete; print options)
-                    pass
-            return RankResults.of(results, n)  # (a label where not every rank returned it)
-        for group in results:  # the cell fails: what did return is shown, not returned
-            show_group(*group)
-        notes, details, hints = [], [], []
-        if stall is not None:
-            notes = stall.summary()
-            details = stack_section(stall.busy, stall.stacks, stall.in_debugger) + stall.census
-            if stall.deaths:
-                details = ["", *stall.deaths[0].describe(headline=False), *details]
-        else:
-            hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
-        dead = [d.rank for d in stall.deaths] if stall is not None else []
-        raise RankErrors(errors, sorted(run.cells), notes, details, hints, dead)
+        if not (debugging or ran.stall is not None):
+            hint_placeholders(session, cell, ran)
+        if errors or ran.stall is not None:
+            raise cell_failure(session, cell, ran, errors, results)
+        return cell_value(session, ran, results, n, f"Out[{count}]")
 
-    def _global_value(self, session: Session, parts: dict[int, dict]) -> values.GlobalValue:
-        """A result that is one jax.Array (or DTensor) over several processes, printed once as
-        jax (or torch) prints it in one process, under a line that says what it is; ``Out[n]``
-        turns into its value as numpy when used as an array."""
-        label = f"Out[{self.shell.displayhook.prompt_count}]"
-        shown = {rank: (part["count"], part["token"]) for rank, part in parts.items()}
-        first = next(iter(parts.values()))
-        text = values.text(list(parts.values()))  # (raises values.Incomplete)
-        write("stdout", values.about(first) + "\n")
-        return values.GlobalValue(
-            text,
-            first["shape"],
-            first["dtype"],
-            lambda: arrays.gather_shown(session, label, shown),
-            received=sum(len(piece["data"]) * 3 // 4 for part in parts.values()
-                         for piece in part["pieces"]),
-            ranks=sorted(parts),
-        )
+    def _as_sent(self, cell: str) -> str:
+        """The cell as the front end sent it, where the SPMD kernel kept it (JupyterLab's
+        debugger names a cell by its text's hash); else as IPython hands it over."""
+        raw = self.raw_cell
+        return raw if raw is not None and cell in (raw, raw + "\n") else cell
 
+    def _keep_requests(self, count: int, ran: CellResult) -> None:
+        """The cell's requests, for %spmd census N (the ranks keep the last KEPT_CELLS)."""
+        self.census_cells[count] = dict(ran.requests)
+        while len(self.census_cells) > KEPT_CELLS:
+            del self.census_cells[min(self.census_cells)]
 
-def _show_late(live: LiveView, late: list) -> None:
-    """What ranks printed after their cell had ended (threads, callbacks), before this cell's
-    own outputs, labelled as such."""
-    for rank, out in late:
-        label = f"[rank {rank}, after its cell ended]"
-        if out.kind in ("stdout", "stderr"):
-            live.note(out.kind, labelled(label, out.text))
-        elif out.kind == "error":
-            live.note("stderr", labelled(label, "\n".join(out.traceback) or out.evalue))
-        elif out.kind == "display":
-            show_group([rank], out)
-
-
-def _how_it_failed(stall, errors) -> str:
-    """In a few words, for an export's comment: 'ZeroDivisionError on rank 1', 'the ranks
-    diverged' ('' when the cell did not fail)."""
-    if stall is not None:
-        return {DIED: "a rank died", DIVERGED: "the ranks diverged",
-                INTERRUPTED: "it was interrupted"}.get(stall.reason, "it timed out")
-    return "; ".join(f"{error.ename} on {rank_words(ranks)}" for ranks, error in errors)
-
-
-def _interrupted_by_us(stall) -> set[int]:
-    """Ranks whose KeyboardInterrupt came from the watchdog's own SIGINT: not their error."""
-    return set() if stall is None else set(stall.busy)
-
-
-def _refusal(session: Session, text: str) -> str:
-    """A refusal, with the dead rank's report when a death is the reason."""
-    if session.death is not None:
-        text += "\n" + "\n".join(session.death.describe())
-    return text
+    def _record(self, session: Session, cell: str, count: int, ranks: list[int] | None,
+                debugging: bool, ran: CellResult, errors: list, results: list) -> None:
+        """The cell in the session's list of what ran (for %spmd export)."""
+        n = session.settings.n
+        session.ran.append(Ran(
+            cell if not debugging else f"%spmd debug {ranks[0]}",
+            count,
+            tuple(ranks) if ranks is not None and len(ranks) < n else None,
+            "debug" if debugging else "ranks",
+            failed=how_it_failed(ran.stall, errors),
+            showed_value=bool(results),
+        ))
 
 
 _EXPRESSION_COMMANDS = ("sharding", "gather")
@@ -386,18 +280,24 @@ _COMMANDS = {
     "restart": Lifecycle._cmd_restart,
     "status": Inspection._cmd_status,
     "panel": Inspection._cmd_panel,
-    "where": Inspection._cmd_where,
     "log": Inspection._cmd_log,
     "debug": Inspection._cmd_debug,
     "interrupt": Inspection._cmd_interrupt,
+    "where": Inspection._cmd_where,
     "census": Inspection._cmd_census,
-    "on": SpmdMagics._cmd_on,
-    "off": SpmdMagics._cmd_off,
     "sharding": Transfers._cmd_sharding,
     "gather": Transfers._cmd_gather,
     "push": Transfers._cmd_push,
     "export": Transfers._cmd_export,
+    "on": SpmdMagics._cmd_on,
+    "off": SpmdMagics._cmd_off,
 }
+
+
+def _command_names() -> str:
+    """'start, stop, ..., on or off': the commands of the table, for a refusal."""
+    names = list(_COMMANDS)
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 _magics: dict[int, SpmdMagics] = {}

@@ -14,7 +14,7 @@ import time
 import psutil
 from IPython.display import display
 
-from spmd.cluster.lockstep.run import CellRun, rank_words
+from spmd.cluster.lockstep.run import CellResult, CellRun, rank_words
 from spmd.cluster.session import Session
 from spmd.magics import grouped
 
@@ -50,9 +50,9 @@ class Panel:
         self._shown_at = time.monotonic()
         self._show(panel_bundle(self.rows(run), live=True))
 
-    def freeze(self, run: CellRun) -> None:
+    def freeze(self, ran: CellResult) -> None:
         """The summary: the last update of the live panel, or the panel shown once."""
-        self._show(panel_bundle(self.rows(run), live=False))
+        self._show(panel_bundle(self.rows(ran), live=False))
         self.handle = None
 
     def forget(self) -> None:
@@ -65,13 +65,19 @@ class Panel:
         else:
             self.handle.update(bundle, raw=True)
 
-    def rows(self, run: CellRun | None) -> list[dict]:
-        """One row per rank, for the cell ``run`` (None: as the ranks are between cells)."""
+    def rows(self, run: CellRun | CellResult | None) -> list[dict]:
+        """One row per rank, for the cell ``run``, running or ended (None: as the ranks are
+        between cells)."""
         now = time.monotonic()
         dead = self.session.dead_ranks() if self.session.running else set()
         cells = run.cells if run is not None else {}
         any_done = any(c.done for c in cells.values())
-        paused = set(run.debugger_paused()) if run is not None else set()
+        if run is None:
+            paused = set()
+        elif isinstance(run, CellResult):  # (as the wait for it ended)
+            paused = set(run.in_debugger)
+        else:
+            paused = set(run.debugger_paused())
         rows = []
         for r in self.session.ranks:
             cell = cells.get(r.rank)

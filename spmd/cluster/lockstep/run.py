@@ -6,17 +6,24 @@ has finished (channel/cell_routes.py; its routes are in place before the request
 no early output is missed). The IO thread only puts events on a queue: the notebook's main
 thread consumes them, which is where streaming to the notebook must happen (ipykernel routes
 output by the main thread's current cell).
+
+``CellRun`` is the cell while it runs: the session's cell runner polls it, the live view's
+``tick`` and the prompts' ``on_prompt`` see it, and the session keeps it while ranks are still
+busy in it (``unfinished``: a later interrupt polls it). ``CellResult`` is what the cell was
+once the notebook's wait for it ended (``CellRun.result``): a frozen record that the magics,
+the panel and the cell's report read, on the main thread.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
-from spmd.cluster.channel.cell_routes import DONE
 from spmd.cluster.channel import control
+from spmd.cluster.channel.cell_routes import DONE
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
 from spmd.engine import prompts
 from spmd.engine.quiet import COUNTED
@@ -24,7 +31,8 @@ from spmd.engine.quiet import COUNTED
 
 @dataclass
 class CellRun:
-    """One cell sent to some ranks; ``poll`` advances it, ``cells`` holds the results."""
+    """One cell sent to some ranks, while it runs; ``poll`` advances it, ``cells`` holds what
+    each rank produced so far, ``result`` freezes it."""
 
     client: object
     engine_ids: dict[int, int]  # rank -> ipyparallel engine id
@@ -172,6 +180,21 @@ class CellRun:
             timeout=5.0,
         )
 
+    def result(self) -> CellResult:
+        """The cell as it is now, frozen: what the cell runner hands back once its wait is
+        over (the ranks still busy in it are kept as they are at this moment)."""
+        return CellResult(
+            code=self.code,
+            cells=MappingProxyType({rank: _as_it_is(cell) for rank, cell in self.cells.items()}),
+            engine_ids=MappingProxyType(dict(self.engine_ids)),
+            requests=MappingProxyType(dict(self.requests)),
+            census=MappingProxyType(dict(self.census)),
+            stall=self.stall,
+            started=self.started,
+            prompting=frozenset(self.prompting),
+            in_debugger=tuple(self.debugger_paused()),
+        )
+
     def wait(
         self,
         until: float | None = None,
@@ -186,6 +209,43 @@ class CellRun:
             if tick is not None:
                 tick(self)
         return True
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What one cell was, once the notebook's wait for it ended (``CellRun.result``)."""
+
+    code: str
+    cells: Mapping[int, RankCell]  # rank -> its part: outputs, error, seconds, done
+    engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
+    requests: Mapping[int, str]  # rank -> the msg_id of its execute request
+    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/census.py)
+    # A watchdog.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
+    # when the wait ended before every rank finished; None when every rank did.
+    stall: object | None
+    started: float  # when it was sent (time.monotonic())
+    prompting: frozenset[int]  # ranks waiting at a prompt when the wait ended
+    in_debugger: tuple[int, ...]  # ranks still in it, paused in JupyterLab's debugger, then
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks it ran on, lowest first."""
+        return sorted(self.engine_ids)
+
+
+def _as_it_is(cell: RankCell) -> RankCell:
+    """A rank's part of a cell as it is now. A finished one no longer changes; a busy one's
+    outputs are copied: the live run goes on hearing that rank (the session's
+    ``unfinished``), and a result must not change under its reader."""
+    if cell.done:
+        return cell
+    return RankCell(
+        cell.rank,
+        [replace(out) for out in cell.outputs],
+        seconds=cell.seconds,
+        max_lines=cell.max_lines,
+        left_out=cell.left_out,
+    )
 
 
 def rank_set(ranks: Iterable[int]) -> str:
