@@ -19,7 +19,7 @@ from spmd.cluster import interrupts
 from spmd.cluster.channel import control
 from spmd.cluster.lockstep import census, where
 from spmd.cluster.lockstep.outputs import Output
-from spmd.cluster.lockstep.run import CellRun
+from spmd.cluster.lockstep.run import CellResult, CellRun
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
 from spmd.cluster.ranks import OutOfStep
 
@@ -64,12 +64,12 @@ class CellRunner:
         max_output: int | None = 0,
         on_prompt: Callable[[int, dict, CellRun], dict] | None = None,
         breakpoints: str = "lowest",
-    ) -> CellRun:
+    ) -> CellResult:
         """Send ``code`` to the ranks and wait until every one has finished (lockstep).
 
         The wait ends early when a rank dies, when some ranks are still busy ``grace``
         seconds after another finished (they diverged), on a timeout, or when the notebook
-        is interrupted. ``run.stall`` then says which, and where the busy ranks were.
+        is interrupted. The result's ``stall`` then says which, and where the busy ranks were.
         ``max_output``: stream lines kept per rank (0: the settings'; None: all of them).
         """
         s = self.session
@@ -124,7 +124,7 @@ class CellRunner:
                     if cell.done and self._gen.ranks[rank].state == "busy":
                         self._gen.ranks[rank].state = "idle"
                         self._gen.ranks[rank].last_seconds = cell.seconds
-            return run
+            return run.result()  # (the live run stays the generation's, if ranks still run it)
 
     def _wait(
         self,

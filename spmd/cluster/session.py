@@ -46,7 +46,7 @@ from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
 from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.run import CellRun
+from spmd.cluster.lockstep.run import CellResult, CellRun
 from spmd.cluster.lockstep.watchdog import Death
 from spmd.cluster.ranks import (
     Generation,
@@ -338,7 +338,7 @@ class Session:
 
     # Cells (cells.py), and what ranks print after them (late.py).
 
-    def run_cell(self, code: str, **how) -> CellRun:
+    def run_cell(self, code: str, **how) -> CellResult:
         """Send ``code`` to the ranks and wait until every one has finished (lockstep); see
         CellRunner.run_cell for ``how``."""
         return self.cells.run_cell(code, **how)

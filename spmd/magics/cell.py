@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
 from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.run import CellResult, CellRun, rank_set, rank_words
+from spmd.cluster.lockstep.run import CellResult, rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics import arrays, values, widgets
@@ -102,8 +102,7 @@ def run_on_ranks(
         raise UsageError(refusal(session, f"Cell not run: {exc}")) from None
     finally:
         live.close()
-    # (for now: until Session.run_cell hands back run.result() itself)
-    return run.result() if isinstance(run, CellRun) else run
+    return run
 
 
 # -- after the run ----------------------------------------------------------------------------
