@@ -104,23 +104,29 @@ INTERNALS = [
              "(controller.py)"),
     Internal("ipyparallel", "ipyparallel.controller.app", "IPController.enable_curve",
              "notebook", "CurveZMQ where ranks are on other machines (controller.py)"),
-    # ipykernel and IPython, on every rank
+    # ipyparallel, ipykernel and IPython, on every rank
+    *[Internal("ipyparallel", "ipyparallel.engine.app", name, "rank",
+               "the engine's kernel and session are the rank's own, set by name before the "
+               "engine starts (engine/bootstrap.py, engine/kernel.py)")
+      for name in ("Kernel", "Session")],
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.control_handlers", "rank",
-             "stacks, signals and prompt answers on the control channel (engine/control.py)"),
+             "stacks, signals, census records and prompt answers on the control channel "
+             "(engine/kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.raw_input", "rank",
-             "input() answered in the notebook (engine/prompts.py)"),
+             "input() answered in the notebook (engine/kernel.py, engine/prompts.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.getpass", "rank",
-             "getpass answered in the notebook (engine/prompts.py)"),
+             "getpass answered in the notebook (engine/kernel.py, engine/prompts.py)"),
     Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
-             "!cmd without a fork in a threaded process (engine/commands.py)"),
+             "!cmd without a fork in a threaded process (engine/kernel.py, engine/commands.py)"),
     Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
-             "rank", "a cell's census digest in its reply's metadata (engine/census.py)"),
+             "rank", "a cell's census digest, JAX_* changes and output count in its reply's "
+             "metadata (engine/kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_status", "rank",
-             "no status: busy from a rank, which no one reads (engine/quiet.py)"),
+             "no status: busy from a rank, which no one reads (engine/kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
-             "no execute_input from a rank, which no one reads (engine/quiet.py)"),
-    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.shell_handlers", "rank",
-             "a counted cell's outputs, counted into its reply (engine/quiet.py)"),
+             "no execute_input from a rank, which no one reads (engine/kernel.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.execute_request", "rank",
+             "a counted cell's outputs, counted into its reply (engine/kernel.py)"),
     *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
                "an empty stream's flush skips its IOPub thread round trip (engine/streams.py)")
       for name in ("_flush", "_subprocess_flush_pending")],

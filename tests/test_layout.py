@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -25,7 +26,8 @@ LAYERS = [
     ("spmd.cluster.channel", "the notebook's channel to its ranks"),
 ]
 # engine/ and the shared top-level modules sit below every notebook layer.
-BELOW_ALL = ("spmd.engine", "spmd.controller", "spmd.picture", "spmd.options", "spmd.internals", "spmd")
+BELOW_ALL = ("spmd.engine", "spmd.controller", "spmd.picture", "spmd.options", "spmd.internals",
+             "spmd.wire", "spmd")
 
 MODULE_LINES = 500
 CLASS_LINES = 300
@@ -89,11 +91,11 @@ def test_no_import_runs_back_up(graph):
             if _layer(target) < _layer(name):
                 upward.append(f"{name} -> {target}")
             if name.startswith("spmd.engine") and not target.startswith(
-                ("spmd.engine", "spmd.internals", "spmd.picture")
+                ("spmd.engine", "spmd.internals", "spmd.picture", "spmd.wire")
             ):
                 upward.append(f"{name} -> {target} (engine/ runs in the ranks)")
             if name.startswith("spmd.controller") and not target.startswith(
-                ("spmd.controller", "spmd.engine", "spmd.internals")
+                ("spmd.controller", "spmd.engine", "spmd.internals", "spmd.wire")
             ):
                 upward.append(f"{name} -> {target} (controller/ runs in the controller)")
     assert not upward, "imports that run back up:\n" + "\n".join(sorted(upward))
@@ -180,3 +182,59 @@ def test_the_surface_reads_no_private_name_of_the_cluster():
                     reads.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
                                  f"{owner}.{node.attr}")
     assert not reads, "private names read from outside the cluster:\n" + "\n".join(reads)
+
+
+# A name on jupyter-spmd's wire: an spmd_* message type or metadata key, or a MIME type of its.
+WIRE_NAME = re.compile(r"spmd_\w+|application/vnd\.spmd\..+")
+
+
+def test_the_wire_names_are_spelled_in_one_module():
+    """Every spmd_* message type and metadata key (and MIME type) is spelled in spmd/wire.py,
+    with what it means; every other module imports it from there."""
+    spelled = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "wire.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and WIRE_NAME.fullmatch(node.value)):
+                spelled.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {node.value!r}")
+    assert not spelled, "wire names spelled outside spmd/wire.py:\n" + "\n".join(spelled)
+
+
+# What a rank's kernel is reached by: an engine module that assigns to an attribute of one
+# (or to an item of one's table) patches the live kernel instead of being part of its class.
+# (A variable put in the user's namespace, ``shell.user_ns[name] = ...``, is what a cell does.)
+KERNEL_OBJECTS = {"kernel", "shell", "_kernel", "_shell", "get_ipython()"}
+
+
+def _kernel_object(node: ast.AST) -> bool:
+    return ast.unparse(node).rpartition(".")[2] in KERNEL_OBJECTS
+
+
+def test_no_engine_module_patches_a_live_kernel():
+    """The rank's kernel is one class (spmd/engine/kernel.py, README "How it works"): no engine
+    module assigns to an attribute of a kernel or shell object, or to an item of one of its
+    attributes (``kernel.control_handlers[...] = ...``), or sets one with setattr."""
+    patches = []
+    for path in (ROOT / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets
+                           for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "setattr" and node.args):
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            else:
+                continue
+            for target in targets:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute):
+                    if target.value.attr == "user_ns":
+                        continue
+                    target = target.value
+                if isinstance(target, ast.Attribute) and _kernel_object(target.value):
+                    patches.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                                   f"{ast.unparse(target)}")
+    assert not patches, "a live kernel patched:\n" + "\n".join(patches)

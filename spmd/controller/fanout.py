@@ -5,14 +5,14 @@ Through ipyparallel's client a cell was one signed request per rank out of the n
 one reply per rank into it, each handled as a Python message with its futures: at 64 ranks
 most of the notebook's time in a trivial cell. Here (installed by controller.py):
 
-- the notebook sends one ``spmd_cell_request`` to this ROUTER: the code, the request's
+- the notebook sends one ``wire.CELL_REQUEST`` to this ROUTER: the code, the request's
   metadata, and each rank's engine identity with the id its request gets;
 - the fan-out signs one ``execute_request`` per rank, with the notebook's header (its session,
   so the rank's outputs still reach the notebook's client) and that rank's id, and sends it
   through ipyparallel's multiplexer as any client does: the hub sees each request and reply
   there as before (which requests a dying engine held);
 - the replies come back here. All that have arrived are read in one go, and each cell's are
-  sent to the notebook as one ``spmd_cell_replies``: [request id, what the notebook reads of
+  sent to the notebook as one ``wire.CELL_REPLIES``: [request id, what the notebook reads of
   the reply's metadata] for each rank. A rank's outputs do not pass here: they differ per
   rank, and go from the rank to the notebook through the IOPub relay, as before.
 
@@ -42,13 +42,14 @@ from datetime import datetime
 
 import zmq
 
-# The client connection file's key for this socket's port (the notebook's SpmdClient reads it).
-PORT_KEY = "spmd_cells"
-REQUEST = "spmd_cell_request"
-REPLIES = "spmd_cell_replies"
-# What the notebook reads of a rank's reply metadata (spmd/engine/quiet.py, census.py,
-# import_env.py).
-KEPT = ("spmd_iopub", "spmd_census", "spmd_env")
+# (under the names the tests read them by) The client connection file's key for this
+# socket's port, the notebook's cell for several ranks and their gathered replies, and what
+# the notebook reads of a rank's reply metadata: spmd/wire.py says what each is.
+from spmd.wire import CELL_REPLIES as REPLIES
+from spmd.wire import CELL_REQUEST as REQUEST
+from spmd.wire import CELLS_PORT as PORT_KEY
+from spmd.wire import KEPT_METADATA as KEPT
+
 # Requests in flight remembered (a rank that died never answers its own), and the ids of the
 # notebook's requests (jupyter_client's own replay guard keeps as many signatures).
 REMEMBERED = 200_000

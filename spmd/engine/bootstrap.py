@@ -7,7 +7,8 @@ thread at once: the ~1 s import and the ~1 s ``jax.distributed.initialize`` over
 engine's own start-up and its registration with the controller, instead of following them.
 
 ``joined()`` is then called on every engine from the notebook (pickled by reference) to wait
-for that thread and report this process's facts.
+for that thread and report this process's facts, and to tell the rank's kernel (kernel.py,
+which ipyparallel's engine makes from the start, ``main``) that the rank has joined.
 """
 
 from __future__ import annotations
@@ -18,24 +19,13 @@ import socket
 import sys
 import threading
 import time
+from importlib.metadata import version
 from typing import Any
 
 from spmd import internals
-from spmd.engine import (
-    census,
-    commands,
-    control,
-    import_env,
-    jit_cache,
-    placement,
-    prompts,
-    quiet,
-    results,
-    started,
-    torch_group,
-)
+from spmd.engine import jit_cache, placement, torch_group
 from spmd.engine.address import address_toward, coordinator_addresses, wait_listening
-from spmd.engine.orphans import end_children, watch_parent
+from spmd.engine.orphans import exit_now, watch_parent
 from spmd.engine.stacks import listen_for_where
 
 BACKEND_ENV = "SPMD_BACKEND"
@@ -244,8 +234,7 @@ def _exit_now(signum: int, frame: Any) -> None:
     # XLA installs its own SIGTERM handler (a preemption notice) that ignores the signal, so
     # a polite stop would wait for the kill timeout. A rank has nothing to save; what its
     # cells started (subprocesses, DataLoader workers) would outlive it, reparented to init.
-    end_children()
-    os._exit(128 + signum)
+    exit_now(signum)
 
 
 def propose_coordinators(toward: str) -> dict[str, str]:
@@ -264,28 +253,25 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     _join.wait()
     if _join.error is not None:
         raise _join.error
-    internals.check("rank")  # (what the lines below patch is there, or one sentence)
+    internals.check("rank")  # (what the rank's kernel replaces is there, or one sentence)
     if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
         del sys.modules["debugpy"]  # hidden by main() during start-up only
     # Signal handlers can only be set from the main thread, which is where this runs.
     signal.signal(signal.SIGTERM, _exit_now)
     from IPython import get_ipython
 
-    shell = get_ipython()
-    commands.install(shell)
-    results.install(shell)  # (a cell's value that spans processes, shown once)
-    started.install()  # (a cell that sets up jax again is told what the rank has)
-    census.install(shell.kernel, shell)  # (each cell's cross-process launches, recorded)
-    import_env.install(shell.kernel, shell)  # (a cell that sets JAX_*: kept for the restart)
-    if "jax" in _join.backends:
-        census.install_jax()
-    if "torch" in _join.backends:
-        census.install_torch()
+    from spmd.engine.kernel import RankKernel, RankShell
+
+    kernel = get_ipython().kernel
+    if not isinstance(kernel, RankKernel) or not isinstance(kernel.shell, RankShell):
+        raise internals.InternalsChanged(
+            f"ipyparallel {version('ipyparallel')} made its engine's kernel "
+            f"({type(kernel).__name__}) without ipyparallel.engine.app.Kernel, which "
+            "jupyter-spmd sets to its rank's kernel: install a version that does (see "
+            "pyproject.toml).")
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
-    control.install(shell.kernel, main_thread)
-    prompts.install(shell.kernel)  # input(), getpass and pdb, answered in the notebook
-    quiet.install(shell.kernel)  # (no busy or execute_input: no one reads them)
+    kernel.rank_joined(_join.backends, main_thread)
     return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
 
 
@@ -310,6 +296,15 @@ def main() -> None:
     _join.start()
     listen_for_where()
     watch_parent()
-    from ipyparallel.engine.app import main as engine_main
+    # (imported here, after the join's thread started: its import of jax and ipyparallel's
+    # import overlap)
+    from ipyparallel.engine import app as engine_app
 
-    engine_main()
+    from spmd.engine.kernel import RankKernel, RankSession
+
+    # ipyparallel's engine makes its kernel and its session from these names: the rank's
+    # own, from the first message on. (Where a release renamed them, they are left alone and
+    # joined() says so: spmd/internals.py lists them.)
+    if hasattr(engine_app, "Kernel") and hasattr(engine_app, "Session"):
+        engine_app.Kernel, engine_app.Session = RankKernel, RankSession
+    engine_app.main()

@@ -19,11 +19,12 @@ always on, so it must cost next to nothing:
 
 Each cell's record is run-length encoded (a loop of 1,000 steps is one entry), and the last
 cells' records are kept, by the request that ran them. The notebook reads a digest of the
-record in the cell's reply (compared across ranks after every cell) and the whole record on the
-control channel (``CENSUS``) when they differ or a report needs it.
+record in the cell's reply (``wire.CENSUS_DIGEST``, compared across ranks after every cell) and
+the whole record on the control channel (``wire.CENSUS_REQUEST``, answered by the rank's
+kernel, engine/kernel.py) when they differ or a report needs it.
 
 Threads: records are appended on the rank's main thread only, where cells run (a thread's
-launches are not recorded); the control thread reads copies (``CENSUS``), whose last count
+launches are not recorded); the control thread reads copies (``of``), whose last count
 may be off by one while a launch is recorded; the digest is made on the main thread, after
 the cell, when recording stops.
 """
@@ -38,7 +39,8 @@ import tempfile
 import threading
 import types
 
-CENSUS = "spmd_census_request"
+from spmd import wire
+
 KEPT_CELLS = 20  # cells whose record stays, for %spmd census N
 MAX_ENTRIES = 100_000  # distinct runs kept per cell; beyond, only counted
 MAX_LEAVES = 16  # argument leaves listed per launch; beyond, only counted
@@ -46,7 +48,7 @@ MAX_LEAVES = 16  # argument leaves listed per launch; beyond, only counted
 _cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
 _current: Record | None = None  # the running cell's (None between cells)
 _last: Record | None = None
-_main: int | None = None  # the rank's main thread, where cells run (set by install)
+_main: int | None = None  # the rank's main thread, where cells run (set by record_cells)
 _off = os.environ.get("SPMD_CENSUS") == "off"  # (README: the census turned off)
 
 
@@ -232,7 +234,7 @@ def install_jax() -> None:
         from jax._src.array import ArrayImpl
     except ImportError:  # (moved in a jax to come: no census of jax's launches, and a line
         return  # at the start says so: spmd/internals.py)
-    if getattr(jax.jit, "spmd_census", False):
+    if getattr(jax.jit, "_spmd_census", False):
         return
     _leaves, _Array = jax.tree_util.tree_leaves, ArrayImpl
     _several_processes = jax.process_count() > 1
@@ -246,7 +248,7 @@ def install_jax() -> None:
             fun = args[0] if args else kwargs["fun"]
             return Launched(kind, make(*args, **kwargs), fun)
 
-        launcher.spmd_census = True
+        launcher._spmd_census = True
         return launcher
 
     jit_recorded, pmap_recorded = recorded("jit", jit), recorded("pmap", pmap)
@@ -274,7 +276,7 @@ def install_torch() -> None:
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
     for op in TORCH_COLLECTIVES:
         fn = getattr(dist, op, None)
-        if fn is None or getattr(fn, "spmd_census", False):
+        if fn is None or getattr(fn, "_spmd_census", False):
             continue
         setattr(dist, op, _torch_recorded(op, fn, compiling))
 
@@ -292,7 +294,7 @@ def _torch_recorded(op: str, fn, compiling):
                 record(("torch", op, ""), shapes)
         return fn(*args, **kwargs)
 
-    collective.spmd_census = True
+    collective._spmd_census = True
     return collective
 
 
@@ -319,31 +321,21 @@ def _group_size(group) -> int | None:
 
 # -- the rank's side of the notebook's requests ------------------------------------------
 
-def install(kernel, shell) -> None:
-    """Records start with each cell; its reply carries the digest; ``CENSUS`` answers.
-    (From the rank's main thread, once joined.)"""
+def record_cells(shell, request_id) -> None:
+    """Records start with each cell (``request_id()``: the id of the request that runs it).
+    (From the rank's main thread, once joined: the rank's kernel, engine/kernel.py.)"""
     global _main
     _main = threading.get_ident()
 
     def pre_run_cell(info=None) -> None:
-        parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else {}
-        start_cell((parent or {}).get("header", {}).get("msg_id", ""))
+        start_cell(request_id())
 
     shell.events.register("pre_run_cell", pre_run_cell)
-    finish = kernel.finish_metadata
 
-    def finish_metadata(parent, metadata, reply_content):
-        metadata = finish(parent, metadata, reply_content)
-        if parent.get("header", {}).get("msg_type") == "execute_request":
-            said = end_cell()
-            if said is not None:
-                metadata["spmd_census"] = said
-        return metadata
 
-    kernel.finish_metadata = finish_metadata
-
-    def census(stream, ident, parent) -> None:
-        content = {"status": "ok", "census": of(parent["content"].get("request"))}
-        kernel.session.send(stream, "spmd_census_reply", content, parent, ident)
-
-    kernel.control_handlers[CENSUS] = census
+def digest_into(parent: dict, metadata: dict) -> None:
+    """(main thread) A cell's reply: its record ends, and its digest goes in the metadata."""
+    if parent.get("header", {}).get("msg_type") == "execute_request":
+        said = end_cell()
+        if said is not None:
+            metadata[wire.CENSUS_DIGEST] = said

@@ -5,17 +5,19 @@ is multithreaded (jax, the engine's IO threads), so JAX warns at every ``!cmd`` 
 was called ... this will likely lead to a deadlock", and it can. ``subprocess`` spawns the
 command without running Python in a forked child, so neither the warning nor the risk apply.
 The output reaches the cell's stdout line by line, as with IPython's own ``!cmd``.
+
+``system`` is the rank's shell's own ``system`` method (engine/kernel.py).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 
 def system(shell, cmd: str) -> None:
-    """IPython's ``system_piped``, with ``subprocess`` in place of pexpect."""
+    """IPython's ``system_piped``, with ``subprocess`` in place of pexpect. (A method of the
+    rank's shell as it is: no frame of its own between the cell and ``var_expand``.)"""
     if cmd.rstrip().endswith("&"):
         raise OSError("Background processes not supported.")
     # depth=1: the variables of the frame that wrote !cmd, as IPython's own system does
@@ -43,7 +45,3 @@ def system(shell, cmd: str) -> None:
     if shell.system_raise_on_error and exit_code != 0:
         raise subprocess.CalledProcessError(exit_code, cmd)
 
-
-def install(shell) -> None:
-    """Make ``!cmd`` in this rank's cells use ``system``."""
-    shell.system = types.MethodType(system, shell)

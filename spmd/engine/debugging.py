@@ -85,28 +85,28 @@ def listen(cells_folder: str) -> dict:
     ipykernel.debugger.get_tmp_directory = cells_here
 
     loop = kernel.control_thread.io_loop
-    debugger = _on_control_thread(loop, lambda: _make_debugger(kernel, ipykernel.debugger))
+    debugger, stream = _on_control_thread(loop, lambda: _make_debugger(kernel, ipykernel.debugger))
     # debugpy's adapter picks its own free port: one found free here first (ipykernel binds
     # and unbinds a socket) could be taken by another rank before the adapter bound it
     # (seen at a restart: "Address already in use")
     client = debugger.debugpy_client
     client.debugpy_host, client.debugpy_port = debugpy.listen((client.debugpy_host, 0))
     debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
-    kernel.debugger = debugger
+    kernel.debug_with(debugger, stream)  # (engine/kernel.py)
     asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
     _debugger = debugger
     return {"pid": os.getpid(), "new": True}
 
 
 def _make_debugger(kernel, module):
-    """The DAP socket and the Debugger, made on the control thread, whose loop serves them."""
+    """The Debugger and its DAP socket's stream, made on the control thread, whose loop serves
+    them."""
     import zmq
     from zmq.eventloop.zmqstream import ZMQStream
 
     socket = zmq.Context.instance().socket(zmq.STREAM)
     socket.linger = 1000
     stream = ZMQStream(socket, kernel.control_thread.io_loop)
-    kernel.debugpy_stream = stream
     stream.on_recv(kernel.dispatch_debugpy, copy=False)
     debugger = module.Debugger(
         kernel.log,
@@ -118,7 +118,7 @@ def _make_debugger(kernel, module):
         kernel.debug_just_my_code,
         kernel.filter_internal_frames,
     )
-    return debugger
+    return debugger, stream
 
 
 def _on_control_thread(loop, fn):

@@ -3,9 +3,12 @@
 ``%env JAX_ENABLE_X64=1`` in auto mode runs on the ranks, and changes nothing there: jax read
 its ``JAX_*`` variables (and XLA its ``XLA_FLAGS``) when the rank imported it. A cell that
 changes one is told so once, by every rank alike (one grouped line), and the rank's reply
-carries its changes (``CHANGED``: every such variable changed since the rank started, its
-value, or None where it was removed); the notebook keeps them for the ranks its next
+carries its changes (``wire.ENV_CHANGED``: every such variable changed since the rank started,
+its value, or None where it was removed); the notebook keeps them for the ranks its next
 ``%spmd restart`` starts (restarts.py), which is when jax reads them.
+
+The rank's kernel (engine/kernel.py) makes the watch once the rank has joined and asks it for
+each reply's metadata.
 
 Threads: the main thread only (IPython's ``post_run_cell`` and the reply's metadata are the
 cell's, both on the main thread).
@@ -16,7 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
-CHANGED = "spmd_env"  # (a reply's metadata: the variables changed since the rank started)
+from spmd import wire
+
 PREFIXES = ("JAX_", "XLA_")
 
 
@@ -68,18 +72,15 @@ class ImportEnv:
         return {k: self.last.get(k) for k in self.last.keys() | self.started.keys()
                 if self.last.get(k) != self.started.get(k)}
 
+    def into(self, metadata: dict) -> None:
+        """A reply's metadata: the changes, if the last reply did not carry them."""
+        if self.unsent:
+            metadata[wire.ENV_CHANGED] = self.changes()
+            self.unsent = False
 
-def install(kernel, shell) -> None:
-    """(From the rank's main thread, once joined.)"""
-    watch = ImportEnv()
-    shell.events.register("post_run_cell", watch.after_cell)
-    finish = kernel.finish_metadata
 
-    def finish_metadata(parent, metadata, reply_content):
-        metadata = finish(parent, metadata, reply_content)
-        if watch.unsent:
-            metadata[CHANGED] = watch.changes()
-            watch.unsent = False
-        return metadata
-
-    kernel.finish_metadata = finish_metadata
+def watch(shell) -> ImportEnv:
+    """A watch over this rank's cells, from now (from the rank's main thread, once joined)."""
+    watching = ImportEnv()
+    shell.events.register("post_run_cell", watching.after_cell)
+    return watching

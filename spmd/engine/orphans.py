@@ -29,6 +29,13 @@ def end_children() -> None:
             pass
 
 
+def exit_now(signum: int) -> None:
+    """End what this process started (its cells' subprocesses, DataLoader workers: they would
+    outlive it, reparented to init), then this process, as a signal ``signum`` would."""
+    end_children()
+    os._exit(128 + signum)
+
+
 def _descendants_from_proc(pid: int) -> list | None:
     """psutil handles on ``pid``'s descendants, from Linux's list of each thread's children
     (None where there is none). psutil's own way reads every process on the machine: at a

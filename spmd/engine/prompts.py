@@ -1,10 +1,11 @@
 """On a rank: ``input()``, ``getpass`` and pdb's prompt, answered by the person at the notebook.
 
 A rank's kernel has no front end of its own (ipyparallel never allows stdin), so its
-``raw_input`` and ``getpass`` are replaced: the prompt goes to the notebook as a display
-message of its own type on the rank's output channel, and the answer comes back on the control
-channel, which the kernel serves on its own thread while the cell waits here. Both channels are
-ipyparallel's: signed with the cluster's key, encrypted off the loopback; no new socket.
+``raw_input`` and ``getpass`` are these (engine/kernel.py): the prompt goes to the notebook as
+a display message of its own type (``wire.PROMPT_MIME``) on the rank's output channel, and the
+answer comes back on the control channel (``wire.PROMPT_ANSWER``), which the kernel serves on
+its own thread while the cell waits here. Both channels are ipyparallel's: signed with the
+cluster's key, encrypted off the loopback; no new socket.
 
 ``breakpoint()`` and ``pdb.set_trace()`` first ask the notebook whether this rank should stop:
 by default only the lowest rank that reaches a breakpoint in a cell stops, and the others go on
@@ -18,10 +19,8 @@ import queue
 import sys
 import uuid
 
+from spmd import wire
 from spmd.engine import debugging
-
-REQUEST = "application/vnd.spmd.prompt+json"  # the display message that carries a request
-ANSWER = "spmd_prompt_answer"  # the control request that carries the answer
 
 _waiting: dict[str, queue.SimpleQueue] = {}
 
@@ -37,7 +36,7 @@ def ask(kind: str, prompt: str = "", password: bool = False) -> dict:
     answers = _waiting[rid] = queue.SimpleQueue()
     try:
         request = {"id": rid, "kind": kind, "prompt": prompt, "password": password}
-        display({REQUEST: request, "text/plain": ""}, raw=True)
+        display({wire.PROMPT_MIME: request, "text/plain": ""}, raw=True)
         while True:
             try:  # (a timeout, so that SIGINT gets through)
                 return answers.get(timeout=0.1)
@@ -98,22 +97,17 @@ def _set_trace(*, header=None) -> None:
     _stop_here(sys._getframe(1), header)
 
 
-def install(kernel) -> None:
-    """Route this rank's prompts to the notebook (from the main thread, once joined)."""
+def answer(content: dict) -> bool:
+    """(the control thread) The notebook's answer, to the prompt waiting for it: whether one
+    was."""
+    waiting = _waiting.get(content.get("id", ""))
+    if waiting is not None:
+        waiting.put(content)
+    return waiting is not None
 
-    def answer(stream, ident, parent) -> None:
-        content = parent["content"]
-        waiting = _waiting.get(content.get("id", ""))
-        if waiting is not None:
-            waiting.put(content)
-        kernel.session.send(
-            stream, "spmd_prompt_answer_reply", {"status": "ok", "taken": waiting is not None},
-            parent, ident,
-        )
 
-    kernel.control_handlers[ANSWER] = answer
-    # ipykernel puts these in builtins.input and getpass.getpass for every cell
-    kernel.raw_input = raw_input
-    kernel.getpass = getpass
+def route_breakpoints() -> None:
+    """``breakpoint()`` and ``pdb.set_trace()`` ask the notebook first (from the main thread,
+    once joined)."""
     sys.breakpointhook = breakpoint_hook
     pdb.set_trace = _set_trace

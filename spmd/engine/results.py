@@ -21,38 +21,40 @@ import itertools
 import sys
 import threading
 
+from spmd import wire
 from spmd.engine.shards import shown_token
 
-MIME = "application/vnd.spmd.global-array+json"  # (spmd.cluster.lockstep.outputs.GLOBAL_ARRAY_MIME)
+# (the notebook's magics/values.py and lockstep/outputs.py read it too)
+MIME = wire.GLOBAL_ARRAY_MIME
 
 # numpy's print options that decide the printed form (the notebook prints with the rank's)
 _OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "floatmode",
             "sign", "nanstr", "infstr", "legacy")
 
 
-def install(shell) -> None:
+def show_global_arrays(shell) -> None:
     """Show process-spanning jax.Arrays and torch DTensors once (their library imported now,
-    or by a later cell)."""
+    or by a later cell): formatters of the shell's, which give parts for a cell's result only
+    (``formatting_result``)."""
     formatter = shell.display_formatter.mimebundle_formatter
-    # Only for a cell's result: a display() of one shows jax's placeholder (the notebook
-    # keeps the parts for a result only), so its corners would travel for nothing.
-    hook = shell.displayhook
-    compute = hook.compute_format_data
-
-    def for_the_result(result):
-        _showing.result = True
-        try:
-            return compute(result)
-        finally:
-            _showing.result = False
-
-    hook.compute_format_data = for_the_result
     jax = sys.modules.get("jax")
     if jax is not None:
         formatter.for_type(jax.Array, _bundle)
     else:  # (by the concrete class's name, looked up once a value of it is shown)
         formatter.for_type_by_name("jaxlib._jax", "ArrayImpl", _bundle)
     formatter.for_type_by_name("torch.distributed.tensor", "DTensor", _torch_bundle)
+
+
+def formatting_result(compute, result):
+    """``compute(result)``: the shell's displayhook formatting a cell's result (the rank's
+    shell, engine/kernel.py). Only then are the parts made: a display() of one shows jax's
+    placeholder (the notebook keeps the parts for a result only), so its corners would travel
+    for nothing."""
+    _showing.result = True
+    try:
+        return compute(result)
+    finally:
+        _showing.result = False
 
 
 def _layout_words(sharding) -> str:

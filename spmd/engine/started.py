@@ -7,7 +7,7 @@ long RuntimeError, one per rank. Here the same calls say what the rank already h
 initialize, or a device count that matches, gets one line and the cell carries on; a count
 that does not gets one sentence (AlreadyStarted, shown without a traceback) with the
 ``%spmd start`` that gives what was asked. ``install`` runs once the rank has joined
-(bootstrap.joined), on its main thread; the wrappers run on the cell's thread, the main
+(the rank's kernel, engine/kernel.py), on its main thread; the wrappers run on the cell's thread, the main
 thread.
 """
 

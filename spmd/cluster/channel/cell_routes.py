@@ -1,12 +1,12 @@
 """The notebook's side of a cell sent once for all its ranks (controller/fanout.py).
 
-``send`` hands one signed ``spmd_cell_request`` to the controller's fan-out; the ranks'
+``send`` hands one signed ``wire.CELL_REQUEST`` to the controller's fan-out; the ranks'
 replies come back gathered, a message for all the replies that arrived together. Each rank's
 outputs still come one by one through the IOPub relay, and go straight to the cell (not
 through ipyparallel's futures and its per-request record of every stream).
 
 A rank has finished its cell when its reply has come and as many outputs as the reply says
-it sent (``spmd_iopub``, engine/quiet.py). A rank whose reply carries no count sends its
+it sent (``wire.IOPUB_COUNT``, engine/quiet.py). A rank whose reply carries no count sends its
 ``status: idle`` instead, and has finished when that has come too. The cell then hears
 ``(rank, DONE, the rank's census digest)``; the outputs as ``(rank, msg_type, content)``.
 A rank that has finished leaves the routes: what it prints later (a thread of the cell) is a
@@ -32,9 +32,7 @@ import zmq
 from ipyparallel import util
 from zmq.eventloop.zmqstream import ZMQStream
 
-from spmd.controller.fanout import PORT_KEY, REPLIES, REQUEST
-from spmd.engine.import_env import CHANGED
-from spmd.engine.quiet import COUNT
+from spmd import wire
 
 DONE = "done"
 # Requests remembered whose ranks have not finished (a backstop: a rank that ended is
@@ -74,7 +72,7 @@ class CellRoutes:
         socket = client._context.socket(zmq.DEALER)
         # (its own identity, kept if it reconnects: replies to the one before would be lost)
         socket.routing_id = f"spmd-cells-{uuid.uuid4()}".encode()
-        util.connect(socket, f"{cfg['interface']}:{cfg[PORT_KEY]}",
+        util.connect(socket, f"{cfg['interface']}:{cfg[wire.CELLS_PORT]}",
                      curve_serverkey=client.curve_serverkey,
                      curve_publickey=client.curve_publickey,
                      curve_secretkey=client.curve_secretkey)
@@ -97,7 +95,7 @@ class CellRoutes:
         client = self.client
         if client._closed:
             raise OSError("Connections have been closed.")  # (as ipyparallel's own sends)
-        msg = client.session.msg(REQUEST, content={})
+        msg = client.session.msg(wire.CELL_REQUEST, content={})
         cell_id = msg["header"]["msg_id"]
         ids = {rank: f"{cell_id}_{rank}" for rank in ranks}
         msg["content"] = {
@@ -149,18 +147,18 @@ class CellRoutes:
         except Exception:
             log.warning("a bad message from the controller's fan-out was dropped")
             return
-        if msg["header"]["msg_type"] != REPLIES:
+        if msg["header"]["msg_type"] != wire.CELL_REPLIES:
             return
         for msg_id, metadata in msg["content"]["replies"]:
-            changed = metadata.get(CHANGED)
+            changed = metadata.get(wire.ENV_CHANGED)
             if changed is not None:  # (a cell set JAX_* on the ranks: the restart keeps it)
                 self.rank_env = {**self.rank_env, **changed}
             route = self.routes.get(msg_id)
             if route is None:  # (its cell ended without it)
                 continue
-            route.census = metadata.get("spmd_census")
+            route.census = metadata.get(wire.CENSUS_DIGEST)
             # (a rank that did not count sends its idle: it is waited for)
-            route.sent = metadata.get(COUNT, -1)
+            route.sent = metadata.get(wire.IOPUB_COUNT, -1)
             self._maybe_done(msg_id, route)
 
     def _maybe_done(self, msg_id: str, route: _Route) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from spmd.engine import control
+from spmd import wire
 
 
 def request(client, engine_ids: list[int], msg_type: str, content: dict, timeout: float,
@@ -56,13 +56,13 @@ def drop(client, future) -> None:
 def stacks(client, engine_ids: list[int], timeout: float = 1.0) -> dict[int, list | None]:
     """{engine id: its main thread's frames as [file, line, function, source] (None: no
     answer)}."""
-    replies = request(client, engine_ids, control.WHERE, {}, timeout)
+    replies = request(client, engine_ids, wire.WHERE_REQUEST, {}, timeout)
     return {eid: None if reply is None else reply.get("frames") for eid, reply in replies.items()}
 
 
 def signal(client, engine_ids: list[int], signum: int, timeout: float = 1.0) -> list[int]:
     """Send ``signum`` to the engines' processes; the engine ids that confirmed it."""
-    replies = request(client, engine_ids, control.SIGNAL, {"signum": int(signum)}, timeout)
+    replies = request(client, engine_ids, wire.SIGNAL_REQUEST, {"signum": int(signum)}, timeout)
     return [eid for eid, reply in replies.items() if reply is not None]
 
 

@@ -11,9 +11,10 @@ encoded: [program, argument types, times]).
 
 from __future__ import annotations
 
+from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.lockstep.run import rank_words
-from spmd.engine.census import CENSUS, TORCH_COLLECTIVES
+from spmd.engine.census import TORCH_COLLECTIVES
 
 HINTS = {
     "shapes": "Pad every process's input to a size agreed by every process (a constant, not "
@@ -46,7 +47,7 @@ def _ask(client, engine_ids: dict[int, int], requests: dict[int, str] | None,
          timeout: float) -> dict[int, dict | None]:
     """{rank: its census reply (None: no answer)}."""
     asked = {eid: {"request": (requests or {}).get(rank)} for rank, eid in engine_ids.items()}
-    replies = control.request(client, list(asked), CENSUS, {"request": None}, timeout,
+    replies = control.request(client, list(asked), wire.CENSUS_REQUEST, {"request": None}, timeout,
                               contents=asked)
     return {rank: replies.get(engine_id) for rank, engine_id in engine_ids.items()}
 

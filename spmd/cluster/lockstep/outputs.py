@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmd import wire
+
 # Gloo writes this to the C-level stdout of every process when it connects; it says nothing
 # the user asked for. Two device threads connecting at once interleave their lines, so any
 # line with a piece of it goes.
@@ -179,7 +181,7 @@ def same_on_every_rank(text: str) -> str:
     return _CELL_PATH.sub("<cell>", text) if "ipykernel_" in text else text
 
 
-GLOBAL_ARRAY_MIME = "application/vnd.spmd.global-array+json"  # (spmd.engine.results.MIME)
+GLOBAL_ARRAY_MIME = wire.GLOBAL_ARRAY_MIME  # (a rank's value over several processes)
 
 
 def output_from_message(msg_type: str, content: dict) -> Output | None:

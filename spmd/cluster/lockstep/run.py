@@ -22,11 +22,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.channel.cell_routes import DONE
 from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
-from spmd.engine import prompts
-from spmd.engine.quiet import COUNTED
 
 
 @dataclass
@@ -67,7 +66,7 @@ class CellRun:
             self._pending.add(rank)
         ranks = {rank: (eid, client._engines[eid]) for rank, eid in self.engine_ids.items()}
         # (the ranks count their outputs into their replies, and send no idle)
-        self.requests = client.cells.send(self.code, {COUNTED: True}, ranks, self._events.put)
+        self.requests = client.cells.send(self.code, {wire.COUNTED: True}, ranks, self._events.put)
 
     def debugger_paused(self) -> list[int]:
         """Ranks of this cell paused in JupyterLab's debugger (the client hears their stops)."""
@@ -125,8 +124,8 @@ class CellRun:
         if out is None:
             return
         self.last_output = time.monotonic()
-        if out.kind == "display" and prompts.REQUEST in out.data:
-            self._requests.append((rank, out.data[prompts.REQUEST]))
+        if out.kind == "display" and wire.PROMPT_MIME in out.data:
+            self._requests.append((rank, out.data[wire.PROMPT_MIME]))
             self.prompting.add(rank)
             return
         if self.log is not None and out.kind in ("stdout", "stderr"):
@@ -175,7 +174,7 @@ class CellRun:
         control.request(
             self.client,
             [self.engine_ids[rank]],
-            prompts.ANSWER,
+            wire.PROMPT_ANSWER,
             {**answer, "id": request["id"]},
             timeout=5.0,
         )

@@ -1,0 +1,183 @@
+"""The rank's kernel: ipyparallel's engine kernel with what a rank adds to it, in one class.
+
+ipyparallel's engine app makes its kernel and its session from the names ``Kernel`` and
+``Session`` of ``ipyparallel.engine.app``; ``bootstrap.main`` names the classes here before
+the engine starts (a rank forked by the rank server runs main too), so the kernel is this one
+from its first message. ipyparallel extends ipykernel's kernel the same way
+(``IPythonParallelKernel``: its message types, its ``finish_metadata``). The modules named
+below keep the logic; this class says when it runs.
+
+What a rank adds:
+
+- its shell (``RankShell``): ``!cmd`` without a fork (commands.py), and a cell's value that
+  spans processes, shown once (results.py);
+- ``input()`` and ``getpass``, answered in the notebook (prompts.py);
+- no ``status: busy`` or ``execute_input``, and a counted cell's outputs counted into its
+  reply instead of its idle (quiet.py; ``RankSession``, which every message the rank sends
+  goes through, does the counting);
+- its replies' metadata, made in one place (``finish_metadata``);
+- once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
+  requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
+  (census.py), the watch on the JAX_* variables (import_env.py), jax's setup said in a line
+  (started.py), breakpoints asked in the notebook (prompts.py). Until then a rank answers
+  none of these control requests: the notebook reads no answer as a rank it cannot reach
+  that way.
+
+Threads: shell requests, ``finish_metadata`` and ``rank_joined`` run on the main thread;
+the control requests on the kernel's control thread (they read copies, or hand the answer
+over through a queue: census.py, prompts.py); ``RankSession.send`` on whichever thread sends
+(quiet.py says how the counts are shared).
+"""
+
+from __future__ import annotations
+
+from ipykernel.displayhook import ZMQShellDisplayHook
+from ipykernel.zmqshell import ZMQInteractiveShell
+from ipyparallel.engine.kernel import IPythonParallelKernel
+from jupyter_client.session import Session
+from traitlets import Type
+
+from spmd import wire
+from spmd.engine import (
+    census,
+    commands,
+    control,
+    import_env,
+    prompts,
+    quiet,
+    results,
+    started,
+)
+
+
+class RankSession(Session):
+    """jupyter_client's session, counting what the rank sends (quiet.py). ipyparallel's engine
+    signs and sends everything with it: the replies, and on IOPub the streams, displays and
+    results of a cell."""
+
+    def send(self, *args, **kwargs):
+        msg = super().send(*args, **kwargs)
+        quiet.sent(msg)
+        return msg
+
+
+class ResultHook(ZMQShellDisplayHook):
+    """The shell's displayhook: a cell's result, whose parts results.py makes while it is
+    formatted."""
+
+    def compute_format_data(self, result):
+        return results.formatting_result(super().compute_format_data, result)
+
+
+class RankShell(ZMQInteractiveShell):
+    """ipykernel's shell, as a rank's."""
+
+    # (the function itself: no frame of its own between the cell and var_expand's depth)
+    system = commands.system
+    displayhook_class = Type(ResultHook)
+
+
+class RankKernel(IPythonParallelKernel):
+    """ipyparallel's engine kernel, as a rank's."""
+
+    shell_class = Type(RankShell)
+    # ipykernel puts these in builtins.input and getpass.getpass for every cell (the functions
+    # themselves: no frame of the kernel's in the prompt's traceback)
+    raw_input = staticmethod(prompts.raw_input)
+    getpass = staticmethod(prompts.getpass)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        quiet.quiet_log(self.log)
+        self._env: import_env.ImportEnv | None = None  # (the watch, once joined)
+        self._main_thread: int | None = None  # (where cells run: its stack is the rank's)
+
+    def rank_joined(self, backends: list[str], main_thread: int) -> None:
+        """The rank has joined its job (bootstrap.joined, on the main thread): what needs the
+        backends imported, and the requests only a joined rank answers."""
+        shell = self.shell
+        results.show_global_arrays(shell)  # (a cell's value that spans processes, shown once)
+        started.install()  # (a cell that sets up jax again is told what the rank has)
+        census.record_cells(shell, self._request_id)  # (each cell's cross-process launches)
+        self._env = import_env.watch(shell)  # (a cell that sets JAX_*: kept for the restart)
+        if "jax" in backends:
+            census.install_jax()
+        if "torch" in backends:
+            census.install_torch()
+        # faulthandler names threads by this id; the notebook picks the main thread's stack.
+        self._main_thread = main_thread
+        self.control_handlers.update({
+            wire.WHERE_REQUEST: self.where_request,
+            wire.SIGNAL_REQUEST: self.signal_request,
+            wire.CENSUS_REQUEST: self.census_request,
+            wire.PROMPT_ANSWER: self.prompt_answer,
+        })
+        prompts.route_breakpoints()  # (pdb, answered in the notebook)
+
+    def _request_id(self) -> str:
+        """The id of the shell request running now ('' between requests)."""
+        return (self.get_parent("shell") or {}).get("header", {}).get("msg_id", "")
+
+    # -- a reply's metadata ----------------------------------------------------------------
+
+    def finish_metadata(self, parent, metadata, reply_content):
+        """ipyparallel's (the status, and the engine on an error), then the rank's, in this
+        order: the census's digest of a cell (its record ends here), the JAX_* variables
+        changed since the last reply, and last the count of the request's IOPub messages, taken
+        when nothing more is sent before the reply."""
+        metadata = super().finish_metadata(parent, metadata, reply_content)
+        census.digest_into(parent, metadata)
+        if self._env is not None:
+            self._env.into(metadata)
+        quiet.count_into(parent, metadata)
+        return metadata
+
+    # -- IOPub: what no one reads is not sent (quiet.py) ------------------------------------
+
+    def _publish_status(self, status, channel, parent=None):
+        if status == "busy":
+            return
+        if status == "idle" and quiet.idles_to_leave_out() and quiet.leave_out_idle(
+                parent or self.get_parent(channel)):
+            return
+        super()._publish_status(status, channel, parent)
+
+    def _publish_execute_input(self, code, parent, execution_count):
+        return None
+
+    async def execute_request(self, stream, ident, parent):
+        request = quiet.start_counting(parent)
+        try:
+            result = super().execute_request(stream, ident, parent)
+            if hasattr(result, "__await__"):
+                await result
+        finally:  # (a request that sent no reply: its idle goes, and nothing is left)
+            quiet.stop_counting(request)
+
+    # -- control requests, once joined (spmd/wire.py) ---------------------------------------
+
+    def where_request(self, stream, ident, parent) -> None:
+        content = {"status": "ok", "frames": control.stack_of(self._main_thread)}
+        self.session.send(stream, wire.WHERE_REPLY, content, parent, ident)
+
+    def signal_request(self, stream, ident, parent) -> None:
+        signum = int(parent["content"]["signum"])
+        self.session.send(stream, wire.SIGNAL_REPLY, {"status": "ok"}, parent, ident)
+        control.signal_self(stream, signum)
+
+    def census_request(self, stream, ident, parent) -> None:
+        content = {"status": "ok", "census": census.of(parent["content"].get("request"))}
+        self.session.send(stream, wire.CENSUS_REPLY, content, parent, ident)
+
+    def prompt_answer(self, stream, ident, parent) -> None:
+        taken = prompts.answer(parent["content"])
+        self.session.send(stream, wire.PROMPT_ANSWER_REPLY, {"status": "ok", "taken": taken},
+                          parent, ident)
+
+    # -- JupyterLab's debugger (debugging.py) -----------------------------------------------
+
+    def debug_with(self, debugger, stream) -> None:
+        """ipykernel's Debugger and its DAP socket's stream, made by debugging.listen (main
+        thread): ipykernel's own kernel makes them at its start, which an engine's leaves out."""
+        self.debugpy_stream = stream
+        self.debugger = debugger
