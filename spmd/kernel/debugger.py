@@ -45,7 +45,6 @@ import time
 
 from IPython.core.inputtransformer2 import leading_empty_lines
 
-from spmd.cluster.channel import control
 from spmd.engine import debugging
 from spmd.kernel.dap import reply, with_arguments
 from spmd.kernel.references import References
@@ -144,10 +143,7 @@ class RankDebugger(Shown):
                                                or self.started):
             # (the ranks start debugpy between cells, on their main thread; never wait here
             # for the cell's lock: this is ipykernel's control thread, which shutdown needs)
-            free = session._life.acquire(blocking=False)
-            if free:
-                session._life.release()
-            if not free or session.gen.unfinished is not None:
+            if session.busy():  # (or ranks still run a cell the notebook stopped waiting for)
                 raise NoRanks("A cell is running on the ranks: turn the debugger on once it "
                               "has ended.")
         return session
@@ -326,10 +322,11 @@ class RankDebugger(Shown):
         short. Raises NoRanks, its text one sentence."""
         client = session.client
         dead, now = session.dead_ranks(), time.monotonic()
-        idents = {}
+        engines = {}
         for rank in requests:
             try:
-                idents[rank] = client._engines[session.ranks[rank].engine_id].encode("utf8")
+                engines[rank] = session.ranks[rank].engine_id
+                client.engine_ident(engines[rank])  # (KeyError: not registered now)
             except (KeyError, IndexError):
                 dead.add(rank)
             with self._lock:
@@ -342,8 +339,11 @@ class RankDebugger(Shown):
         for rank, request in requests.items():
             if told is not None:
                 told(rank)
-            futures[rank] = client._send(client._control_stream, "debug_request",
-                                         content=request, ident=idents[rank])
+            try:
+                futures[rank] = client.control(engines[rank], "debug_request", request)
+            except KeyError:  # (it ended since it was looked up above)
+                _drop(client, futures, {r: r for r in futures})
+                raise NoRanks(ended([rank])) from None
         slow = any(r.get("command") in SLOW for r in requests.values())
         seconds = ANSWER_SECONDS if slow else QUICK_SECONDS
         late = await _wait(session, futures, seconds)
@@ -386,7 +386,7 @@ async def _wait(session, futures: dict, seconds: float) -> list[int]:
 def _drop(client, futures: dict, waiting: dict) -> None:
     """The requests still unanswered leave the client's futures."""
     for rank in waiting.values():
-        control.drop(client, futures[rank])
+        client.drop(futures[rank])
 
 
 def left_out(rank: int, seconds: float) -> str:

@@ -87,12 +87,13 @@ class CellRoutes:
         if socket is not None and not socket.closed:
             self.stream.close(linger=linger)
 
-    def send(self, code: str, metadata: dict, ranks: dict[int, tuple[int, str]],
+    def send(self, code: str, metadata: dict, ranks: dict[int, int],
              events: Callable) -> dict[int, str]:
-        """(main thread) ``code`` to ``ranks`` (rank: (engine id, engine identity));
-        ``events`` is called on the IO thread with each of their events. {rank: the id of
-        its request}."""
+        """(main thread) ``code`` to ``ranks`` (rank: engine id); ``events`` is called on the
+        IO thread with each of their events. {rank: the id of its request}. KeyError: an
+        engine not registered."""
         client = self.client
+        idents = {rank: client.engine_ident(eid).decode() for rank, eid in ranks.items()}
         if client._closed:
             raise OSError("Connections have been closed.")  # (as ipyparallel's own sends)
         msg = client.session.msg(wire.CELL_REQUEST, content={})
@@ -101,10 +102,10 @@ class CellRoutes:
         msg["content"] = {
             "request": {"code": code, "silent": False, "user_expressions": {}},
             "metadata": metadata,
-            "targets": [[ident, ids[rank]] for rank, (_eid, ident) in ranks.items()],
+            "targets": [[idents[rank], ids[rank]] for rank in ranks],
         }
         frames = client.session.serialize(msg)
-        routes = {ids[rank]: _Route(rank, eid, events) for rank, (eid, _ident) in ranks.items()}
+        routes = {ids[rank]: _Route(rank, eid, events) for rank, eid in ranks.items()}
 
         def go() -> None:
             while len(self.routes) > REMEMBERED:  # (the oldest: ranks that died in a cell)

@@ -15,6 +15,10 @@ started prints on, under that cell's id, and each such message makes the entry a
   back gathered (``cells``, cell_routes.py); its ranks' outputs go straight to the cell, except
   that ipyparallel still relays a widget's comm messages to the front end;
 
+- other code reaches one engine through ``engine_ident``, and asks it on the control channel
+  through ``control`` (and ``drop``s a request left unanswered): nothing outside channel/
+  touches ipyparallel's client inside (spmd/internals.py lists what this folder touches);
+
 - a rank's debug events (JupyterLab's debugger, spmd/kernel/debugger.py) go to
   ``on_debug_event``, and the ranks paused in the debugger are kept in ``paused`` (engine id:
   its stopped threads), which the watchdog reads: a paused rank is not diverged.
@@ -164,6 +168,29 @@ class SpmdClient(ipyparallel.Client):
             self._engine_of[msg_id] = engine_id
             while len(self._engine_of) > RECENT_REQUESTS:
                 self._engine_of.popitem(last=False)
+
+    # -- the rank channel: what code outside channel/ does with one engine ------------------
+
+    def engine_ident(self, engine_id: int) -> bytes:
+        """(any thread: a read) The identity that routes a message to engine ``engine_id`` on
+        ipyparallel's sockets: the one way to reach an engine. KeyError: it is not registered
+        (it ended, or has not joined)."""
+        return self._engines[engine_id].encode("utf8")
+
+    def control(self, engine_id: int, msg_type: str, content: dict):
+        """(any thread) A request on the control channel (signed, encrypted off the loopback)
+        to one engine: the Future of its reply (``result()["content"]``). Raises KeyError for
+        an engine not registered, OSError once the client is closed. One that will not be
+        answered must be ``drop``-ped."""
+        return self._send(self._control_stream, msg_type, ident=self.engine_ident(engine_id),
+                          content=content)
+
+    def drop(self, future) -> None:
+        """(any thread) An unanswered request leaves the client's futures (its reply, should
+        it come, is then ignored). Cancelled on the IO thread, which is the one that sets
+        results."""
+        if not self._closed:  # (a closed client's futures went with it)
+            self._io_loop.add_callback(future.cancel)
 
     def resume(self, engine_ids: list[int]) -> None:
         """(any thread) These engines were told to go on in the debugger: not paused now.

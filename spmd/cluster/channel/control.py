@@ -2,6 +2,7 @@
 
 For ranks with no process handle on this machine (SSH, mpiexec, srun): their stacks and
 their signals travel on the channel ipyparallel already signs (and encrypts off the loopback).
+Requests go through the client's ``control`` and ``drop`` (client.py), called from any thread.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ def send_all(client, msg_type: str, sends: list[tuple[int, dict]], timeout: floa
     futures = []
     for engine_id, content in sends:
         try:
-            ident = client._build_targets([engine_id])[0][0]
-            futures.append(client._send(client._control_stream, msg_type, ident=ident,
-                                        content=content))
+            futures.append(client.control(engine_id, msg_type, content))
         except Exception:  # unregistered (dead), or the client is closed
             futures.append(None)
     deadline = time.monotonic() + timeout
@@ -40,17 +39,10 @@ def send_all(client, msg_type: str, sends: list[tuple[int, dict]], timeout: floa
         except Exception:  # no future, a timeout
             replies.append(None)
             if future is not None:
-                drop(client, future)
+                client.drop(future)
             continue
         replies.append(msg["content"])
     return replies
-
-
-def drop(client, future) -> None:
-    """(any thread) An unanswered request leaves the client's futures (its reply, should it
-    come, is then ignored). Cancelled on the IO thread, which is the one that sets results."""
-    if not client._closed:  # (a closed client's futures went with it)
-        client._io_loop.add_callback(future.cancel)
 
 
 def stacks(client, engine_ids: list[int], timeout: float = 1.0) -> dict[int, list | None]:

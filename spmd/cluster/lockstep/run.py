@@ -64,9 +64,9 @@ class CellRun:
         for rank in self.engine_ids:
             self.cells[rank] = RankCell(rank, max_lines=self.max_lines)
             self._pending.add(rank)
-        ranks = {rank: (eid, client._engines[eid]) for rank, eid in self.engine_ids.items()}
         # (the ranks count their outputs into their replies, and send no idle)
-        self.requests = client.cells.send(self.code, {wire.COUNTED: True}, ranks, self._events.put)
+        self.requests = client.cells.send(self.code, {wire.COUNTED: True}, self.engine_ids,
+                                          self._events.put)
 
     def debugger_paused(self) -> list[int]:
         """Ranks of this cell paused in JupyterLab's debugger (the client hears their stops)."""
