@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import inspect
 import re
+import types
 from dataclasses import dataclass
 
 
@@ -36,15 +37,16 @@ INTERNALS = [
     Internal("ipyparallel", "ipyparallel", "Client._dispatch_iopub.__wrapped__", "notebook",
              "outputs that come after their cell ended (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._engines", "notebook",
-             "an engine's identity, to send a cell to a rank (lockstep/run.py)"),
+             "an engine's identity, to reach one engine: a cell, a control request "
+             "(channel/client.py)"),
     *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
                "the socket to the controller's cell fan-out (channel/cell_routes.py)")
       for name in ("_setup_streams", "_context", "_config", "_closed", "curve_serverkey",
                    "curve_publickey", "curve_secretkey", "_unregister_engine")],
     *[Internal("ipyparallel", "ipyparallel.controller.app", f"IPController.{name}", "notebook",
                "the controller's cell fan-out (controller/fanout.py)")
-      for name in ("init_hub", "save_connection_dict", "client_json_file", "connect",
-                   "client_url", "enable_curve", "curve_secretkey", "client_transport",
+      for name in ("init_hub", "client_json_file", "connect",
+                   "client_url", "curve_secretkey", "client_transport",
                    "client_ip", "context", "loop", "session")],
     *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
                "the hub reads its monitor's waiting messages in one go (controller/hub.py)")
@@ -57,20 +59,15 @@ INTERNALS = [
              "the heart monitor's process starts with hearts.py installed (controller/hearts.py)"),
     Internal("ipyparallel", "ipyparallel", "Client._futures", "notebook",
              "whether an output's request (%px, apply) is still running (client.py)"),
-    Internal("ipyparallel", "ipyparallel", "Client._build_targets", "notebook",
-             "control-channel requests to ranks (control.py)"),
-    Internal("ipyparallel", "ipyparallel", "Client._send", "notebook",
-             "control-channel requests to ranks (control.py)"),
-    Internal("ipyparallel", "ipyparallel", "Client._control_stream", "notebook",
-             "control-channel requests to ranks (control.py)"),
-    Internal("ipyparallel", "ipyparallel", "Client._query_socket", "notebook",
-             "the controller's list of engines, for one whose announcement was missed "
-             "(client.py)"),
-    Internal("ipyparallel", "ipyparallel", "Client._update_engines", "notebook",
-             "the controller's list of engines, for one whose announcement was missed "
-             "(client.py)"),
+    *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
+               "control-channel requests to ranks (channel/client.py)")
+      for name in ("_send", "_control_stream")],
+    *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
+               "the controller's list of engines, for one whose announcement was missed "
+               "(channel/client.py)") for name in ("_query_stream", "_update_engines")],
     Internal("ipyparallel", "ipyparallel", "Client._io_loop", "notebook",
-             "the IO thread that owns the client's engine tables (client.py)"),
+             "the IO thread that owns the client's engine tables (channel/client.py, "
+             "channel/cell_routes.py)"),
     *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
                "the controller keeps of each request only its id (controller/hub.py)")
       for name in ("save_queue_request", "save_queue_result", "monitor_iopub_message",
@@ -80,18 +77,33 @@ INTERNALS = [
     Internal("ipyparallel", "ipyparallel.client.client", "unpack_message", "notebook",
              "the decorator of Client._dispatch_iopub (client.py)"),
     Internal("ipyparallel", "ipyparallel", "Cluster._in_thread", "notebook",
-             "the cluster's calls on its own event-loop thread (startup.py, session.py)"),
+             "the cluster's calls on its own event-loop thread (the start, a restart, the "
+             "stop: cluster/)"),
     Internal("ipyparallel", "ipyparallel", "Cluster._thread_loop", "notebook",
-             "the event loop that starts and stops the cluster (launch.py, session.py)"),
+             "the event loop that starts and stops the cluster, closed by the stop "
+             "(cluster/stopping.py)"),
     Internal("ipyparallel", "ipyparallel", "Cluster._async_thread", "notebook",
-             "the thread of the cluster's event loop, whose loop the stop closes (session.py)"),
-    Internal("ipyparallel", "ipyparallel.cluster.launcher", "LocalEngineLauncher._wait",
-             "notebook", "a rank's exit code, seen in the middle of a cell (launch.py)"),
+             "the thread of the cluster's event loop, whose loop the stop closes "
+             "(cluster/stopping.py)"),
+    *[Internal("ipyparallel", "ipyparallel.cluster.launcher", f"LocalEngineLauncher.{name}",
+               "notebook", "a rank's exit code, seen in the middle of a cell (launch.py, "
+               "forks.py)") for name in ("_wait", "_stop_waiting", "_popen_process")],
+    *[Internal("ipyparallel", "ipyparallel.cluster.launcher", f"{launcher}._notice_engine_stopped",
+               "notebook", "a rank's launcher kept once it stopped, for the death report "
+               "(launch.py, ssh.py)")
+      for launcher in ("LocalEngineSetLauncher", "SSHEngineSetLauncher")],
     Internal("ipyparallel", "ipyparallel.cluster.launcher",
              "LocalProcessLauncher._start_waiting", "notebook",
              "the wait for a rank forked by the rank server (forks.py)"),
-    Internal("ipyparallel", "ipyparallel.cluster.launcher", "SSHEngineLauncher._wait",
-             "notebook", "a rank's exit code over ssh (ssh.py)"),
+    *[Internal("ipyparallel", "ipyparallel.cluster.launcher", f"SSHEngineLauncher.{name}",
+               "notebook", "a rank's exit code over ssh (ssh.py, forks.py)")
+      for name in ("_wait", "_start_waiting", "_stop_waiting")],
+    Internal("ipyparallel", "ipyparallel.cluster.launcher", "SSHEngineLauncher._output",
+             "notebook", "what a rank over ssh wrote, fetched only for a death report "
+             "(ssh.py, forks.py)"),
+    Internal("ipyparallel", "ipyparallel.cluster.launcher", "SSHEngineLauncher._ssh_sender",
+             "notebook", "every ssh command of a rank through its host's master connection "
+             "(ssh.py)"),
     Internal("ipyparallel", "ipyparallel.cluster.launcher", "_ssh_outputs", "notebook",
              "reading what a host's wait printed (ssh.py)"),
     Internal("ipyparallel", "ipyparallel.cluster.shellcmd", "ShellCommandSend._check_output",
@@ -101,9 +113,13 @@ INTERNALS = [
              "any sbatch option in the batch script (remote.py)"),
     Internal("ipyparallel", "ipyparallel.controller.app", "IPController.save_connection_dict",
              "notebook", "connection files written whole, and refused unencrypted "
-             "(controller.py)"),
+             "(controller/start.py; the fan-out adds its port, controller/fanout.py)"),
     Internal("ipyparallel", "ipyparallel.controller.app", "IPController.enable_curve",
-             "notebook", "CurveZMQ where ranks are on other machines (controller.py)"),
+             "notebook", "CurveZMQ where ranks are on other machines (controller/start.py, "
+             "and the fan-out's socket, controller/fanout.py)"),
+    Internal("ipyparallel", "ipyparallel.controller.app",
+             "IPController.get_default_logging_config", "notebook",
+             "the hub's logger at the level it writes (controller/hub.py)"),
     # ipyparallel, ipykernel and IPython, on every rank
     *[Internal("ipyparallel", "ipyparallel.engine.app", name, "rank",
                "the engine's kernel and session are the rank's own, set by name before the "
@@ -136,7 +152,10 @@ INTERNALS = [
                "(engine/debugging.py)", required=False) for project, module, path in (
         ("ipykernel", "ipykernel.debugger", "Debugger"),
         ("ipykernel", "ipykernel.debugger", "_is_debugpy_available"),
-        ("ipykernel", "ipykernel.debugger", "DebugpyClient.get_host_port"),
+        ("ipykernel", "ipykernel.debugger", "Debugger.debugpy_client"),
+        ("ipykernel", "ipykernel.debugger", "Debugger.debugpy_initialized"),
+        ("ipykernel", "ipykernel.debugger", "DebugpyClient.debugpy_host"),
+        ("ipykernel", "ipykernel.debugger", "DebugpyClient.debugpy_port"),
         ("ipykernel", "ipykernel.compiler", "get_tmp_directory"),
         ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.dispatch_debugpy"),
         ("ipykernel", "ipykernel.ipkernel", "IPythonKernel.poll_stopped_queue"),
@@ -148,13 +167,28 @@ INTERNALS = [
     )],
     # ipykernel, in the SPMD kernel
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",
-             "the ranks' debug events, shown to JupyterLab (kernel/debugger.py)"),
+             "the ranks' debug events, shown to JupyterLab (kernel/shown.py)"),
+    # jax, in the notebook (read where jax is imported already: never imported to look)
+    Internal("jax", "jax._src.xla_bridge", "_backends", "notebook",
+             "a warning that the notebook itself started jax's backends (magics/lifecycle.py)",
+             required=False),
     # jax, on every rank
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
              "which jitted calls span processes, for the census (engine/census.py)",
              required=False),
     Internal("jax", "jax._src.compiler", "_cache_write", "rank",
              "every rank writes its own compilation-cache entries (engine/jit_cache.py)",
+             required=False),
+    Internal("jax", "jax._src.xla_bridge", "_backends", "rank",
+             "whether jax made its backend before the rank's GPUs were chosen, in the start's "
+             "timeline (engine/bootstrap.py)", required=False),
+    Internal("jax", "jax._src.pjit", "_fun", "rank",
+             "where a jitted function was defined, for the census (engine/census.py)",
+             required=False),
+    # torch, on a rank that shows a DTensor's shards
+    Internal("torch", "torch.distributed.tensor._utils",
+             "_compute_local_shape_and_global_offset", "rank",
+             "which block of a DTensor each rank holds (engine/torch_shards.py)",
              required=False),
 ]
 
@@ -170,16 +204,18 @@ def _version(project: str) -> str:
         return "(not installed)"
 
 
-def missing(side: str, required_only: bool = False) -> list[str]:
-    """One sentence for each internal of ``side`` that is not where it should be."""
+def missing(side: str, required_only: bool = False, used_in: str = "") -> list[str]:
+    """One sentence for each internal of ``side`` that is not where it should be (only those
+    whose ``why`` names ``used_in``, where given: the others' modules are not imported)."""
     found = []
     for item in INTERNALS:
-        if item.side != side or (required_only and not item.required):
+        if item.side != side or (required_only and not item.required) or used_in not in item.why:
             continue
         try:
             value = importlib.import_module(item.module)
             for part in item.path.split("."):
-                value = getattr(value, part) if not isinstance(value, type) else _attr(value, part)
+                value = _attr(value, part) if isinstance(value, (type, types.ModuleType)) \
+                    else getattr(value, part)
         except (ImportError, AttributeError):
             found.append(
                 f"{item.project} {_version(item.project)} has no {item.module}.{item.path}, "
@@ -189,15 +225,18 @@ def missing(side: str, required_only: bool = False) -> list[str]:
     return found
 
 
-def _attr(cls: type, name: str):
-    """A class attribute, a traitlet of that name, or an attribute its instances set on
-    themselves (``self._mux_stream = ...`` in the class's code)."""
-    if name in getattr(cls, "class_traits", lambda: {})():
-        return cls.class_traits()[name]
-    if hasattr(cls, name):
-        return getattr(cls, name)
-    assigned = re.compile(rf"self\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)")
-    for klass in cls.__mro__:
+def _attr(owner: type | types.ModuleType, name: str):
+    """An attribute of a module or a class; for a class also a traitlet of that name, or an
+    attribute its instances set on themselves (``self._mux_stream = ...`` in the class's
+    code); for a module also one its code sets on the objects it makes (jax's pjit.py:
+    ``cpp_pjitted_f._fun = fun``, on a function object of C++)."""
+    if name in getattr(owner, "class_traits", lambda: {})():
+        return owner.class_traits()[name]
+    if hasattr(owner, name):
+        return getattr(owner, name)
+    who = r"self" if isinstance(owner, type) else r"\w+"
+    assigned = re.compile(rf"\b{who}\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)")
+    for klass in owner.__mro__ if isinstance(owner, type) else [owner]:
         try:
             source = inspect.getsource(klass)
         except TypeError:  # a built-in class (object): nothing it sets
