@@ -8,7 +8,6 @@ that starts the controller and the engines at the same time.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import os
 import sys
@@ -19,8 +18,8 @@ from ipyparallel import Cluster
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets.config import Config
 
-from spmd.cluster.launchers import remote, ssh
 from spmd.cluster.channel.client import SpmdClient
+from spmd.cluster.launchers import remote, ssh
 from spmd.engine import bootstrap as engine
 from spmd.engine import placement
 from spmd.engine.orphans import PARENT_ENV
@@ -222,14 +221,6 @@ class SpmdCluster(Cluster):
             if section is not None and "environment" in section:
                 return dict(section.environment)
         return {}
-
-    def in_background(self, async_f, *args) -> concurrent.futures.Future:
-        """ipyparallel's ``_in_thread`` without waiting: ``async_f`` runs on the cluster's
-        event-loop thread while the caller goes on. (asyncio's own hand-over: a coroutine
-        that is cancelled, or fails in any way, still resolves its Future.)"""
-        return asyncio.run_coroutine_threadsafe(
-            async_f(*args), self._thread_loop.asyncio_loop
-        )
 
     async def connect_client(self, **client_kwargs):
         """ipyparallel's connect_client, with the client that keeps late outputs (client.py)."""

@@ -120,14 +120,6 @@ def exited(process) -> bool:
         return True
 
 
-def launcher_ended(launcher) -> bool:
-    """Whether a launcher's engine has ended (or its start failed): by its local process
-    handle at once, else (over ssh) as its wait saw it."""
-    if getattr(launcher, "process", None) is not None:
-        return exited(launcher.process)
-    return launcher.state == "after" or getattr(launcher, "exited_at", None) is not None
-
-
 def kill_now(launchers, after: float = 0.0) -> None:
     """SIGKILL the processes of these local launchers still running ``after`` seconds from
     now (by their handles)."""
