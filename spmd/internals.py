@@ -113,7 +113,7 @@ INTERNALS = [
              "any sbatch option in the batch script (remote.py)"),
     Internal("ipyparallel", "ipyparallel.controller.app", "IPController.save_connection_dict",
              "notebook", "connection files written whole, and refused unencrypted "
-             "(controller/start.py; the fan-out adds its port, controller/fanout.py)"),
+             "(controller/start.py, with the fan-out's port: controller/fanout.py)"),
     Internal("ipyparallel", "ipyparallel.controller.app", "IPController.enable_curve",
              "notebook", "CurveZMQ where ranks are on other machines (controller/start.py, "
              "and the fan-out's socket, controller/fanout.py)"),

@@ -182,11 +182,11 @@ class CellFanout:
 
 
 def install() -> None:
-    """The fan-out starts with the controller's hub, and its port is in the client's
-    connection file."""
+    """The fan-out starts with the controller's hub (its port goes in the client's
+    connection file: ``with_port``)."""
     from ipyparallel.controller.app import IPController
 
-    init_hub, save = IPController.init_hub, IPController.save_connection_dict
+    init_hub = IPController.init_hub
 
     def init_hub_with_fanout(self) -> None:
         # (bound before the hub writes the connection files, which carry its port)
@@ -203,10 +203,12 @@ def install() -> None:
         self.connect(ranks, self.client_url("mux"))
         self._spmd_fanout = CellFanout(self.session, self.loop, cells, ranks)
 
-    def save_with_port(self, fname: str, cdict: dict) -> None:
-        if fname == self.client_json_file:
-            cdict = {**cdict, PORT_KEY: self._spmd_cells_port}
-        save(self, fname, cdict)
-
     IPController.init_hub = init_hub_with_fanout
-    IPController.save_connection_dict = save_with_port
+
+
+def with_port(controller, fname: str, cdict: dict) -> dict:
+    """The connection file's contents with the fan-out's port, where it is the client's
+    (start.py's writer asks, so that the writer is replaced once)."""
+    if fname == getattr(controller, "client_json_file", None):
+        return {**cdict, PORT_KEY: controller._spmd_cells_port}
+    return cdict

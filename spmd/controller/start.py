@@ -34,6 +34,9 @@ def save_connection_dict(self, fname: str, cdict: dict) -> None:
             "controller refuses to serve unencrypted traffic off the loopback.\n"
         )
         raise SystemExit(3)
+    from spmd.controller import fanout
+
+    cdict = fanout.with_port(self, fname, cdict)  # (the client's file: the fan-out's port)
     path = os.path.join(self.profile_dir.security_dir, fname)
     self.log.info("writing connection info to %s", path)
     fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{fname}.")
@@ -73,5 +76,5 @@ def main() -> None:
     IPController.save_connection_dict = save_connection_dict
     hub.install()
     hearts.install()
-    fanout.install()  # (after the connection files' writer: it adds its port to the client's)
+    fanout.install()
     controller_main()
