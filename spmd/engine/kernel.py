@@ -77,6 +77,12 @@ class RankShell(ZMQInteractiveShell):
     displayhook_class = Type(ResultHook)
 
 
+# Libraries tell a notebook from a terminal by the shell's class name: rich's Console (and so
+# jax.debug.visualize_array_sharding) draws HTML only under "ZMQInteractiveShell", and ANSI
+# text otherwise. The rank's shell keeps ipykernel's name, as the shell it extends.
+RankShell.__name__ = RankShell.__qualname__ = ZMQInteractiveShell.__name__
+
+
 class RankKernel(IPythonParallelKernel):
     """ipyparallel's engine kernel, as a rank's."""
 
