@@ -275,11 +275,36 @@ def wait_until_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+def described(proc: psutil.Process) -> str:
+    """A leftover process in one line: what it runs, who started it, in which network
+    namespace (a test's host, or this machine's), so that a failure names its source."""
+    try:
+        with proc.oneshot():
+            env = proc.environ()
+            chain = []
+            parent = proc.parent()
+            while parent is not None and len(chain) < 4:
+                chain.append(f"{parent.pid}:{parent.name()}")
+                parent = parent.parent()
+            netns = os.readlink(f"/proc/{proc.pid}/ns/net")
+            ours = os.readlink("/proc/self/ns/net")
+            keys = ("SPMD_PARENT_PID", "SPMD_RANK", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMI_RANK")
+            said = {k: env[k] for k in keys if k in env}
+            return (f"{proc.pid} {' '.join(proc.cmdline())[:200]!r} parents={chain} "
+                    f"netns={'ours' if netns == ours else netns} env={said}")
+    except (psutil.Error, OSError) as exc:
+        return f"{proc.pid} ({type(exc).__name__})"
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_processes():
     yield
     left = wait_until_gone(spmd_processes(), timeout=5)
-    assert not left, f"processes left running after the module: {[p.pid for p in left]}"
+    said = [described(p) for p in left]
+    for proc in left:  # (one module's leftover fails that module only, not every later one)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    assert not left, "processes left running after the module:\n" + "\n".join(said)
 
 
 def client_connection(session) -> dict:
