@@ -59,9 +59,14 @@ def start_args(processes, devices_per_process, backend, torch_backend, cluster) 
     if "torch" in str(backend):
         args += ["--torch-backend", str(torch_backend)]
     try:
-        return args + shlex.split(cluster or "")
+        given = shlex.split(cluster or "")
     except ValueError as exc:  # (a quote left open in a kernel.json or a config file)
         from IPython.core.error import UsageError
 
         raise UsageError(f"{exc} in {cluster}: close the quote in the kernel's cluster "
                          "setting (kernel.json or the config file)") from None
+    # The SPMD kernel's cluster does not linger unless its cluster setting asks: the kernel
+    # does not attach by itself yet, and a restarted kernel would start a second one beside.
+    if not any(a == "--linger" or a.startswith("--linger=") for a in given):
+        args += ["--linger", "0"]
+    return args + given

@@ -46,7 +46,7 @@ KILLED_NOTEBOOK = textwrap.dedent(
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "spmd")
-    shell.run_cell("%spmd start -n 2")
+    shell.run_cell("%spmd start -n 2 --linger 0")
     shell.run_cell("print('a line for the log')")
     magics = shell.magics_manager.registry["SpmdMagics"]
     s = magics.session

@@ -299,7 +299,7 @@ def test_a_killed_notebook_kernel_leaves_no_engine_behind():
     outputs: list = []
     try:
         reply = kc.execute_interactive(
-            "%load_ext spmd\n%spmd start -n 2 --backend none\n"
+            "%load_ext spmd\n%spmd start -n 2 --backend none --linger 0\n"
             "pids = [r.pid for r in get_ipython().magics_manager.registry['SpmdMagics'].session.ranks]\n"
             "print(pids)",
             timeout=60,

@@ -52,6 +52,9 @@ class Settings:
     # torch's own check of each collective (TORCH_DISTRIBUTED_DEBUG=DETAIL): every rank
     # compares the op, shapes and dtypes with the others' before running it.
     check_collectives: bool = False
+    # Seconds the cluster outlives a notebook process that died without stopping it (0:
+    # none), for a new notebook process to attach (linger.py).
+    linger: float = 0.0
 
 
 @dataclass(frozen=True)

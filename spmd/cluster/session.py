@@ -37,11 +37,13 @@ Who may touch what:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import shutil
 import threading
 import time
 
-from spmd.cluster import interrupts, restarts, stopping
+from spmd.cluster import interrupts, linger, restarts, stopping
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
 from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.late import LateOutputs
@@ -121,13 +123,8 @@ class Session:
         """Whether the ranks run (after a death they do not, though the controller may)."""
         return self.launch.cluster is not None and self.gen.death is None
 
-    @property
-    def cluster(self):
-        return self.launch.cluster
-
-    @property
-    def client(self):
-        return self.launch.client
+    cluster = property(lambda self: self.launch.cluster)
+    client = property(lambda self: self.launch.client)
 
     @property
     def rank_server(self):
@@ -186,6 +183,7 @@ class Session:
                     self.launch.open_cluster()
                     self._new_generation(self.launch.connect())
                     self.launch.join(self.gen.ranks)
+                    linger.keep(self.launch, self.gen.ranks)
                     break
                 except StartError as exc:
                     # another program took the coordinator's port in the meantime: once more,
@@ -251,6 +249,7 @@ class Session:
             self._new_generation(list(engine_ids))
             self.launch.tell_coordinator(coordinators)
             self.launch.join(self.gen.ranks)  # (coordinators given at the fork)
+        linger.keep(self.launch, self.gen.ranks)
 
     def stop(self, keep_cache: bool = False) -> None:
         """End every engine and the controller. Safe to call twice, and at exit.
@@ -278,6 +277,8 @@ class Session:
     def _stop(self, keep_cache: bool, end_loop: bool = True) -> None:
         atexit.unregister(self.stop)
         launch = self.launch
+        with contextlib.suppress(OSError):  # (nothing left to attach to)
+            os.remove(launch.record_path())
         if not keep_cache and launch.cache_dir and launch.cache_dir != self.settings.cache_dir:
             shutil.rmtree(launch.cache_dir, ignore_errors=True)
             launch.cache_dir = None

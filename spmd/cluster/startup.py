@@ -10,7 +10,6 @@ other threads read only ``record()``, a frozen copy, or the fields Session expos
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import secrets
 import subprocess
@@ -19,8 +18,9 @@ import threading
 import time
 
 from spmd import internals
+from spmd.cluster import linger
 from spmd.cluster.launchers import forks, processes, remote, servers, ssh
-from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config
+from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config, cluster_log
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
 from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.lockstep.watchdog import last_lines
@@ -50,15 +50,6 @@ def check_can_start(settings) -> None:
             processes.check_room(settings.n, settings.backend, forked)
         except processes.StartRefused as exc:
             raise StartError(str(exc)) from None
-
-
-def _cluster_log() -> logging.Logger:
-    log = logging.getLogger("spmd.cluster")
-    if not log.handlers:
-        log.setLevel(logging.ERROR)
-        log.addHandler(logging.StreamHandler(sys.stdout))
-        log.propagate = False
-    return log
 
 
 def _within(seconds: float, fn, *args) -> str:
@@ -130,6 +121,13 @@ class Launch:
         # Told how a start goes: ("registered" | "joined", how many so far, of how many, the
         # coordinator's address or '').
         self.progress = None
+        # The cluster's record for a notebook that attaches after this one died (linger.py),
+        # and what makes its processes linger ({}: they end with this notebook).
+        self.record_id = linger.new_id()
+        self.linger_env: dict[str, str] = {}
+
+    def record_path(self) -> str:
+        return os.path.join(linger.records_dir(), f"{linger.RECORD_PREFIX}{self.record_id}.json")
 
     def record(self) -> Running:
         """What runs now, as a frozen copy."""
@@ -182,6 +180,14 @@ class Launch:
         )
         if s.curve and self.address != LOOPBACK:
             config.LocalControllerLauncher.environment[CURVE_ENV] = "1"
+        self.linger_env = linger.process_env(s, self.profile_dir)
+        if self.linger_env:  # (a cluster that outlives a notebook process that died)
+            own_cache = self.cache_dir if self.cache_dir != s.cache_dir else ""
+            config.LocalControllerLauncher.environment.update(linger.process_env(
+                s, self.profile_dir, controller=True,
+                remove=[self.profile_dir, own_cache, self.record_path()]))
+            for section in ("LocalEngineSetLauncher", "LocalEngineLauncher"):
+                config[section].environment.update(self.linger_env)
         if placed.launcher in ("local", "ssh") and s.rank_server:
             self._start_rank_server(config)
         if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
@@ -194,7 +200,7 @@ class Launch:
             # Errors only: the notebook is not ipyparallel's log. (Its own choice of logger
             # depends on what runs: a kernel app's, when the SPMD kernel starts its cluster
             # before the kernel is up, would show its warnings in the first cell.)
-            log=_cluster_log(),
+            log=cluster_log(),
             shutdown_atexit=False,  # Session.start registers its own, faster, stop
         )
         self.cluster.rank_server = self.rank_server
@@ -233,7 +239,7 @@ class Launch:
         if placed.launcher == "local":
             self.rank_server = servers.local_server(
                 placed.python or sys.executable, modules,
-                os.path.join(log_dir, "rank-server.log"), self.hash_seed,
+                os.path.join(log_dir, "rank-server.log"), self.hash_seed, env=self.linger_env,
             )
             config.Cluster.engine_launcher_class = forks.ForkedEngineSetLauncher
         else:  # (it logs in and starts them while the controller starts)

@@ -84,10 +84,10 @@ def end_all(running: Running, settings: Settings, end_loop: bool = True) -> None
             hosts = [h for h, _ in where.hosts if h not in lost and h not in removed]
             ssh.remove_folder(hosts, where.ssh_cmd, where.ssh_args, remote_dir)
     if end_loop:
-        _end_loop(cluster)
+        end_event_loop(cluster)
 
 
-def _end_loop(cluster) -> None:
+def end_event_loop(cluster) -> None:
     """The cluster's event-loop thread ends: every restart makes a new Cluster."""
     loop = getattr(cluster, "_thread_loop", None)
     if loop is None:

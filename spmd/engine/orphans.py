@@ -1,17 +1,37 @@
-"""No orphans: a process we start ends when the notebook process that started it is gone.
+"""No orphans: a process we start ends when the notebook process that started it is gone,
+or once its linger is over.
 
 The notebook kernel ends its cluster at exit (atexit), but a kernel killed with SIGKILL runs
 no atexit. Each engine and the controller therefore watch their parent: when it is gone, they
 exit. This is a thread in the child, not a signal, so it works on every POSIX system.
+
+A cluster started with a linger (``%spmd start --linger 10m``) outlives a notebook process
+that died for that long: its processes then watch the cluster folder's ``owner.json``, which
+names the notebook process that holds the cluster now (``%spmd attach`` in a new one writes
+its own there), and end once no live process has held it for the whole linger. A forked rank
+still ends with its rank server, which lingers in its stead.
+
+Threads: the watch thread reads the owner file and ends the process; ``on_gone`` callbacks
+run on it once, when it first finds the notebook gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 
 PARENT_ENV = "SPMD_PARENT_PID"
+# Seconds a cluster outlives its notebook process (unset or 0: none), and the file that names
+# the notebook process holding the cluster now (profiles.OWNER_FILE in its folder).
+LINGER_ENV = "SPMD_LINGER"
+OWNER_ENV = "SPMD_OWNER_FILE"
+# Paths the controller removes when its linger is over (os.pathsep between them): the
+# cluster's folders and its record.
+REMOVE_ENV = "SPMD_LINGER_REMOVE"
+# The line a lingering rank writes to its log when its notebook is gone: its output follows.
+GONE_LINE = "--- the notebook process ended at "
 
 
 def end_children() -> None:
@@ -67,18 +87,98 @@ def _descendants_from_proc(pid: int) -> list | None:
     return found
 
 
-def watch_parent(period: float = 1.0) -> None:
-    """Exit this process soon after the notebook process (``$SPMD_PARENT_PID``) ends."""
+def owner_alive(path: str) -> bool:
+    """Whether the notebook process ``path`` (an owner.json) names still runs (the same
+    process: its start time too, since a pid is reused)."""
+    import psutil
+
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+        return psutil.Process(owner["pid"]).create_time() == owner["create_time"]
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
+def owner_pid(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(json.load(f)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+class Linger:
+    """The clock of a cluster whose notebook process may die: ``over`` once no live notebook
+    process has held the cluster for ``seconds``."""
+
+    def __init__(self, seconds: float, owner_file: str) -> None:
+        self.seconds = seconds
+        self.owner_file = owner_file
+        self.notebook_pid = owner_pid(owner_file)  # (the one that started this process)
+        self.gone_since: float | None = None
+        self.on_gone: list = []  # called once, when the notebook is first found gone
+
+    @classmethod
+    def from_env(cls) -> Linger | None:
+        try:
+            seconds = float(os.environ.get(LINGER_ENV) or 0)
+        except ValueError:
+            seconds = 0.0
+        path = os.environ.get(OWNER_ENV)
+        return cls(seconds, path) if seconds > 0 and path else None
+
+    def over(self) -> bool:
+        if owner_alive(self.owner_file):
+            self.gone_since = None
+            return False
+        now = time.monotonic()
+        if self.gone_since is None:
+            self.gone_since = now
+            for call in self.on_gone:
+                try:
+                    call()
+                except Exception:  # (a note in a log: never worth the watch itself)
+                    pass
+        return now - self.gone_since >= self.seconds
+
+
+def _remove_what_was_kept() -> None:
+    """The linger is over: the controller removes the cluster's folders and its record."""
+    import shutil
+
+    for path in filter(None, os.environ.get(REMOVE_ENV, "").split(os.pathsep)):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+def watch_parent(period: float = 1.0, linger: Linger | None = None) -> Linger | None:
+    """Exit this process soon after the notebook process (``$SPMD_PARENT_PID``) ends, or,
+    for a cluster with a linger, once the linger is over (see the opening comment). The
+    linger's clock, for callbacks; None without one."""
     parent = os.environ.get(PARENT_ENV)
     if not parent:
-        return
+        return None
     parent_pid = int(parent)
+    linger = linger or Linger.from_env()
 
     def watch() -> None:
         while True:
             time.sleep(period)
-            if os.getppid() != parent_pid:
+            if os.getppid() != parent_pid and (
+                linger is None or parent_pid != linger.notebook_pid
+            ):  # (no linger, or the parent was a rank server, which lingers in our stead)
                 end_children()
+                os._exit(1)
+            if linger is not None and linger.over():
+                end_children()
+                _remove_what_was_kept()
                 os._exit(1)
 
     threading.Thread(target=watch, name="spmd-parent-watch", daemon=True).start()
+    return linger

@@ -24,12 +24,15 @@ on stdin:
   file, answered ``{"read": id, "text": "..."}`` (on another host: no login to fetch it);
 - ``{"remove": path}``: remove this folder (the cluster's files there) when the server ends,
   if it is not there yet (one that is was made by another: the notebook, on this machine);
+- ``{"end": true}``: end (a stop);
 - and for every child that ended, ``{"exited": pid, "code": code}`` (negative: the signal).
 
 Nothing of the user's runs here: no backend, device, socket or Python thread is started before
 a fork (jax starts none at import). When stdin closes (the notebook ended, even by SIGKILL, or
-its ssh connection dropped) or on SIGTERM, the server kills every rank it forked (each in its
-own process group, with what it started) and exits.
+its ssh connection dropped), when asked to end, or on SIGTERM, the server kills every rank it
+forked (each in its own process group, with what it started) and exits. A cluster with a
+linger (orphans.Linger) is the exception: when stdin closes, the server and its ranks run on
+until the linger is over, with nobody to tell (a notebook that attaches ends it by SIGTERM).
 
 Threads: one. Children are forked from the only Python thread there is.
 """
@@ -45,6 +48,8 @@ import signal
 import sys
 import threading
 import time
+
+from spmd.engine.orphans import Linger
 
 # What every rank imports before its first cell, whatever its backend.
 ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.app",
@@ -75,6 +80,8 @@ class Server:
         self.children: set[int] = set()  # the ranks it forked that have not ended
         self.ending = False
         self.remove: list[str] = []  # folders to remove at the end
+        self.linger = Linger.from_env()  # (None: the server ends with its notebook)
+        self.reading = True  # stdin is open
         self._wake_read, self._wake_write = os.pipe()
         for fd in (self._wake_read, self._wake_write):
             os.set_blocking(fd, False)
@@ -84,7 +91,7 @@ class Server:
             self.replies.write(json.dumps(message) + "\n")
             self.replies.flush()
         except OSError:  # nobody reads us any more (the notebook, or its connection, ended)
-            self.ending = True
+            self.ending = self.linger is None
 
     def serve(self) -> None:
         # A signal only wakes the loop (its byte in the pipe); the loop reaps and ends.
@@ -100,18 +107,25 @@ class Server:
     def _loop(self) -> None:
         pending = b""
         while not self.ending:
+            watched = [0, self._wake_read] if self.reading else [self._wake_read]
             try:
-                ready, _, _ = select.select([0, self._wake_read], [], [])
+                # (with a linger, the owner is looked at every second)
+                ready, _, _ = select.select(watched, [], [], 1.0 if self.linger else None)
             except InterruptedError:
                 continue
             if self._wake_read in ready:
                 while _drain(self._wake_read):
                     pass
                 self._reap()
+            if self.linger is not None and self.linger.over():
+                break
             if 0 in ready:
                 data = os.read(0, 1 << 16)
                 if not data:  # the notebook is gone
-                    break
+                    if self.linger is None:
+                        break
+                    self.reading = False
+                    continue
                 pending += data
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
@@ -122,7 +136,9 @@ class Server:
         self.ending = True
 
     def _handle(self, request: dict) -> None:
-        if "signal" in request:
+        if request.get("end"):
+            self.ending = True
+        elif "signal" in request:
             pid = request["signal"]
             if pid in self.children:  # (only its own ranks: a pid may be reused once reaped)
                 try:

@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets.config import Config
 
 from spmd import options
+from spmd.cluster import linger
 from spmd.cluster.launchers import remote
 from spmd.cluster.session import Settings
 from spmd.options import count
@@ -38,6 +39,14 @@ def _seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"a timeout is a number of seconds above 0, not {text!r}")
     return value
+
+
+def _linger(text: str) -> float:
+    try:
+        return linger.parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a linger is a duration like 10m, 30s or 1h (0: none), not {text!r}") from None
 
 
 def _grace(text: str) -> float:
@@ -96,6 +105,7 @@ def _start_parser() -> _Parser:
     p.add_argument("--panel", action="store_true")
     p.add_argument("--tabs", action="store_true")
     p.add_argument("--breakpoint", choices=BREAKPOINTS, default="lowest")
+    p.add_argument("--linger", type=_linger, default=None)
     return p
 
 
@@ -122,6 +132,10 @@ def start_settings(args: list[str], make_folders: bool = True):
             )
         opts.processes = int(tasks)
     cache_dir = opts.compilation_cache
+    where = _options_checked(opts, _placement(opts))
+    # (10m where the ranks can outlive the notebook; elsewhere they end with it, as before)
+    lingers = opts.linger if opts.linger is not None else linger.DEFAULT_LINGER
+    opts.linger_refused = linger.why_not(Settings(n=1, where=where)) if lingers else ""
     return opts, Settings(
         n=opts.processes,
         cpu_devices=opts.devices_per_process,
@@ -130,7 +144,7 @@ def start_settings(args: list[str], make_folders: bool = True):
         init_method=opts.init_method or Settings.init_method,
         cell_timeout=opts.timeout,
         grace=opts.grace or None,
-        where=_options_checked(opts, _placement(opts)),
+        where=where,
         gpus_per_process=opts.gpus_per_process,
         curve=not opts.no_curve,
         start_timeout=opts.start_timeout,
@@ -139,6 +153,7 @@ def start_settings(args: list[str], make_folders: bool = True):
         preload=opts.preload,
         rank_server=opts.rank_server == "on",
         check_collectives=opts.check_collectives,
+        linger=0.0 if opts.linger_refused else lingers,
     )
 
 

@@ -3,14 +3,16 @@ SPMD kernel's own start, begun in the background and taken by the first cell tha
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 from IPython.core.error import UsageError
 
-from spmd.cluster import interrupts
+from spmd.cluster import attach, interrupts, linger
 from spmd.cluster.lockstep.logs import RankLogs
 from spmd.cluster.session import Session, Settings, StartError
+from spmd.magics import away
 from spmd.magics.arguments import start_settings
 from spmd.magics.background import BackgroundStart
 from spmd.magics.progress import StartProgress
@@ -51,6 +53,10 @@ class Lifecycle:
 
     def _cmd_start(self, args: list[str]) -> None:
         opts, settings = start_settings(args)
+        kernels = self.pending.settings if self.pending is not None else (
+            self.session.settings if self._fresh and self.session is not None else None)
+        if opts.linger is None and kernels is not None:  # (the kernel's own, unless asked)
+            settings = dataclasses.replace(settings, linger=kernels.linger)
         if self._kernel_cluster_is(settings):
             self._show_as(opts)
             say(summary(self.session))
@@ -60,12 +66,40 @@ class Lifecycle:
                 f"A cluster of {self.session.settings.n} processes is already running: "
                 "use %spmd stop or %spmd restart first."
             )
+        _refuse_beside_lingering()
         if self.session is not None:
             self.session.stop()  # (after a death, its controller and rank server)
             self.session.logs.remove()  # (kept until now: a dead rank's lines matter)
         _warn_if_notebook_joined_jax()
+        if opts.linger is not None and opts.linger > 0 and opts.linger_refused:
+            say(f"Note: --linger: {opts.linger_refused}; this cluster ends with the notebook's "
+                "process.", file=sys.stderr)
         self._start(settings)
         self._show_as(opts)
+
+    def _cmd_attach(self, args: list[str]) -> None:
+        if len(args) > 1:
+            raise UsageError("%spmd attach takes one cluster id at most, like %spmd attach "
+                             "3f2a9c1e (python -m spmd list shows them).")
+        if self.pending is not None or (self.session is not None and self.session.running):
+            raise UsageError("This notebook already has a cluster: %spmd stop it first, then "
+                             "%spmd attach.")
+        try:
+            record = linger.choose(args[0] if args else "")
+            t0 = time.perf_counter()
+            session = attach.attach(Session(record.the_settings()), record)
+        except linger.AttachError as exc:
+            raise UsageError(str(exc)) from None
+        if self.session is not None:
+            self.session.stop()  # (a stopped one's controller, after a death)
+        self.session, self._fresh = session, False
+        self.auto.on = True
+        since = time.strftime("%H:%M:%S", time.localtime(record.started))
+        say(f"Attached to cluster {record.id} in {time.perf_counter() - t0:.2f} s: "
+            f"{record.n()} ranks ({record.backend()}), started at {since} by notebook process "
+            f"{record.pid}; they kept what they hold.")
+        for line in away.what_happened(session):
+            say(line)
 
     def _show_as(self, opts) -> None:
         """How cells show from now on, as the start that was taken asked."""
@@ -197,6 +231,19 @@ class Lifecycle:
     def _refuse_if_shutting_down(self) -> None:
         if self._shutting_down:
             raise UsageError("The kernel is shutting down: no cluster starts now.")
+
+
+def _refuse_beside_lingering() -> None:
+    """A start where this notebook's cluster lingers would run a second one beside it."""
+    notebook = linger.this_notebook()
+    if not notebook:
+        return
+    for record in linger.lingering():
+        if record.notebook == notebook:
+            raise UsageError(
+                f"This notebook's cluster {record.id} ({record.n()} ranks) still runs since "
+                f"its notebook process ended: %spmd attach takes it back (python -m spmd stop "
+                f"{record.id} ends it).")
 
 
 def _warn_if_notebook_joined_jax() -> None:

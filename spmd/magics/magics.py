@@ -278,6 +278,7 @@ _COMMANDS = {
     "start": Lifecycle._cmd_start,
     "stop": Lifecycle._cmd_stop,
     "restart": Lifecycle._cmd_restart,
+    "attach": Lifecycle._cmd_attach,
     "status": Inspection._cmd_status,
     "panel": Inspection._cmd_panel,
     "log": Inspection._cmd_log,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import sys
 import time
@@ -296,3 +297,12 @@ class SpmdCluster(Cluster):
         for rank in ranks:
             if rank in launchers:
                 launchers[rank].signal(signum)
+
+
+def cluster_log() -> logging.Logger:
+    log = logging.getLogger("spmd.cluster")
+    if not log.handlers:
+        log.setLevel(logging.ERROR)
+        log.addHandler(logging.StreamHandler(sys.stdout))
+        log.propagate = False
+    return log

@@ -6,11 +6,13 @@ every message, and the ranks' logs and stack dumps), and, as needed, a folder fo
 output (logs.py), for jax's compilation cache and for ssh's master connections. The notebook
 removes them at stop or at its end; a notebook that was killed cannot, so each new start first
 removes every such folder whose owner process is gone (the cache can be gigabytes, and the
-temporary folder is often memory).
+temporary folder is often memory). A lingering cluster's folders are kept by its controller
+while no notebook holds them (linger.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -34,26 +36,53 @@ def owned_folder(prefix: str) -> str:
     """A new folder only this user can read (``prefix`` starts with ``spmd-``), marked with
     this process, so that a later notebook removes it if this one is killed."""
     path = tempfile.mkdtemp(prefix=prefix)  # (made 0700)
-    me = psutil.Process()
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump({"pid": me.pid, "create_time": me.create_time()}, f)
+    mark_owner(path)
     return path
+
+
+def mark_owner(path: str, keeper: int = 0) -> None:
+    """Mark the folder as this notebook process's (in one step: a lingering cluster's
+    processes read this file every second to know whether a notebook holds it). ``keeper``:
+    a process that keeps the folder while no notebook holds it (a lingering cluster's
+    controller, which removes it when its linger is over); 0 keeps the one marked before."""
+    me = psutil.Process()
+    owner = {"pid": me.pid, "create_time": me.create_time()}
+    before = _read_owner(path) or {}
+    if keeper:
+        with contextlib.suppress(psutil.Error):
+            owner["keeper"] = {"pid": keeper, "create_time": psutil.Process(keeper).create_time()}
+    elif "keeper" in before:
+        owner["keeper"] = before["keeper"]
+    fd, partial = tempfile.mkstemp(dir=path, prefix=".owner.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+    os.replace(partial, os.path.join(path, OWNER_FILE))
+
+
+def _read_owner(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, OWNER_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _runs(who: dict | None) -> bool:
+    try:
+        return psutil.Process(who["pid"]).create_time() == who["create_time"]
+    except (psutil.Error, KeyError, TypeError):
+        return False
 
 
 def remove_abandoned_folders() -> list[str]:
     """Remove the folders of notebook processes that no longer run; their paths."""
     removed = []
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PROFILE_PREFIX + "*")):
-        try:
-            with open(os.path.join(path, OWNER_FILE)) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
+        owner = _read_owner(path)
+        if owner is None:
             continue  # not one of ours, or being made right now
-        try:
-            alive = psutil.Process(owner["pid"]).create_time() == owner["create_time"]
-        except psutil.Error:
-            alive = False
-        if not alive:
+        # (a lingering cluster's folder is its keeper's until its linger is over)
+        if not _runs(owner) and not _runs(owner.get("keeper")):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -23,6 +23,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
+
 from spmd.cluster.launchers import ssh
 from spmd.cluster.launchers.processes import how_it_ended
 from spmd.engine.orphans import PARENT_ENV
@@ -166,6 +168,11 @@ class RankServer:
         if process is None:
             return False
         with self._send_lock:
+            try:  # (asked, since a server of a cluster with a linger outlives its stdin)
+                process.stdin.write(b'{"end": true}\n')
+                process.stdin.flush()
+            except (OSError, ValueError):
+                pass
             try:
                 process.stdin.close()
             except OSError:
@@ -256,13 +263,47 @@ def _last_line(path: str) -> str:
 
 
 def local_server(python: str, modules: list[str], log_path: str,
-                 hash_seed: str = "") -> RankServer:
+                 hash_seed: str = "", env: dict[str, str] | None = None) -> RankServer:
     """This machine's rank server, importing ``modules``, started; its ranks' string-hash
-    secret is ``hash_seed``'s (PYTHONHASHSEED; '' for a random one)."""
-    server = RankServer([python, "-m", "spmd.engine.server", *modules], log_path,
-                        env={"PYTHONHASHSEED": hash_seed} if hash_seed else None)
+    secret is ``hash_seed``'s (PYTHONHASHSEED; '' for a random one); ``env``: more of its
+    environment (a linger's)."""
+    env = dict(env or {}, **({"PYTHONHASHSEED": hash_seed} if hash_seed else {}))
+    server = RankServer([python, "-m", "spmd.engine.server", *modules], log_path, env=env)
     server.start()
     return server
+
+
+class LingeringServer:
+    """The rank server of a cluster a notebook attached to (linger.py): another notebook
+    process started it, so this one has no pipe to it. It forks nothing more (a restart
+    starts afresh); the stop ends it, and its ranks, by SIGTERM."""
+
+    why_not = "it was started by the notebook process before this one"
+    usable = False
+
+    def __init__(self, pid: int, started: float) -> None:
+        self.pid = pid
+        try:
+            self.process = psutil.Process(pid)
+            if self.process.create_time() != started:
+                self.process = None
+        except psutil.Error:
+            self.process = None
+
+    def describe(self) -> str:
+        return f"the rank server (pid {self.pid}, started by an earlier notebook process)"
+
+    def close(self) -> bool:
+        if self.process is None:
+            return False
+        with contextlib.suppress(psutil.Error):
+            self.process.terminate()
+            try:
+                self.process.wait(6)
+            except psutil.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(3)
+        return True
 
 
 class SSHRankServers:

@@ -1,0 +1,137 @@
+"""Attaching a new notebook process to a lingering cluster (linger.py has its record), and
+ending one from its record alone (``python -m spmd stop``).
+
+The cluster's processes are found again by pid: ipyparallel rebuilds its launchers from the
+state they saved (``from_dict``: each watches its process, and stops it by signal), and a new
+client connects with the cluster's key from its connection file. The rank server was started
+by the notebook process that died, so nothing has a pipe to it any more: it is ended by
+SIGTERM, and a restart starts afresh.
+
+Threads: the main thread attaches and ends; ipyparallel's event-loop thread rebuilds the
+launchers (it owns them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import psutil
+
+from spmd.cluster.linger import AttachError, Record, give_back, remove, take, taken
+
+
+def server_started(record: Record) -> float:
+    try:
+        return psutil.Process(record.rank_server).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def adopt(launch, record: Record) -> list[int]:
+    """Make the launch hold the record's running cluster: its controller and ranks by pid
+    (ipyparallel's launchers, rebuilt from their state), a new client with the cluster's
+    key, the rank server by pid. The engine ids, by rank."""
+    from ipyparallel.cluster.launcher import LocalControllerLauncher
+    from traitlets.config import Config
+
+    from spmd.cluster.launchers import servers
+    from spmd.cluster.launchers.launch import RankedEngineSetLauncher, SpmdCluster, cluster_log
+
+    config = Config()
+    config.LocalProcessLauncher.stop_seconds_until_kill = 1
+    cluster = SpmdCluster(
+        n=record.n(), profile_dir=record.profile_dir, cluster_id=record.cluster_id,
+        config=config, log=cluster_log(), shutdown_atexit=False,
+    )
+
+    async def rebuild() -> None:  # (on the cluster's event-loop thread, which owns launchers)
+        cluster.controller = LocalControllerLauncher.from_dict(record.controller, parent=cluster)
+        cluster.engines[record.engine_set] = RankedEngineSetLauncher.from_dict(
+            record.engines, engine_set_id=record.engine_set, parent=cluster)
+
+    try:
+        cluster._in_thread(rebuild)
+    except Exception as exc:  # (ipyparallel's NotRunning: a process of it ended)
+        raise AttachError(f"Cluster {record.id} has ended ({exc}): start one with "
+                          "%spmd start.") from None
+    cluster.rank_set = record.engine_set
+    launch.cluster = cluster
+    launch.profile_dir, launch.cache_dir = record.profile_dir, record.cache_dir
+    launch.address, launch.hash_seed = record.address, record.hash_seed
+    launch.coordinator, launch.torch_method = record.coordinator, record.torch_method
+    if record.rank_server:
+        launch.rank_server = servers.LingeringServer(record.rank_server, server_started(record))
+        cluster.rank_server = launch.rank_server
+    launch.client = cluster._in_thread(cluster.connect_client)
+    engine_ids = [row["engine_id"] for row in record.ranks]
+    deadline = time.monotonic() + 10
+    while set(engine_ids) - set(launch.client.ids):
+        if time.monotonic() > deadline:
+            missing = sorted(set(engine_ids) - set(launch.client.ids))
+            raise AttachError(f"Cluster {record.id}'s engines {missing} no longer answer: "
+                              f"end it with python -m spmd stop {record.id}.")
+        launch.client.sync_engines()
+        time.sleep(0.05)
+    return engine_ids
+
+
+def attach(session, record: Record):
+    """Make the new ``session`` hold the cluster of ``record``, or leave everything as it
+    was (AttachError): the cluster lingers on, for another try."""
+    import atexit
+
+    from spmd.cluster import stopping
+
+    with taken(record):
+        before = take(record)
+        with session.life:
+            try:
+                engine_ids = adopt(session.launch, record)
+            except BaseException:
+                running = session.launch.hand_over()
+                if running.client is not None:
+                    running.client.close(linger=0)
+                if running.cluster is not None:
+                    stopping.end_event_loop(running.cluster)
+                give_back(record, before)
+                raise
+            session.launch.record_id = record.id
+            session._new_generation(engine_ids)
+            for row, kept in zip(session.gen.ranks, record.rows()):
+                row.pid, row.host, row.gpus = kept.pid, kept.host, kept.gpus
+                row.local_devices, row.global_devices = kept.local_devices, kept.global_devices
+                row.main_thread = kept.main_thread
+            atexit.register(session.stop)
+    return session
+
+
+def end(record: Record) -> None:
+    """End a cluster from its record alone (``python -m spmd stop``): its rank server and
+    controller by SIGTERM (the server kills its ranks), every rank it lists, then its
+    folders and its record."""
+    import shutil
+
+    handles = []
+    pids = [record.rank_server, record.controller_pid()]
+    pids += [int(e.get("pid") or 0) for e in record.engines.get("engines", {}).values()]
+    for pid in filter(None, pids):
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() <= record.started:  # (not a pid reused since)
+                handles.append(process)
+        except psutil.Error:
+            continue
+    for process in handles:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(handles, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+    own_cache = record.cache_dir if record.cache_dir != record.settings.get("cache_dir") else None
+    for folder in (record.profile_dir, own_cache):
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    remove(record)
