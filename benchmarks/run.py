@@ -28,7 +28,7 @@ from ipyparallel import Cluster
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from benchmarks import census, debugger, many
+from benchmarks import attach, census, debugger, many
 from benchmarks.flood import flood
 from benchmarks.floor import EchoServers, bare_processes, bare_torch_processes
 from benchmarks.kernel import KernelBench
@@ -470,6 +470,11 @@ TARGETS = [
     ("start_to_ready/torch", "start_to_ready/torch_floor", 0.6, "≤ 0.6 × floor"),
     ("stop/torch", "stop/spmd", None, ""),
     ("stop/mpi", "stop/spmd", None, ""),
+    ("attach_to_first_result/spmd_n4", "attach_to_first_result/fresh_start_n4", None,
+     "< 1 s"),
+    ("attach_to_first_result/spmd_n4", "attach_to_first_result/cell_alone_n4", None, ""),
+    ("attach_to_first_result/spmd_n64", "attach_to_first_result/fresh_start_n64", None, ""),
+    ("attach_to_first_result/spmd_n64", "attach_to_first_result/cell_alone_n64", None, ""),
 ]
 
 # Detection times: absolute, from the fault to the failed cell in the notebook. Plain
@@ -573,6 +578,8 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
             bench.record(name, x)
     print("many ranks: 4 and 64, a restart of 64, 128 and 256", file=sys.stderr, flush=True)
     many.measure(bench, count=10 if quick else 30, largest=128 if quick else 256)
+    print("attach to a lingering cluster: 4 and 64 ranks", file=sys.stderr, flush=True)
+    attach.measure(bench, rounds=1 if quick else 3)
     print("the census, 2 ranks", file=sys.stderr, flush=True)
     census.measure(bench, blocks=4 if quick else 10)
     print("a global array as a cell's value", file=sys.stderr, flush=True)

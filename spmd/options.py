@@ -65,8 +65,4 @@ def start_args(processes, devices_per_process, backend, torch_backend, cluster) 
 
         raise UsageError(f"{exc} in {cluster}: close the quote in the kernel's cluster "
                          "setting (kernel.json or the config file)") from None
-    # The SPMD kernel's cluster does not linger unless its cluster setting asks: the kernel
-    # does not attach by itself yet, and a restarted kernel would start a second one beside.
-    if not any(a == "--linger" or a.startswith("--linger=") for a in given):
-        args += ["--linger", "0"]
     return args + given

@@ -361,7 +361,8 @@ import sys
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "spmd")
-shell.run_cell(sys.argv[1])
+for cell in sys.argv[1:]:
+    shell.run_cell(cell)
 s = shell.magics_manager.registry["SpmdMagics"].session
 print("STARTED", s is not None and s.running, flush=True)
 import time
@@ -373,7 +374,8 @@ def test_ssh_a_notebook_killed_leaves_nothing_here_or_on_the_hosts(fresh, hosts,
     script = tmp_path / "notebook.py"
     script.write_text(KILLED_NOTEBOOK)
     notebook = subprocess.Popen(
-        [sys.executable, str(script), ssh_start(hosts)], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), ssh_start(hosts, extra="--linger 0")],
+        stdout=subprocess.PIPE, text=True,
     )
     try:
         line = next((ln for ln in notebook.stdout if ln.startswith("STARTED")), "")
@@ -390,6 +392,61 @@ def test_ssh_a_notebook_killed_leaves_nothing_here_or_on_the_hosts(fresh, hosts,
     for name in hosts.names:  # (each host's server removed the cluster's folder there)
         left = [e for e in hosts.ssh(name, "ls -A /tmp").split() if e.startswith("spmd-")]
         assert left == [os.path.basename(hosts.folder)], (name, left)
+
+
+def killed_notebook(tmp_path, *cells: str) -> list[psutil.Process]:
+    """A notebook process that runs ``cells``, then is killed (no atexit, no stop): what it
+    had started here."""
+    script = tmp_path / "notebook.py"
+    script.write_text(KILLED_NOTEBOOK)
+    notebook = subprocess.Popen([sys.executable, str(script), *cells], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        line = next((ln for ln in notebook.stdout if ln.startswith("STARTED")), "")
+        assert line.strip() == "STARTED True", line
+        return psutil.Process(notebook.pid).children(recursive=True)
+    finally:
+        notebook.kill()
+        notebook.wait()
+        notebook.stdout.close()
+
+
+def test_ssh_ranks_linger_after_their_notebook_died_and_a_new_one_attaches(
+        fresh, hosts, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    here = killed_notebook(tmp_path, ssh_start(hosts, extra="--linger 2m"), SETUP,
+                           "x = 10 + rank")
+    time.sleep(3)  # (past every watch's period: nothing ended with the notebook)
+    assert len(running_on(hosts)) >= 4  # (a server and a rank on each host)
+    out = run(fresh, "%spmd attach")
+    assert out.error is None, out.stdout + out.stderr
+    assert out.stdout.startswith("Attached to cluster"), out.stdout
+    assert run(fresh, "print(socket.gethostname(), x)").stdout == (
+        "[rank 0] node1 10\n[rank 1] node2 11\n")
+    assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
+    assert run(fresh, "%spmd stop").error is None
+    assert not wait_until_gone(here, 15)
+    assert nothing_left_on(hosts) == []
+    for name in hosts.names:  # (each host's server removed the cluster's folder there)
+        left = [e for e in hosts.ssh(name, "ls -A /tmp").split() if e.startswith("spmd-")]
+        assert left == [os.path.basename(hosts.folder)], (name, left)
+
+
+def test_ssh_a_linger_never_attached_ends_here_and_on_the_hosts(hosts, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    here = killed_notebook(tmp_path, ssh_start(hosts, extra="--backend none --linger 5s"))
+    assert len(running_on(hosts)) >= 4
+    # The controller ends when the linger is over; the ranks on the hosts when they miss its
+    # heartbeats (about 15 s), and each host's server with its last rank.
+    assert not wait_until_gone(here, 5 + 15)
+    deadline = time.monotonic() + 40
+    while running_on(hosts) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert nothing_left_on(hosts) == []
+    for name in hosts.names:
+        left = [e for e in hosts.ssh(name, "ls -A /tmp").split() if e.startswith("spmd-")]
+        assert left == [os.path.basename(hosts.folder)], (name, left)
+    assert not [r for r in os.listdir(tmp_path / "runtime") if r.startswith("spmd-cluster-")]
 
 
 def test_ssh_a_kernelspec_for_the_hosts_starts_its_ranks_there(hosts):

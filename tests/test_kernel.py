@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -216,20 +215,30 @@ def test_restart_and_shutdown_of_the_kernel_leave_no_process():
     assert not wait_until_gone(second)
 
 
-def test_a_killed_spmd_kernel_leaves_no_process():
-    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL)
-    kernel_pid = km.provisioner.process.pid
+def test_a_killed_spmd_kernel_restarted_by_jupyter_attaches_to_its_lingering_ranks(tmp_path):
+    """Jupyter's restarter kills a kernel that died and starts it again with the same
+    notebook: the new kernel attaches to the cluster the old one left (the same processes,
+    with what they hold), its first cell says so, and a shutdown then ends everything."""
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JPY_SESSION_NAME=str(tmp_path / "restarted.ipynb"))
+    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL, env=env)
+    started = []
     try:
-        reply, _ = kernel_stream(kc, "x = 1")
+        reply, _ = kernel_stream(kc, "import jax\nx = 10 + jax.process_index()")
         assert reply["content"]["status"] == "ok"
+        started = spmd_processes(km.provisioner.process.pid)
+        assert len(rank_engines(started)) == 2
+        km.restart_kernel(now=True)  # (SIGKILL, then the same command: the restarter's way)
+        kc.wait_for_ready(timeout=60)
+        reply, text = kernel_stream(kc, "print(x)")
+        assert reply["content"]["status"] == "ok", text
+        assert text.startswith("Attached to cluster"), text
+        assert text.endswith("[rank 0] 10\n[rank 1] 11\n"), text
+        assert all(p.is_running() for p in started)  # (the same processes)
     finally:
         kc.stop_channels()
-    started = spmd_processes(kernel_pid)
-    assert len(started) >= 3  # two engines and the controller
-    os.kill(kernel_pid, signal.SIGKILL)  # no atexit, no shutdown request
-    left = wait_until_gone(started)
-    km.cleanup_resources()
-    assert not left
+        km.shutdown_kernel(now=False)
+    assert not wait_until_gone(started)
 
 
 # -- the kernelspec command line ---------------------------------------------------------

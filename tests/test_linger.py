@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -130,10 +131,29 @@ def test_attach_refuses_in_one_sentence_and_the_terminal_stops_a_cluster(runtime
         pid = kill(km, kc)
     started = spmd_processes(pid)
     assert started
+    from spmd.cluster import attach, linger
+    from spmd.cluster.session import Session
+
+    # another version of jax or of this project: refused, and nothing changed
+    path = os.path.join(runtime["JUPYTER_RUNTIME_DIR"], record)
+    with open(path) as f:
+        kept = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(kept, versions=dict(kept["versions"], jax="0.0.1")), f)
+    chosen = linger.choose(cluster_id)
+    with pytest.raises(linger.AttachError, match="runs jax 0.0.1, .*python -m spmd stop"):
+        attach.attach(Session(chosen.the_settings()), chosen)
+    with open(path, "w") as f:
+        json.dump(kept, f)
+    assert linger.lingering() and not linger.lingering()[0].held_by()
+    chosen = linger.choose()  # (the only one lingering)
     stopped = spmd_cli("stop", cluster_id)
     assert stopped.returncode == 0, stopped.stderr
     assert f"Stopped cluster {cluster_id} (2 ranks)." in stopped.stdout
     assert not wait_until_gone(started, timeout=10)
+    # ended between the list and the attach
+    with pytest.raises(linger.AttachError, match="has ended: start one with %spmd start"):
+        attach.attach(Session(chosen.the_settings()), chosen)
     assert spmd_cli("list").stdout.strip() == "No cluster of this user runs."
     assert spmd_cli("stop", "nosuchid").returncode == 1
 
@@ -148,3 +168,38 @@ def test_linger_zero_ends_the_ranks_with_the_notebook(runtime):
     started = spmd_processes(pid)
     assert started and not wait_until_gone(started, timeout=10)
     assert psutil.pid_exists(pid) is False or psutil.Process(pid).status() == "zombie"
+
+
+LATE_CELL = """import os, time
+for i in range(6):
+    print('step', i, flush=True)
+    time.sleep(0.5)
+if os.environ['SPMD_RANK'] == '1':
+    raise ValueError('rank 1 failed late')
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_cell_running_when_the_notebook_died_is_reported_at_attach(runtime):
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 2m")
+        kc.execute(LATE_CELL)
+        time.sleep(1.2)  # (a step or two printed while the notebook was there)
+    finally:
+        pid = kill(km, kc)
+    started = spmd_processes(pid)
+    time.sleep(4)  # (the cell ends meanwhile, with nobody to tell)
+    km, kc = kernel(runtime)
+    try:
+        text = run_ok(kc, "%load_ext spmd\n%spmd attach")
+        assert ("The last cell ('import os, time') ended without an error on rank 0; raised "
+                "ValueError: rank 1 failed late on rank 1.") in text, text
+        assert "While no notebook was attached they printed: rank 0 " in text, text
+        log = run_ok(kc, "%spmd log 1")
+        assert "step 5" in log and "ValueError: rank 1 failed late" in log, log
+        run_ok(kc, "%spmd stop")
+        assert not wait_until_gone(started)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

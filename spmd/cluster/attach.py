@@ -47,8 +47,9 @@ def adopt(launch, record: Record) -> list[int]:
 
     async def rebuild() -> None:  # (on the cluster's event-loop thread, which owns launchers)
         cluster.controller = LocalControllerLauncher.from_dict(record.controller, parent=cluster)
-        cluster.engines[record.engine_set] = RankedEngineSetLauncher.from_dict(
-            record.engines, engine_set_id=record.engine_set, parent=cluster)
+        if record.engines:  # (ranks on this machine: by pid)
+            cluster.engines[record.engine_set] = RankedEngineSetLauncher.from_dict(
+                record.engines, engine_set_id=record.engine_set, parent=cluster)
 
     try:
         cluster._in_thread(rebuild)

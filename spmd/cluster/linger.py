@@ -13,9 +13,10 @@ enough to find the processes again by pid, to connect a new client with the clus
 to rebuild the rank table. It is written at start and restart, and removed at stop and, by the
 controller, when the linger is over. A record whose controller is gone is removed, not trusted.
 
-Only clusters whose processes all run on this machine linger (the local launcher): an ssh
-host's rank server would have to outlive its connection, and mpiexec's and srun's ranks end
-with their client. Those end with their notebook, as before, and ``--linger`` says so.
+Clusters on this machine linger, and on ssh hosts where a rank server forks the ranks: each
+host's server outlives its ssh connection while it has ranks, and the ranks outlive it while
+their controller (on this machine) runs. mpiexec's and srun's ranks end with their client, and
+ssh's without a server with their connection: those end as before, and ``--linger`` says so.
 
 Threads: the main thread writes, reads and removes records (start, restart, stop, attach);
 the SPMD kernel's background start writes the record of the cluster it started.
@@ -68,11 +69,10 @@ def words(seconds: float) -> str:
 def why_not(settings: Settings) -> str:
     """Why this cluster cannot linger ('' when it can)."""
     launcher = settings.where.launcher
-    if launcher == "local":
+    if launcher == "local" or (launcher == "ssh" and settings.rank_server):
         return ""
     if launcher == "ssh":
-        return ("ranks on ssh hosts end with the notebook's process: their rank servers do not "
-                "outlive their ssh connection yet")
+        return "ranks on ssh hosts started without a rank server end with their ssh connection"
     return f"{launcher}'s ranks end with their {'mpiexec' if launcher == 'mpi' else 'srun'}"
 
 
@@ -226,6 +226,17 @@ def lingering(records: list[Record] | None = None) -> list[Record]:
     return [r for r in (every() if records is None else records) if not r.held_by()]
 
 
+def mine() -> Record | None:
+    """The lingering cluster this notebook left (by its path), or None."""
+    notebook = this_notebook()
+    if not notebook:
+        return None
+    try:
+        return next((r for r in lingering() if r.notebook == notebook), None)
+    except OSError:  # (no runtime folder to read: nothing lingers)
+        return None
+
+
 def ends_in(record: Record) -> str:
     """How long until a lingering cluster ends, in words (approximate: each process keeps
     its own clock from when it found the notebook gone)."""
@@ -292,7 +303,11 @@ def choose(wanted: str = "") -> Record:
 def taken(record: Record):
     """Hold the record's lock while this process makes the cluster its own: a second notebook
     attaching at the same moment waits, then finds it held (``take``)."""
-    with open(record.path, "a") as lock:
+    try:
+        lock = open(record.path)
+    except OSError:
+        raise AttachError(f"Cluster {record.id} has ended: start one with %spmd start.") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -322,11 +337,12 @@ def take(record: Record) -> dict:
         )
     before = {}
     for folder in (record.profile_dir, record.cache_dir):
-        if folder and os.path.isdir(folder):
-            with contextlib.suppress(OSError):
-                with open(os.path.join(folder, profiles.OWNER_FILE)) as f:
-                    before[folder] = f.read()
-            profiles.mark_owner(folder)
+        try:  # (only the cluster's own folders: a cache the user named has no owner file)
+            with open(os.path.join(folder or "", profiles.OWNER_FILE)) as f:
+                before[folder] = f.read()
+        except OSError:
+            continue
+        profiles.mark_owner(folder)
     return before
 
 
@@ -366,6 +382,9 @@ def record_of(launch, ranks: list[Rank], record_id: str) -> Record:
     """The record of what the launch runs now (after a start or a restart)."""
     cluster, server = launch.cluster, launch.rank_server
     engine_set = cluster.engines[cluster.rank_set]
+    # (another host's ranks have no pid here: the controller watches them, and their end is
+    # asked on their control channel)
+    here = launch.settings.where.launcher == "local"
     controller = cluster.controller.to_dict()
     server_process = getattr(server, "process", None)
     record = Record(
@@ -374,8 +393,9 @@ def record_of(launch, ranks: list[Rank], record_id: str) -> Record:
         profile_dir=launch.profile_dir, cache_dir=launch.cache_dir,
         cluster_id=cluster.cluster_id, controller=controller,
         controller_started=psutil.Process(controller["pid"]).create_time(),
-        engine_set=cluster.rank_set, engines=json.loads(json.dumps(engine_set.to_dict())),
-        rank_server=getattr(server_process, "pid", 0) or 0,
+        engine_set=cluster.rank_set,
+        engines=json.loads(json.dumps(engine_set.to_dict())) if here else {},
+        rank_server=(getattr(server_process, "pid", 0) or 0) if here else 0,
         ranks=[dataclasses.asdict(r) for r in ranks], address=launch.address,
         hash_seed=launch.hash_seed, coordinator=launch.coordinator,
         torch_method=launch.torch_method, versions=versions(),

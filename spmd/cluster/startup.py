@@ -186,8 +186,9 @@ class Launch:
             config.LocalControllerLauncher.environment.update(linger.process_env(
                 s, self.profile_dir, controller=True,
                 remove=[self.profile_dir, own_cache, self.record_path()]))
-            for section in ("LocalEngineSetLauncher", "LocalEngineLauncher"):
-                config[section].environment.update(self.linger_env)
+            if placed.launcher == "local":  # (another host's ranks end with its server)
+                for section in ("LocalEngineSetLauncher", "LocalEngineLauncher"):
+                    config[section].environment.update(self.linger_env)
         if placed.launcher in ("local", "ssh") and s.rank_server:
             self._start_rank_server(config)
         if placed.launcher == "slurm":  # (ipyparallel writes it in the current folder)
@@ -247,6 +248,7 @@ class Launch:
                 [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
                 placed.python or sys.executable, modules, log_dir,
                 folder=ssh.host_folder(self.profile_dir), hash_seed=self.hash_seed,
+                linger=bool(self.linger_env),
             )
             self.rank_server.start()
             config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher

@@ -27,6 +27,8 @@ PARENT_ENV = "SPMD_PARENT_PID"
 # the notebook process holding the cluster now (profiles.OWNER_FILE in its folder).
 LINGER_ENV = "SPMD_LINGER"
 OWNER_ENV = "SPMD_OWNER_FILE"
+# Set (to "1") for a rank server on another host of a cluster with a linger (server.py).
+REMOTE_LINGER_ENV = "SPMD_LINGER_REMOTE"
 # Paths the controller removes when its linger is over (os.pathsep between them): the
 # cluster's folders and its record.
 REMOVE_ENV = "SPMD_LINGER_REMOVE"

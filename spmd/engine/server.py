@@ -31,8 +31,11 @@ Nothing of the user's runs here: no backend, device, socket or Python thread is 
 a fork (jax starts none at import). When stdin closes (the notebook ended, even by SIGKILL, or
 its ssh connection dropped), when asked to end, or on SIGTERM, the server kills every rank it
 forked (each in its own process group, with what it started) and exits. A cluster with a
-linger (orphans.Linger) is the exception: when stdin closes, the server and its ranks run on
-until the linger is over, with nobody to tell (a notebook that attaches ends it by SIGTERM).
+linger is the exception: when stdin closes, the server and its ranks run on, with nobody to
+tell, until the linger is over (orphans.Linger, on the notebook's machine) or, on another host
+(``$SPMD_LINGER_REMOTE``), which cannot see the notebook's processes, until its last rank
+ended (a lingering rank ends when its controller is gone, at the linger's end); and on either,
+once no rank is left. A notebook that attaches ends it by SIGTERM, or by ending its ranks.
 
 Threads: one. Children are forked from the only Python thread there is.
 """
@@ -49,7 +52,7 @@ import sys
 import threading
 import time
 
-from spmd.engine.orphans import Linger
+from spmd.engine.orphans import REMOTE_LINGER_ENV, Linger
 
 # What every rank imports before its first cell, whatever its backend.
 ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.app",
@@ -81,6 +84,8 @@ class Server:
         self.ending = False
         self.remove: list[str] = []  # folders to remove at the end
         self.linger = Linger.from_env()  # (None: the server ends with its notebook)
+        # (on another host: the server outlives its stdin while it has ranks)
+        self.lingers = self.linger is not None or os.environ.get(REMOTE_LINGER_ENV) == "1"
         self.reading = True  # stdin is open
         self._wake_read, self._wake_write = os.pipe()
         for fd in (self._wake_read, self._wake_write):
@@ -91,7 +96,7 @@ class Server:
             self.replies.write(json.dumps(message) + "\n")
             self.replies.flush()
         except OSError:  # nobody reads us any more (the notebook, or its connection, ended)
-            self.ending = self.linger is None
+            self.ending = not self.lingers
 
     def serve(self) -> None:
         # A signal only wakes the loop (its byte in the pipe); the loop reaps and ends.
@@ -119,10 +124,12 @@ class Server:
                 self._reap()
             if self.linger is not None and self.linger.over():
                 break
+            if not self.reading and not self.children:  # (lingering, with no rank left)
+                break
             if 0 in ready:
                 data = os.read(0, 1 << 16)
                 if not data:  # the notebook is gone
-                    if self.linger is None:
+                    if not self.lingers:
                         break
                     self.reading = False
                     continue

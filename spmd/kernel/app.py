@@ -44,7 +44,11 @@ def main() -> None:
     from spmd.magics.background import BackgroundStart
 
     settings = settings_from_argv(sys.argv[1:])
-    early = BackgroundStart(settings) if settings is not None and settings.n > 0 else None
+    from spmd.cluster import linger
+
+    # (where the kernel before this one died and its cluster lingers: attach to it)
+    early = BackgroundStart(settings, attach_to=linger.mine()) if (
+        settings is not None and settings.n > 0) else None
 
     from ipykernel.kernelapp import IPKernelApp
 

@@ -75,7 +75,7 @@ class SpmdKernel(IPythonKernel):
             settings, refused = Settings(n=self.processes, backend=self.backend), str(exc)
         else:
             refused = ""
-        if early is not None and (refused or early.settings != settings):
+        if early is not None and not early.attaching and (refused or early.settings != settings):
             early.cancel()  # a config file said otherwise
             early = None
         self.spmd.start_in_background(settings, started=early, refused=refused)

@@ -84,7 +84,7 @@ def cluster_settings(processes: int, cluster: str, **settings):
 def cluster_options(hosts: str = "", launcher: str | None = None,
                     launcher_args: list[str] = (), python: str = "",
                     gpus_per_process: int | None = None, start_timeout: float | None = None,
-                    check_collectives: bool = False) -> str:
+                    check_collectives: bool = False, linger: str | None = None) -> str:
     """The kernel's cluster as one string of %spmd start options."""
     import shlex
 
@@ -103,6 +103,8 @@ def cluster_options(hosts: str = "", launcher: str | None = None,
         words += ["--start-timeout", f"{start_timeout:g}"]
     if check_collectives:
         words += ["--check-collectives"]
+    if linger is not None:
+        words += ["--linger", linger]
     return shlex.join(words)
 
 
@@ -226,6 +228,8 @@ def _parser() -> _Parser:
     inst.add_argument("--start-timeout", type=float, help="seconds the ranks may take to start")
     inst.add_argument("--check-collectives", action="store_true",
                       help="torch's own check of each collective across the ranks")
+    inst.add_argument("--linger", help="how long the ranks outlive a kernel that died, for the "
+                      "next to attach: 10m by default, 0 for none")
     commands.add_parser("list", help="list the SPMD kernelspecs")
     rm = commands.add_parser("remove", help="remove an SPMD kernelspec")
     rm.add_argument("name")
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = sys.prefix if args.sys_prefix else args.prefix
         cluster = cluster_options(
             args.hosts, args.launcher, args.launcher_arg, args.python, args.gpus_per_process,
-            args.start_timeout, args.check_collectives,
+            args.start_timeout, args.check_collectives, args.linger,
         )
         from IPython.core.error import UsageError
 

@@ -135,7 +135,8 @@ def start_settings(args: list[str], make_folders: bool = True):
     where = _options_checked(opts, _placement(opts))
     # (10m where the ranks can outlive the notebook; elsewhere they end with it, as before)
     lingers = opts.linger if opts.linger is not None else linger.DEFAULT_LINGER
-    opts.linger_refused = linger.why_not(Settings(n=1, where=where)) if lingers else ""
+    opts.linger_refused = linger.why_not(
+        Settings(n=1, where=where, rank_server=opts.rank_server == "on")) if lingers else ""
     return opts, Settings(
         n=opts.processes,
         cpu_devices=opts.devices_per_process,

@@ -1,7 +1,8 @@
 """The SPMD kernel's cluster, started on a thread while the notebook opens.
 
 The kernel starts its kernelspec's cluster as soon as it is up, so the first cell usually finds
-it ready; a cell that comes earlier waits for it, showing one progress line that becomes the
+it ready (or, where its notebook's cluster lingers after the kernel before it died, attaches to
+that one, and the first cell says so); a cell that comes earlier waits for it, showing one progress line that becomes the
 start's summary. A notebook whose first cell is ``%spmd start ...`` with other settings gets its
 own cluster instead: the background start is cancelled and what it began is stopped, so there
 are never two.
@@ -10,9 +11,11 @@ are never two.
 from __future__ import annotations
 
 import threading
+import time
 
 from IPython.display import display
 
+from spmd.cluster import attach, linger
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics.status import summary
 
@@ -20,8 +23,12 @@ from spmd.magics.status import summary
 class BackgroundStart:
     """One ``Session.start`` running on a thread of its own."""
 
-    def __init__(self, settings: Settings, refused: str = "") -> None:
-        self.session = Session(settings)
+    def __init__(self, settings: Settings, refused: str = "",
+                 attach_to: linger.Record | None = None) -> None:
+        self.attach_to = None if refused else attach_to
+        self.session = Session(self.attach_to.the_settings() if self.attach_to else settings)
+        self.fresh_settings = settings  # (what starts where the attach fails)
+        self.attached = ""  # the attach's line, once it attached ('' if it did not)
         self.error: StartError | None = None
         self.progress = ""  # how the start goes, in a few words (set on the start's thread)
         self.session.progress = self._tell
@@ -37,6 +44,18 @@ class BackgroundStart:
             self._thread.start()
 
     def _run(self) -> None:
+        if self.attach_to is not None:
+            record, t0 = self.attach_to, time.perf_counter()
+            try:
+                attach.attach(self.session, record)
+            except linger.AttachError as exc:  # (it ended meanwhile: a new one starts)
+                self.attached = ("The notebook's earlier cluster could not be attached, so a "
+                                 f"new one starts: {exc}")
+                self.session = Session(self.fresh_settings)
+                self.session.progress = self._tell
+            else:
+                self.attached = attached_line(record, time.perf_counter() - t0)
+                return
         try:
             self.session.start()
         except StartError as exc:
@@ -53,6 +72,10 @@ class BackgroundStart:
     @property
     def settings(self) -> Settings:
         return self.session.settings
+
+    @property
+    def attaching(self) -> bool:
+        return self.attach_to is not None
 
     @property
     def done(self) -> bool:
@@ -73,7 +96,8 @@ class BackgroundStart:
         if handle is None:
             return ""
         # (on an error the cell's own error says why)
-        line = "The kernel's processes did not start." if self.error else summary(self.session)
+        line = "The kernel's processes did not start." if self.error else (
+            self.attached if self.attached.startswith("Attached") else summary(self.session))
         handle.update({"text/plain": line}, raw=True)
         return line
 
@@ -83,3 +107,11 @@ class BackgroundStart:
         while self._thread.is_alive():
             self._thread.join(0.1)
         self.session.stop()
+
+
+def attached_line(record: linger.Record, seconds: float) -> str:
+    """What ``%spmd attach`` (and the SPMD kernel's attach) says first."""
+    since = time.strftime("%H:%M:%S", time.localtime(record.started))
+    return (f"Attached to cluster {record.id} in {seconds:.2f} s: {record.n()} ranks "
+            f"({record.backend()}), started at {since} by notebook process {record.pid}; they "
+            "kept what they hold.")

@@ -14,7 +14,7 @@ from spmd.cluster.lockstep.logs import RankLogs
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics import away
 from spmd.magics.arguments import start_settings
-from spmd.magics.background import BackgroundStart
+from spmd.magics.background import BackgroundStart, attached_line
 from spmd.magics.progress import StartProgress
 from spmd.magics.say import say
 from spmd.magics.status import summary
@@ -30,7 +30,8 @@ class Lifecycle:
         first use of the cluster waits for it. ``refused``: why its options cannot be used
         (nothing starts; the first cell says so)."""
         self.always_on = self.auto.on = True
-        self.pending = started or BackgroundStart(settings, refused=refused)
+        self.pending = started or BackgroundStart(
+            settings, refused=refused, attach_to=None if refused else linger.mine())
 
     def _take_pending(self) -> str:
         """Wait for the kernel's cluster (one progress line) and make it this notebook's;
@@ -40,10 +41,18 @@ class Lifecycle:
             return ""
         s = pending.settings
         # (an interrupt while waiting leaves the start pending, for the next cell to take)
-        shown = pending.wait(f"Starting the kernel's {s.n} processes ({s.backend})...")
+        shown = pending.wait(
+            "Attaching to this notebook's cluster..." if pending.attaching
+            else f"Starting the kernel's {s.n} processes ({s.backend})...")
         # (session first: a shutdown on the control thread looks at pending, then session)
         self.session = pending.session
         self.pending = None
+        if pending.attached:  # (the kernel before this one died; its cluster lingered)
+            if shown != pending.attached:
+                say(pending.attached)
+            if pending.error is None and pending.attached.startswith("Attached"):
+                for line in away.what_happened(pending.session):
+                    say(line)
         if pending.error is not None:
             again = "" if pending.refused else " (%spmd restart tries again)"
             raise UsageError(f"{pending.error}{again}")
@@ -81,7 +90,14 @@ class Lifecycle:
         if len(args) > 1:
             raise UsageError("%spmd attach takes one cluster id at most, like %spmd attach "
                              "3f2a9c1e (python -m spmd list shows them).")
-        if self.pending is not None or (self.session is not None and self.session.running):
+        if self.pending is not None:  # the SPMD kernel's own cluster, not used yet
+            if self.pending.attaching and not args:  # (it attached to this notebook's already)
+                self._take_pending()
+                return
+            with interrupts.held("the cancel of the kernel's own start"):
+                self.pending.cancel()
+                self.pending = None
+        if self.session is not None and self.session.running:
             raise UsageError("This notebook already has a cluster: %spmd stop it first, then "
                              "%spmd attach.")
         try:
@@ -94,10 +110,7 @@ class Lifecycle:
             self.session.stop()  # (a stopped one's controller, after a death)
         self.session, self._fresh = session, False
         self.auto.on = True
-        since = time.strftime("%H:%M:%S", time.localtime(record.started))
-        say(f"Attached to cluster {record.id} in {time.perf_counter() - t0:.2f} s: "
-            f"{record.n()} ranks ({record.backend()}), started at {since} by notebook process "
-            f"{record.pid}; they kept what they hold.")
+        say(attached_line(record, time.perf_counter() - t0))
         for line in away.what_happened(session):
             say(line)
 

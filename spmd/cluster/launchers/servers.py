@@ -27,7 +27,7 @@ import psutil
 
 from spmd.cluster.launchers import ssh
 from spmd.cluster.launchers.processes import how_it_ended
-from spmd.engine.orphans import PARENT_ENV
+from spmd.engine.orphans import PARENT_ENV, REMOTE_LINGER_ENV
 
 
 class ServerUnavailable(RuntimeError):
@@ -312,8 +312,10 @@ class SSHRankServers:
     the connections and servers stay until the stop)."""
 
     def __init__(self, hosts: list[str], ssh_cmd: list[str], ssh_args: list[str], python: str,
-                 modules: list[str], log_dir: str, folder: str, hash_seed: str = "") -> None:
+                 modules: list[str], log_dir: str, folder: str, hash_seed: str = "",
+                 linger: bool = False) -> None:
         self.hash_seed = hash_seed  # (every host's ranks get the same string-hash secret)
+        self.linger = linger  # (each server outlives its connection while it has ranks)
         self.masters = ssh.Masters(ssh_cmd, ssh_args, hosts)
         self.folder = folder  # the cluster's folder on the hosts, removed as each server ends
         self.python, self.modules, self.log_dir = python, modules, log_dir
@@ -347,7 +349,9 @@ class SSHRankServers:
                 return
             self.masters.connect()
             # (its shell says its pid first, which the exec keeps: see RankServer.kill)
-            seed = ["env", f"PYTHONHASHSEED={self.hash_seed}"] if self.hash_seed else []
+            seed = [f"PYTHONHASHSEED={self.hash_seed}"] if self.hash_seed else []
+            seed += [f"{REMOTE_LINGER_ENV}=1"] if self.linger else []
+            seed = ["env", *seed] if seed else []
             remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
                 [*seed, *ssh.python_there(self.python), "-m", "spmd.engine.server",
                  *self.modules]
