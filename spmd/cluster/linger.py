@@ -40,7 +40,7 @@ from spmd.cluster.launchers import profiles, remote
 from spmd.cluster.ranks import Rank, Settings
 
 RECORD_PREFIX = "spmd-cluster-"
-DEFAULT_LINGER = 600.0  # seconds (10m)
+DEFAULT_LINGER = Settings.linger  # seconds (10m)
 # The notebook's path, as Jupyter gives it to the kernel of that notebook.
 NOTEBOOK_ENV = "JPY_SESSION_NAME"
 

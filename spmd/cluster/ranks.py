@@ -53,8 +53,8 @@ class Settings:
     # compares the op, shapes and dtypes with the others' before running it.
     check_collectives: bool = False
     # Seconds the cluster outlives a notebook process that died without stopping it (0:
-    # none), for a new notebook process to attach (linger.py).
-    linger: float = 0.0
+    # none), for a new notebook process to attach (linger.py): 10m by default.
+    linger: float = 600.0
 
 
 @dataclass(frozen=True)
