@@ -23,9 +23,9 @@ from importlib.metadata import version
 from typing import Any
 
 from spmd import internals
-from spmd.engine import jit_cache, placement, torch_group
+from spmd.engine import jit_cache, placement, torch_group, unattended
 from spmd.engine.address import address_toward, coordinator_addresses, wait_listening
-from spmd.engine.orphans import GONE_LINE, exit_now, watch_parent
+from spmd.engine.orphans import exit_now, watch_parent
 from spmd.engine.stacks import listen_for_where
 
 BACKEND_ENV = "SPMD_BACKEND"
@@ -237,16 +237,6 @@ def _exit_now(signum: int, frame: Any) -> None:
     exit_now(signum)
 
 
-def _output_to_log() -> None:
-    """(the watch thread) The notebook process is gone and the cluster lingers: what the rank
-    prints from now on is written to its own log too, which an attach reads back."""
-    stamp = time.strftime("%H:%M:%S")
-    os.write(1, f"{GONE_LINE}{stamp}; the rank's output follows ---\n".encode())
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "echo") and getattr(stream, "echo", None) is None:
-            stream.echo = sys.__stdout__  # (the process's own output: its log file)
-
-
 def propose_coordinators(toward: str) -> dict[str, str]:
     """Rank 0: for each backend it starts, an address on the interface that reaches
     ``toward`` (the notebook's machine), which the other hosts reach too; ports free now."""
@@ -307,7 +297,7 @@ def main() -> None:
     listen_for_where()
     linger = watch_parent()
     if linger is not None:
-        linger.on_gone.append(_output_to_log)
+        linger.on_gone.append(unattended.notebook_gone)
     # (imported here, after the join's thread started: its import of jax and ipyparallel's
     # import overlap)
     from ipyparallel.engine import app as engine_app

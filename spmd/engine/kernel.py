@@ -47,6 +47,7 @@ from spmd.engine import (
     quiet,
     results,
     started,
+    unattended,
 )
 
 
@@ -136,6 +137,7 @@ class RankKernel(IPythonParallelKernel):
         if self._env is not None:
             self._env.into(metadata)
         quiet.count_into(parent, metadata)
+        unattended.cell_ended(parent["content"].get("code", ""), reply_content)
         return metadata
 
     # -- IOPub: what no one reads is not sent (quiet.py) ------------------------------------

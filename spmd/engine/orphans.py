@@ -32,8 +32,6 @@ REMOTE_LINGER_ENV = "SPMD_LINGER_REMOTE"
 # Paths the controller removes when its linger is over (os.pathsep between them): the
 # cluster's folders and its record.
 REMOVE_ENV = "SPMD_LINGER_REMOVE"
-# The line a lingering rank writes to its log when its notebook is gone: its output follows.
-GONE_LINE = "--- the notebook process ended at "
 
 
 def end_children() -> None:

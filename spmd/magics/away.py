@@ -1,25 +1,13 @@
 """What happened on the ranks while no notebook held their cluster, said once at
 ``%spmd attach``: which ranks still run the cell that was running when the notebook process
-died, how the last cell ended on the others, and what each printed meanwhile (a lingering
-rank writes it to its own log; it goes into the notebook's logs, for ``%spmd log RANK``)."""
+died, how the cells that ended meanwhile ended on each rank, and what each printed. A
+lingering rank writes all of it to its own log (engine/unattended.py); it is read here, with
+no request to the ranks, and copied into the notebook's logs for ``%spmd log RANK``."""
 
 from __future__ import annotations
 
 from spmd.cluster.lockstep.run import rank_words
-from spmd.engine.orphans import GONE_LINE
-
-
-def last_cell() -> dict | None:
-    """(on a rank) The last cell this rank ran: its first line, and its error ('' if none)."""
-    from IPython import get_ipython
-
-    result = getattr(get_ipython(), "last_execution_result", None)
-    if result is None:
-        return None
-    error = result.error_in_exec or result.error_before_exec
-    first = next((ln for ln in (result.info.raw_cell or "").splitlines() if ln.strip()), "")
-    return {"first": first.strip()[:80], "error": f"{type(error).__name__}: {error}"[:200]
-            if error else ""}
+from spmd.engine.unattended import CELL_ENDED, GONE_LINE
 
 
 def what_happened(session) -> list[str]:
@@ -31,25 +19,14 @@ def what_happened(session) -> list[str]:
             f"{rank_words(busy).capitalize()} still run{'s' if len(busy) == 1 else ''} the cell "
             "that was running when the notebook process ended: the next cell waits for it "
             "(%spmd interrupt stops it).")
-    ended = {}
-    for rank in range(len(session.ranks)):
-        if rank in busy:
-            continue
-        try:
-            ended[rank] = session.call(rank, last_cell, timeout=5)
-        except Exception:  # (a rank that does not answer: said by the next cell)
-            continue
-    failed = {r: e for r, e in ended.items() if e and e["error"]}
-    done = [r for r, e in ended.items() if e and not e["error"]]
-    if ended and any(ended.values()):
-        first = next(e["first"] for e in ended.values() if e)
-        said = f"The last cell ({first!r}) "
-        if done:
-            said += f"ended without an error on {rank_words(done)}"
-        for rank, e in sorted(failed.items()):
-            said += f"{'; ' if done or rank != min(failed) else ''}raised {e['error']} on rank {rank}"
-        lines.append(said + ".")
-    printed = _printed_while_away(session)
+    printed, ended = _read_logs(session)
+    if ended:
+        first = next(iter(ended.values()))[1]
+        ok = sorted(r for r, (how, _) in ended.items() if how == "ok")
+        said = [f"ended without an error on {rank_words(ok)}"] if ok else []
+        said += [f"raised {how} on rank {r}" for r, (how, _) in sorted(ended.items())
+                 if how != "ok"]
+        lines.append(f"The cell that ran meanwhile ({first!r}) " + "; ".join(said) + ".")
     if printed:
         counts = ", ".join(f"rank {r} {n} line{'s' if n != 1 else ''}"
                            for r, n in sorted(printed.items()))
@@ -69,10 +46,10 @@ def _busy(session) -> list[int]:
                   if e in by_engine and isinstance(s, dict) and s.get("queue", 0) > 0)
 
 
-def _printed_while_away(session) -> dict[int, int]:
-    """Each rank's lines after its log's mark, copied into the notebook's logs: their
-    count, by rank."""
-    counts = {}
+def _read_logs(session) -> tuple[dict[int, int], dict[int, tuple[str, str]]]:
+    """From each rank's log, after its mark: the lines it printed (copied into the notebook's
+    logs; their count by rank), and how its last cell ended ((how, its first line) by rank)."""
+    printed, ended = {}, {}
     session.logs.begin_cell("(while no notebook was attached)")
     for rank in range(len(session.ranks)):
         try:
@@ -83,9 +60,16 @@ def _printed_while_away(session) -> dict[int, int]:
         if at < 0:
             continue
         after = text[at:].split("\n", 1)[1] if "\n" in text[at:] else ""
-        if after.strip():
-            session.logs.write(rank, after)
-            counts[rank] = len(after.rstrip("\n").splitlines())
-    if counts:
+        kept = []
+        for line in after.splitlines(keepends=True):
+            if line.startswith(CELL_ENDED):
+                how, _, first = line[len(CELL_ENDED):].rstrip("\n").partition(" | ")
+                ended[rank] = (how, first)
+            else:
+                kept.append(line)
+        if "".join(kept).strip():
+            session.logs.write(rank, "".join(kept))
+            printed[rank] = len(kept)
+    if printed:
         session.logs.flush()
-    return counts
+    return printed, ended
