@@ -411,11 +411,17 @@ def killed_notebook(tmp_path, *cells: str) -> list[psutil.Process]:
         notebook.stdout.close()
 
 
+def stop_every_cluster() -> None:
+    subprocess.run([sys.executable, "-m", "spmd", "stop", "--all"], capture_output=True,
+                   timeout=60)
+
+
 def test_ssh_ranks_linger_after_their_notebook_died_and_a_new_one_attaches(
-        fresh, hosts, tmp_path, monkeypatch):
+        fresh, hosts, tmp_path, monkeypatch, request):
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     here = killed_notebook(tmp_path, ssh_start(hosts, extra="--linger 2m"), SETUP,
                            "x = 10 + rank")
+    request.addfinalizer(stop_every_cluster)  # (a failure half-way leaves nothing lingering)
     time.sleep(3)  # (past every watch's period: nothing ended with the notebook)
     assert len(running_on(hosts)) >= 4  # (a server and a rank on each host)
     out = run(fresh, "%spmd attach")

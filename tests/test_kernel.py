@@ -235,6 +235,10 @@ def test_a_killed_spmd_kernel_restarted_by_jupyter_attaches_to_its_lingering_ran
         assert text.startswith("Attached to cluster"), text
         assert text.endswith("[rank 0] 10\n[rank 1] 11\n"), text
         assert all(p.is_running() for p in started)  # (the same processes)
+    except BaseException:  # (a failure half-way leaves nothing lingering)
+        subprocess.run([sys.executable, "-m", "spmd", "stop", "--all"], capture_output=True,
+                       env=env, timeout=60)
+        raise
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)

@@ -14,18 +14,20 @@ launchers (it owns them).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import psutil
 
+from spmd.cluster import stopping
+from spmd.cluster.launchers import profiles
 from spmd.cluster.linger import AttachError, Record, give_back, remove, take, taken
+from spmd.engine.orphans import started_at
 
 
-def server_started(record: Record) -> float:
-    try:
-        return psutil.Process(record.rank_server).create_time()
-    except psutil.Error:
-        return 0.0
+def _same(record: Record, pid: int) -> bool:
+    """Whether ``pid`` is still the process the record lists (not a pid reused since)."""
+    return bool(pid) and started_at(pid) == record.started_at.get(str(pid))
 
 
 def adopt(launch, record: Record) -> list[int]:
@@ -38,6 +40,10 @@ def adopt(launch, record: Record) -> list[int]:
     from spmd.cluster.launchers import servers
     from spmd.cluster.launchers.launch import RankedEngineSetLauncher, SpmdCluster, cluster_log
 
+    ranks_here = [int(e.get("pid") or 0) for e in record.engines.get("engines", {}).values()]
+    if not all(_same(record, pid) for pid in ranks_here + [record.rank_server] if pid):
+        raise AttachError(f"Cluster {record.id}'s ranks have ended: end the rest with "
+                          f"python -m spmd stop {record.id}.")
     config = Config()
     config.LocalProcessLauncher.stop_seconds_until_kill = 1
     cluster = SpmdCluster(
@@ -54,6 +60,7 @@ def adopt(launch, record: Record) -> list[int]:
     try:
         cluster._in_thread(rebuild)
     except Exception as exc:  # (ipyparallel's NotRunning: a process of it ended)
+        stopping.end_event_loop(cluster)
         raise AttachError(f"Cluster {record.id} has ended ({exc}): start one with "
                           "%spmd start.") from None
     cluster.rank_set = record.engine_set
@@ -62,7 +69,7 @@ def adopt(launch, record: Record) -> list[int]:
     launch.address, launch.hash_seed = record.address, record.hash_seed
     launch.coordinator, launch.torch_method = record.coordinator, record.torch_method
     if record.rank_server:
-        launch.rank_server = servers.LingeringServer(record.rank_server, server_started(record))
+        launch.rank_server = servers.LingeringServer(record.rank_server)
         cluster.rank_server = launch.rank_server
     launch.client = cluster._in_thread(cluster.connect_client)
     engine_ids = [row["engine_id"] for row in record.ranks]
@@ -82,21 +89,23 @@ def attach(session, record: Record):
     was (AttachError): the cluster lingers on, for another try."""
     import atexit
 
-    from spmd.cluster import stopping
-
     with taken(record):
         before = take(record)
         with session.life:
             try:
                 engine_ids = adopt(session.launch, record)
-            except BaseException:
+            except BaseException as exc:
                 running = session.launch.hand_over()
                 if running.client is not None:
                     running.client.close(linger=0)
                 if running.cluster is not None:
                     stopping.end_event_loop(running.cluster)
                 give_back(record, before)
-                raise
+                if isinstance(exc, (AttachError, KeyboardInterrupt)):
+                    raise
+                raise AttachError(
+                    f"Cluster {record.id} could not be attached ({type(exc).__name__}: {exc}): "
+                    f"try again, or end it with python -m spmd stop {record.id}.") from None
             session.launch.record_id = record.id
             session._new_generation(engine_ids)
             for row, kept in zip(session.gen.ranks, record.rows()):
@@ -114,14 +123,12 @@ def end(record: Record) -> None:
     import shutil
 
     handles = []
-    pids = [record.rank_server, record.controller_pid()]
-    pids += [int(e.get("pid") or 0) for e in record.engines.get("engines", {}).values()]
-    for pid in filter(None, pids):
+    known = {str(record.controller_pid()): record.controller_started, **record.started_at}
+    for pid, started in known.items():
         try:
-            process = psutil.Process(pid)
-            if process.create_time() <= record.started:  # (not a pid reused since)
-                handles.append(process)
-        except psutil.Error:
+            if started is not None and started_at(int(pid)) == started:  # (not a pid reused)
+                handles.append(psutil.Process(int(pid)))
+        except (psutil.Error, ValueError):
             continue
     for process in handles:
         with contextlib.suppress(psutil.Error):
@@ -132,7 +139,7 @@ def end(record: Record) -> None:
             process.kill()
     psutil.wait_procs(alive, timeout=5)
     own_cache = record.cache_dir if record.cache_dir != record.settings.get("cache_dir") else None
-    for folder in (record.profile_dir, own_cache):
-        if folder:
+    for folder in (record.profile_dir, own_cache):  # (only folders the cluster made)
+        if folder and os.path.isfile(os.path.join(folder, profiles.OWNER_FILE)):
             shutil.rmtree(folder, ignore_errors=True)
     remove(record)

@@ -30,14 +30,14 @@ import fcntl
 import json
 import os
 import re
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-import psutil
-
 from spmd.cluster.launchers import profiles, remote
 from spmd.cluster.ranks import Rank, Settings
+from spmd.engine.orphans import read_owner, runs, started_at
 
 RECORD_PREFIX = "spmd-cluster-"
 DEFAULT_LINGER = Settings.linger  # seconds (10m)
@@ -106,7 +106,7 @@ class Record:
     cache_dir: str | None
     cluster_id: str
     controller: dict  # ipyparallel's launcher state (its pid)
-    controller_started: float  # its process's start time (a pid is reused)
+    controller_started: float  # its process's start (orphans.started_at: a pid is reused)
     engine_set: str
     engines: dict  # ipyparallel's engine set state (each rank's pid)
     rank_server: int  # its pid (0: none)
@@ -116,6 +116,10 @@ class Record:
     coordinator: str = ""
     torch_method: str = ""
     versions: dict = field(default_factory=dict)
+    host: str = ""  # the machine it runs on (a home folder may be shared with others)
+    # When each process it lists by pid started (orphans.started_at), by pid: the rank
+    # server's and each rank's on this machine, so that a pid reused is never taken for them.
+    started_at: dict = field(default_factory=dict)
 
     @property
     def path(self) -> str:
@@ -142,13 +146,21 @@ class Record:
 
     def alive(self) -> bool:
         """Whether its controller still runs (the same process)."""
-        try:
-            process = psutil.Process(self.controller_pid())
-            return process.create_time() == self.controller_started and process.is_running()
-        except (psutil.Error, ValueError):
-            return False
+        return runs({"pid": self.controller_pid(), "started": self.controller_started})
+
+    def runs_here(self) -> bool:
+        return self.host == socket.gethostname()
 
     def the_settings(self) -> Settings:
+        """The settings it was started with; AttachError where another version wrote them."""
+        try:
+            return self._settings()
+        except (KeyError, TypeError, ValueError):
+            raise AttachError(
+                f"Cluster {self.id} was started by another version of jupyter-spmd: end it with "
+                f"python -m spmd stop {self.id}.") from None
+
+    def _settings(self) -> Settings:
         values = dict(self.settings)
         where = values.pop("where")
         placed = remote.Placement(
@@ -196,8 +208,13 @@ def remove(record: Record | None) -> None:
 
 
 def read(path: str) -> Record | None:
+    """The record at ``path``; None where it is not one, or not this user's own (another
+    user's file, or one others may read or write, is not trusted)."""
     try:
         with open(path) as f:
+            facts = os.fstat(f.fileno())
+            if facts.st_uid != os.getuid() or facts.st_mode & 0o077:
+                return None
             return Record(**json.load(f))
     except (OSError, ValueError, TypeError):
         return None
@@ -212,7 +229,7 @@ def every() -> list[Record]:
         if not (name.startswith(RECORD_PREFIX) and name.endswith(".json")):
             continue
         record = read(os.path.join(folder, name))
-        if record is None:
+        if record is None or not record.runs_here():  # (another machine's: not ours to judge)
             continue
         if not record.alive():
             remove(record)
@@ -336,23 +353,25 @@ def take(record: Record) -> dict:
             + f": attach from the same environment, or end it with python -m spmd stop {record.id}."
         )
     before = {}
-    for folder in (record.profile_dir, record.cache_dir):
-        try:  # (only the cluster's own folders: a cache the user named has no owner file)
-            with open(os.path.join(folder or "", profiles.OWNER_FILE)) as f:
-                before[folder] = f.read()
-        except OSError:
-            continue
-        profiles.mark_owner(folder)
+    try:
+        for folder in (record.profile_dir, record.cache_dir):
+            # (only the cluster's own folders: a cache the user named has no owner file)
+            owner = read_owner(os.path.join(folder or "", profiles.OWNER_FILE))
+            if owner:
+                before[folder] = owner
+                profiles.mark_owner(folder)
+    except OSError:  # (its linger ended meanwhile: the controller removed its folder)
+        give_back(record, before)
+        raise AttachError(f"Cluster {record.id} has ended: start one with %spmd start.") from None
     return before
 
 
 def give_back(record: Record, before: dict) -> None:
     """An attach that failed: the owner files say what they said before, so the cluster's
     linger goes on (or another notebook can attach)."""
-    for folder, text in before.items():
+    for folder, owner in before.items():
         with contextlib.suppress(OSError):
-            with open(os.path.join(folder, profiles.OWNER_FILE), "w") as f:
-                f.write(text)
+            profiles.write_owner(folder, owner)
 
 
 def new_id() -> str:
@@ -392,14 +411,17 @@ def record_of(launch, ranks: list[Rank], record_id: str) -> Record:
         linger=launch.settings.linger, settings=dataclasses.asdict(launch.settings),
         profile_dir=launch.profile_dir, cache_dir=launch.cache_dir,
         cluster_id=cluster.cluster_id, controller=controller,
-        controller_started=psutil.Process(controller["pid"]).create_time(),
+        controller_started=started_at(controller["pid"]),
         engine_set=cluster.rank_set,
         engines=json.loads(json.dumps(engine_set.to_dict())) if here else {},
         rank_server=(getattr(server_process, "pid", 0) or 0) if here else 0,
         ranks=[dataclasses.asdict(r) for r in ranks], address=launch.address,
         hash_seed=launch.hash_seed, coordinator=launch.coordinator,
-        torch_method=launch.torch_method, versions=versions(),
+        torch_method=launch.torch_method, versions=versions(), host=socket.gethostname(),
     )
+    pids = [record.rank_server] + [int(e.get("pid") or 0)
+                                   for e in record.engines.get("engines", {}).values()]
+    record.started_at = {str(pid): started_at(pid) for pid in pids if pid}
     return record
 
 

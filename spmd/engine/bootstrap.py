@@ -298,6 +298,7 @@ def main() -> None:
     linger = watch_parent()
     if linger is not None:
         linger.on_gone.append(unattended.notebook_gone)
+        linger.on_back.append(unattended.notebook_back)
     # (imported here, after the join's thread started: its import of jax and ipyparallel's
     # import overlap)
     from ipyparallel.engine import app as engine_app

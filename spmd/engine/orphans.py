@@ -87,30 +87,64 @@ def _descendants_from_proc(pid: int) -> list | None:
     return found
 
 
-def owner_alive(path: str) -> bool:
-    """Whether the notebook process ``path`` (an owner.json) names still runs (the same
-    process: its start time too, since a pid is reused)."""
-    import psutil
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started, as a number that names it with its pid (a pid is reused)
+    and that no clock change moves: Linux's clock ticks since boot (/proc/PID/stat), else
+    psutil's start time. None where it does not run, or is a zombie (it ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else float(fields[19])
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError, ValueError):
+        import psutil
 
+        try:
+            process = psutil.Process(pid)
+            return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+        except psutil.Error:
+            return None
+
+
+def read_owner(path: str) -> dict:
+    """The owner file's contents ({} where it cannot be read)."""
     try:
         with open(path) as f:
             owner = json.load(f)
-        return psutil.Process(owner["pid"]).create_time() == owner["create_time"]
-    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def runs(who: dict | None) -> bool:
+    """Whether the process ``who`` ({"pid", "started"}) still runs: the same one."""
+    try:
+        if who is not None and "started" not in who and "create_time" in who:
+            import psutil  # (a file an earlier version wrote)
+
+            return psutil.Process(int(who["pid"])).create_time() == who["create_time"]
+        return who is not None and started_at(int(who["pid"])) == who["started"]
+    except Exception:  # (KeyError, TypeError, ValueError, psutil.Error: not running)
         return False
+
+
+def owner_alive(path: str) -> bool:
+    """Whether the notebook process ``path`` (an owner.json) names still runs."""
+    return runs(read_owner(path))
 
 
 def owner_pid(path: str) -> int:
     try:
-        with open(path) as f:
-            return int(json.load(f)["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(read_owner(path).get("pid", 0))
+    except (TypeError, ValueError):
         return 0
 
 
 class Linger:
     """The clock of a cluster whose notebook process may die: ``over`` once no live notebook
-    process has held the cluster for ``seconds``."""
+    process has held the cluster for ``seconds``. Until its start has finished (the owner
+    file names a keeper, linger.keep), a cluster does not linger: it ends with its notebook."""
 
     def __init__(self, seconds: float, owner_file: str) -> None:
         self.seconds = seconds
@@ -118,6 +152,7 @@ class Linger:
         self.notebook_pid = owner_pid(owner_file)  # (the one that started this process)
         self.gone_since: float | None = None
         self.on_gone: list = []  # called once, when the notebook is first found gone
+        self.on_back: list = []  # called when a notebook holds it again (an attach)
 
     @classmethod
     def from_env(cls) -> Linger | None:
@@ -129,18 +164,27 @@ class Linger:
         return cls(seconds, path) if seconds > 0 and path else None
 
     def over(self) -> bool:
-        if owner_alive(self.owner_file):
-            self.gone_since = None
+        owner = read_owner(self.owner_file)
+        if runs(owner):
+            if self.gone_since is not None:
+                self.gone_since = None
+                _call(self.on_back)
             return False
+        if "keeper" not in owner:  # (a start that had not finished: nothing to keep)
+            return True
         now = time.monotonic()
         if self.gone_since is None:
             self.gone_since = now
-            for call in self.on_gone:
-                try:
-                    call()
-                except Exception:  # (a note in a log: never worth the watch itself)
-                    pass
+            _call(self.on_gone)
         return now - self.gone_since >= self.seconds
+
+
+def _call(callbacks: list) -> None:
+    for call in callbacks:
+        try:
+            call()
+        except Exception:  # (a note in a log: never worth the watch itself)
+            pass
 
 
 def _remove_what_was_kept() -> None:

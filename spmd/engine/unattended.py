@@ -3,8 +3,9 @@ prints from then on, and how each cell it finishes ends, go to its own log, wher
 that attaches reads them (spmd/magics/away.py). Nothing here runs while a notebook holds the
 cluster.
 
-Threads: the parent watch thread calls ``notebook_gone`` once; the kernel's main thread calls
-``cell_ended`` at each cell's reply. Both write whole lines to the process's own output (its
+Threads: the parent watch thread calls ``notebook_gone`` when it finds the notebook gone and
+``notebook_back`` when one attached; the kernel's main thread calls ``cell_ended`` at each
+cell's reply. Both write whole lines to the process's own output (its
 log file) with one ``os.write`` each.
 """
 
@@ -31,6 +32,16 @@ def notebook_gone() -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "echo") and getattr(stream, "echo", None) is None:
             stream.echo = sys.__stdout__  # (the process's own output: its log file)
+
+
+def notebook_back() -> None:
+    """(the watch thread) A notebook holds the cluster again (an attach): output goes to it
+    alone, as before."""
+    global _gone
+    _gone = False
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "echo", None) is sys.__stdout__:
+            stream.echo = None
 
 
 def cell_ended(code: str, reply: dict) -> None:

@@ -26,7 +26,11 @@ class BackgroundStart:
     def __init__(self, settings: Settings, refused: str = "",
                  attach_to: linger.Record | None = None) -> None:
         self.attach_to = None if refused else attach_to
-        self.session = Session(self.attach_to.the_settings() if self.attach_to else settings)
+        try:
+            attached = self.attach_to.the_settings() if self.attach_to else settings
+        except linger.AttachError:  # (another version's: the kernel starts its own)
+            self.attach_to, attached = None, settings
+        self.session = Session(attached)
         self.fresh_settings = settings  # (what starts where the attach fails)
         self.attached = ""  # the attach's line, once it attached ('' if it did not)
         self.error: StartError | None = None
@@ -48,7 +52,7 @@ class BackgroundStart:
             record, t0 = self.attach_to, time.perf_counter()
             try:
                 attach.attach(self.session, record)
-            except linger.AttachError as exc:  # (it ended meanwhile: a new one starts)
+            except Exception as exc:  # (it ended meanwhile: a new one starts)
                 self.attached = ("The notebook's earlier cluster could not be attached, so a "
                                  f"new one starts: {exc}")
                 self.session = Session(self.fresh_settings)

@@ -56,7 +56,9 @@ class Lifecycle:
         if pending.error is not None:
             again = "" if pending.refused else " (%spmd restart tries again)"
             raise UsageError(f"{pending.error}{again}")
-        self._fresh = True
+        # (the kernel's own cluster, which a first %spmd start with other settings replaces;
+        # never one it attached to: that one holds what the ranks kept)
+        self._fresh = not pending.attached.startswith("Attached")
         return shown
 
 
@@ -91,12 +93,14 @@ class Lifecycle:
             raise UsageError("%spmd attach takes one cluster id at most, like %spmd attach "
                              "3f2a9c1e (python -m spmd list shows them).")
         if self.pending is not None:  # the SPMD kernel's own cluster, not used yet
-            if self.pending.attaching and not args:  # (it attached to this notebook's already)
+            if self.pending.attaching:  # (it attaches to this notebook's: taken, never ended)
                 self._take_pending()
-                return
-            with interrupts.held("the cancel of the kernel's own start"):
-                self.pending.cancel()
-                self.pending = None
+                if not args:
+                    return
+            else:
+                with interrupts.held("the cancel of the kernel's own start"):
+                    self.pending.cancel()
+                    self.pending = None
         if self.session is not None and self.session.running:
             raise UsageError("This notebook already has a cluster: %spmd stop it first, then "
                              "%spmd attach.")
@@ -122,8 +126,8 @@ class Lifecycle:
         """Whether the kernel's own, still unused cluster is the one asked for. If it is not,
         it is cancelled or stopped, so that the one asked for starts instead (never two)."""
         if self.pending is not None:
-            if self.pending.settings == settings:
-                self._take_pending()
+            if self.pending.settings == settings or self.pending.attaching:
+                self._take_pending()  # (an attach is taken whatever: %spmd start then refuses)
             else:
                 with interrupts.held("the cancel of the kernel's own start"):
                     self.pending.cancel()

@@ -12,7 +12,6 @@ while no notebook holds them (linger.py).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -20,6 +19,9 @@ import shutil
 import tempfile
 
 import psutil
+
+from spmd.engine import orphans
+from spmd.engine.orphans import started_at
 
 PROFILE_PREFIX = "spmd-"
 OWNER_FILE = "owner.json"  # which notebook process made a profile folder
@@ -46,43 +48,32 @@ def mark_owner(path: str, keeper: int = 0) -> None:
     a process that keeps the folder while no notebook holds it (a lingering cluster's
     controller, which removes it when its linger is over); 0 keeps the one marked before."""
     me = psutil.Process()
-    owner = {"pid": me.pid, "create_time": me.create_time()}
-    before = _read_owner(path) or {}
+    owner = {"pid": me.pid, "started": started_at(me.pid), "create_time": me.create_time()}
+    before = orphans.read_owner(os.path.join(path, OWNER_FILE))
     if keeper:
-        with contextlib.suppress(psutil.Error):
-            owner["keeper"] = {"pid": keeper, "create_time": psutil.Process(keeper).create_time()}
+        owner["keeper"] = {"pid": keeper, "started": started_at(keeper)}
     elif "keeper" in before:
         owner["keeper"] = before["keeper"]
+    write_owner(path, owner)
+
+
+def write_owner(path: str, owner: dict) -> None:
+    """Replace the folder's owner file in one step (its readers never see half of it)."""
     fd, partial = tempfile.mkstemp(dir=path, prefix=".owner.")
     with os.fdopen(fd, "w") as f:
         json.dump(owner, f)
     os.replace(partial, os.path.join(path, OWNER_FILE))
 
 
-def _read_owner(path: str) -> dict | None:
-    try:
-        with open(os.path.join(path, OWNER_FILE)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _runs(who: dict | None) -> bool:
-    try:
-        return psutil.Process(who["pid"]).create_time() == who["create_time"]
-    except (psutil.Error, KeyError, TypeError):
-        return False
-
-
 def remove_abandoned_folders() -> list[str]:
     """Remove the folders of notebook processes that no longer run; their paths."""
     removed = []
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PROFILE_PREFIX + "*")):
-        owner = _read_owner(path)
-        if owner is None:
+        owner = orphans.read_owner(os.path.join(path, OWNER_FILE))
+        if not owner:
             continue  # not one of ours, or being made right now
         # (a lingering cluster's folder is its keeper's until its linger is over)
-        if not _runs(owner) and not _runs(owner.get("keeper")):
+        if not orphans.runs(owner) and not orphans.runs(owner.get("keeper")):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

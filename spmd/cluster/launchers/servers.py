@@ -281,12 +281,10 @@ class LingeringServer:
     why_not = "it was started by the notebook process before this one"
     usable = False
 
-    def __init__(self, pid: int, started: float) -> None:
+    def __init__(self, pid: int) -> None:  # (the attach checked that it is still the one)
         self.pid = pid
         try:
             self.process = psutil.Process(pid)
-            if self.process.create_time() != started:
-                self.process = None
         except psutil.Error:
             self.process = None
 
