@@ -203,3 +203,20 @@ def test_a_cell_running_when_the_notebook_died_is_reported_at_attach(runtime):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_notebook_killed_once_its_stop_began_leaves_nothing_lingering(runtime):
+    """Jupyter kills a kernel whose shutdown takes too long: a stop that had begun has
+    disarmed the linger, so the ranks end with the kernel, and no record is left."""
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 5m")
+        run_ok(kc, "%%local\nfrom spmd.cluster import linger\n"
+                   "linger.disarm(get_ipython().magics_manager.registry['SpmdMagics']"
+                   ".session.launch)")  # (what a stop or a shutdown does first)
+    finally:
+        pid = kill(km, kc)
+    started = spmd_processes(pid)
+    assert started and not wait_until_gone(started, timeout=10)
+    assert not [r for r in os.listdir(runtime["JUPYTER_RUNTIME_DIR"]) if r.startswith("spmd-")]

@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from spmd.cluster import stopping
+from spmd.cluster import linger, stopping
 from spmd.cluster.launchers import profiles
 from spmd.cluster.linger import AttachError, Record, give_back, remove, take, taken
 from spmd.engine.orphans import started_at
@@ -107,6 +107,8 @@ def attach(session, record: Record):
                     f"Cluster {record.id} could not be attached ({type(exc).__name__}: {exc}): "
                     f"try again, or end it with python -m spmd stop {record.id}.") from None
             session.launch.record_id = record.id
+            # (it lingers again should this notebook die; a stop disarms it: linger.disarm)
+            session.launch.linger_env = linger.process_env(session.settings, record.profile_dir)
             session._new_generation(engine_ids)
             for row, kept in zip(session.gen.ranks, record.rows()):
                 row.pid, row.host, row.gpus = kept.pid, kept.host, kept.gpus

@@ -425,6 +425,21 @@ def record_of(launch, ranks: list[Rank], record_id: str) -> Record:
     return record
 
 
+def disarm(launch) -> None:
+    """A stop has begun: the cluster no longer lingers (its processes end with this notebook
+    process, should it be killed before the stop has finished: a kernel that its manager
+    kills when its shutdown takes too long), and its record goes."""
+    with contextlib.suppress(OSError):
+        os.remove(launch.record_path())
+    if not launch.linger_env or not launch.profile_dir:
+        return
+    path = os.path.join(launch.profile_dir, profiles.OWNER_FILE)
+    owner = read_owner(path)
+    if owner.pop("keeper", None) is not None:
+        with contextlib.suppress(OSError):
+            profiles.write_owner(launch.profile_dir, owner)
+
+
 def keep(launch, ranks: list[Rank]) -> None:
     """Write the record of what the launch runs (where it lingers), and mark its folders as
     kept by its controller while no notebook holds them (a later start leaves them alone)."""

@@ -37,8 +37,6 @@ Who may touch what:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import os
 import shutil
 import threading
 import time
@@ -265,6 +263,7 @@ class Session:
         right after, and its manager would kill it without a stop."""
         self.stopping.set()
         self.cancelled.set()
+        linger.disarm(self.launch)  # (a kernel killed while it stops: its ranks end with it)
         got = self.life.acquire(timeout=wait)
         try:
             # (beside a main thread that may still wait on the cluster's event loop: that
@@ -277,8 +276,7 @@ class Session:
     def _stop(self, keep_cache: bool, end_loop: bool = True) -> None:
         atexit.unregister(self.stop)
         launch = self.launch
-        with contextlib.suppress(OSError):  # (nothing left to attach to)
-            os.remove(launch.record_path())
+        linger.disarm(launch)  # (nothing to linger for, nor to attach to)
         if not keep_cache and launch.cache_dir and launch.cache_dir != self.settings.cache_dir:
             shutil.rmtree(launch.cache_dir, ignore_errors=True)
             launch.cache_dir = None
