@@ -295,6 +295,30 @@ class Bench:
         finally:
             self.cell("%spmd stop")
 
+    def printed_loops(self, rounds: int) -> None:
+        """A loop that prints an array over 4 processes 1,000 times (the same one, and a new
+        one each step: past the 100 a cell rebuilds), beside the same loop printing an array
+        each process holds whole."""
+        self.cell("%spmd start -n 4 -d 2")
+        self.cell(
+            "import jax, jax.numpy as jnp\n"
+            "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+            "mesh = jax.make_mesh((8,), ('x',))\n"
+            "spread = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P('x')))\n"
+            "local = jnp.arange(8.0)"
+        )
+        try:
+            for _ in range(rounds):
+                for name, code in (("local", "for i in range(1000):\n    print(local)"),
+                                   ("global_same", "for i in range(1000):\n    print(spread)"),
+                                   ("global_new", "for i in range(1000):\n    print(spread + i)"),
+                                   ("local_new", "for i in range(1000):\n    print(local + i)")):
+                    t0 = time.perf_counter()
+                    self.cell(code)
+                    self.record(f"print_loop_1000/{name}", time.perf_counter() - t0)
+        finally:
+            self.cell("%spmd stop")
+
     def dtensor_value_cells(self, cells: int) -> None:
         """A cell whose value is one torch DTensor over 4 processes (8x4, and 2048x2048:
         only its printed corners travel), beside the same cell ending in None."""
@@ -460,6 +484,8 @@ TARGETS = [
     ("value_cell/dtensor_8x4", "value_cell/dtensor_none", None, ""),
     ("value_cell/dtensor_2048sq", "value_cell/dtensor_none", None, ""),
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
+    ("print_loop_1000/global_same", "print_loop_1000/local", None, ""),
+    ("print_loop_1000/global_new", "print_loop_1000/local_new", None, ""),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
     ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
     ("first_result/kernel", "start_to_ready/floor", 0.8, "≤ 0.8 × floor"),
@@ -586,6 +612,8 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
     bench.value_cells(cells=20 if quick else 50)
     if _has_torch():
         bench.dtensor_value_cells(cells=20 if quick else 50)
+    print("print() of a global array in a loop", file=sys.stderr, flush=True)
+    bench.printed_loops(rounds=1 if quick else 3)
     print("the panel on a one-second cell", file=sys.stderr, flush=True)
     bench.panel_while_running(rounds=2 if quick else 5)
     print("a million lines", file=sys.stderr, flush=True)

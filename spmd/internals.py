@@ -176,6 +176,10 @@ INTERNALS = [
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
              "which jitted calls span processes, for the census (engine/census.py)",
              required=False),
+    *[Internal("jax", "jax._src.array", f"ArrayImpl.{name}", "rank",
+               "print(x) of an array over several processes, shown as one process prints it "
+               "(engine/printed.py)", required=False)
+      for name in ("__repr__", "__str__", "__format__")],
     Internal("jax", "jax._src.compiler", "_cache_write", "rank",
              "every rank writes its own compilation-cache entries (engine/jit_cache.py)",
              required=False),

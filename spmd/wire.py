@@ -48,8 +48,18 @@ CENSUS_DIGEST = "spmd_census"
 # where removed}, in the first reply after a change. Sent by the rank (engine/import_env.py),
 # read by the notebook (channel/cell_routes.py), which gives them to the next restart.
 ENV_CHANGED = "spmd_env"
+# The arrays over several processes this cell printed, {mark: the parts of its printed form
+# this rank holds} (absent: none). Sent by the rank (engine/printed.py), read by the notebook
+# (channel/cell_routes.py, magics/printed.py), which puts each printed array together where
+# its mark (PRINTED_MARK) follows jax's placeholder in the rank's stream text.
+PRINTED_ARRAYS = "spmd_printed"
 # What the controller's fan-out keeps of each rank's reply metadata for the notebook.
-KEPT_METADATA = (IOPUB_COUNT, CENSUS_DIGEST, ENV_CHANGED)
+KEPT_METADATA = (IOPUB_COUNT, CENSUS_DIGEST, ENV_CHANGED, PRINTED_ARRAYS)
+# The mark a rank puts in its stream text right after jax's placeholder of a printed array
+# over several processes ({} is the array's number in the cell, then "s" where str() or
+# format() printed it, "r" where repr() did). The notebook replaces the
+# placeholder and its mark with the array as one process prints it, or drops the mark.
+PRINTED_MARK = "\x00spmd-array:{}\x00"
 
 # -- control-channel requests (notebook -> rank) and their replies (rank -> notebook) ---------
 # Sent by the notebook through ipyparallel's client (channel/control.py), answered by the

@@ -411,18 +411,84 @@ def test_a_display_of_a_global_array_sends_no_parts(cluster):
     assert out.texts and out.texts[0].startswith("Array([[")
 
 
-def test_printing_a_global_array_says_both_ways_to_see_it_once(cluster):
-    out = run(cluster, "print(arr_sharded)\nprint(arr_sharded)")
-    assert out.error is None
-    # jax's own placeholder, kept: a print under `if rank == 0` is no hidden collective
-    assert out.stdout == "[ranks 0-3]\n" + "Array(shape=(4, 8), dtype=float32)\n" * 2
-    hint = [line for line in out.stderr.splitlines() if "end a cell with" in line]
-    assert hint == [
-        "The array lives on the devices of several processes, so no single process can print "
-        "it or turn it into numpy: end a cell with arr_sharded to see its value here, or "
-        "%spmd gather arr_sharded puts it together in the notebook as numpy (%spmd sharding "
-        "arr_sharded shows who holds what)."
-    ]
+def one_process_output(code: str) -> tuple[str, str]:
+    """(stdout, stderr) of ``code`` after SEED in one process with the cluster's 8 devices."""
+    import subprocess
+    import sys
+
+    program = "import jax\njax.config.update('jax_num_cpu_devices', 8)\n" + SEED + "\n" + code
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr
+
+
+def unlabelled(text: str, label: str = "[ranks 0-3]") -> str:
+    """A grouped output's text without its rank label (on its own line, or before one)."""
+    if text.startswith(label + "\n"):
+        return text[len(label) + 1:]
+    assert text.startswith(label + " "), text
+    return text[len(label) + 1:]
+
+
+# print(x) of arrays over several processes, in each way a program prints: print's arguments,
+# an f-string, sep and end, stderr, repr, pprint, and a summarized 1000 x 1000 array.
+PRINTS = [
+    "print(arr_sharded)",
+    "print(f'sum {arr_sharded.sum()} of {arr_sharded}')",
+    "print(repr(arr_sharded), result_2, y, sep=' | ', end='!\\n')",
+    "print('{} and {!r}'.format(arr_sharded * 2, sums))",
+    "from pprint import pprint\npprint(result)",
+    "big2 = jax.device_put(jnp.arange(1000 * 1000, dtype=jnp.float32).reshape(1000, 1000), "
+    "sharding)\nprint(big2)",
+]
+
+
+@pytest.mark.parametrize("code", PRINTS)
+def test_print_of_a_global_array_shows_what_one_process_prints(cluster, code):
+    reference, _ = one_process_output(code)
+    out = run(cluster, code)
+    assert out.error is None, out.error
+    assert unlabelled(out.stdout) == reference, out.stdout
+    assert "no single process can print it" not in out.stderr  # (the hint: not true here)
+
+
+def test_print_to_stderr_and_what_the_program_sees_stay_jaxs(cluster, tmp_path):
+    reference, _ = one_process_output("print(arr_sharded)")
+    out = run(cluster, "import sys\nprint(arr_sharded, file=sys.stderr)")
+    assert out.error is None, out.error
+    assert unlabelled(out.stderr) == reference, out.stderr
+    # str(x) in the program (written to a file, compared) is jax's own text
+    path = tmp_path / "x"
+    out = run(cluster, f"open(f'{path}-{{rank}}', 'w').write(str(arr_sharded))\n"
+                       f"print(open(f'{path}-{{rank}}').read())")
+    assert out.stdout == "[ranks 0-3] Array(shape=(4, 8), dtype=float32)\n", out.stdout
+    assert (tmp_path / "x-0").read_text() == "Array(shape=(4, 8), dtype=float32)"
+
+
+def test_print_of_arrays_a_loop_makes_is_bounded_and_says_so(cluster):
+    from spmd.engine.printed import MAX_ARRAYS
+
+    setup = "v8 = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh8, P('x')))"
+    assert run(cluster, setup).error is None
+    out = run(cluster, f"for i in range({MAX_ARRAYS + 5}):\n    print(v8 + i)")
+    assert out.error is None, out.error
+    lines = unlabelled(out.stdout).splitlines()
+    assert lines[:MAX_ARRAYS] == [str(np.arange(8.0) + i) for i in range(MAX_ARRAYS)]
+    assert lines[MAX_ARRAYS:] == ["Array(shape=(8,), dtype=float32)"] * 5, lines[MAX_ARRAYS:]
+    assert (f"(5 printed arrays over several processes stayed jax's placeholder: the cell "
+            f"printed more than {MAX_ARRAYS} such arrays.)") in out.stderr, out.stderr
+    # the same array printed again and again travels once
+    out = run(cluster, "for i in range(300):\n    print(v8)")
+    assert unlabelled(out.stdout) == f"{np.arange(8.0)}\n" * 300
+
+
+def test_print_where_only_one_rank_printed_keeps_the_placeholder_and_says_why(cluster):
+    out = run(cluster, "%%spmd --ranks 0\nprint(arr_sharded)")
+    assert out.error is None, out.error
+    assert out.stdout == "[rank 0] Array(shape=(4, 8), dtype=float32)\n", out.stdout
+    assert ("(1 printed array over several processes stayed jax's placeholder: a rank did not "
+            "send its part of it") in out.stderr, out.stderr
 
 
 def test_a_global_value_some_ranks_did_not_send_or_displayed_keeps_jaxs_placeholder(cluster):

@@ -10,7 +10,7 @@ holds it.
 from __future__ import annotations
 
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
+from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message, unmarked
 
 
 class LateOutputs:
@@ -38,7 +38,8 @@ class LateOutputs:
             rank, out = self.engine_rank.get(engine_id), output_from_message(kind, content)
             if rank is None or out is None:
                 continue
-            if out.kind in ("stdout", "stderr"):
+            if out.kind in ("stdout", "stderr"):  # (its cell's reply went: no parts come)
+                out.text = unmarked(out.text)
                 logs.write(rank, out.text)
             self.taken.append((rank, out))
         dropped, client.late_dropped = client.late_dropped, 0

@@ -43,6 +43,7 @@ from spmd.engine import (
     commands,
     control,
     import_env,
+    printed,
     prompts,
     quiet,
     results,
@@ -109,6 +110,7 @@ class RankKernel(IPythonParallelKernel):
         self._env = import_env.watch(shell)  # (a cell that sets JAX_*: kept for the restart)
         if "jax" in backends:
             census.install_jax()
+            printed.install()  # (print(x) of an array over several processes, shown once)
         if "torch" in backends:
             census.install_torch()
         # faulthandler names threads by this id; the notebook picks the main thread's stack.
@@ -136,6 +138,7 @@ class RankKernel(IPythonParallelKernel):
         census.digest_into(parent, metadata)
         if self._env is not None:
             self._env.into(metadata)
+        printed.into(metadata)  # (the arrays the cell printed: their parts)
         quiet.count_into(parent, metadata)
         unattended.cell_ended(parent["content"].get("code", ""), reply_content)
         return metadata
@@ -154,6 +157,7 @@ class RankKernel(IPythonParallelKernel):
         return None
 
     async def execute_request(self, stream, ident, parent):
+        printed.install()  # (jax imported by a cell of a --backend none rank: once, cheap after)
         request = quiet.start_counting(parent)
         try:
             result = super().execute_request(stream, ident, parent)

@@ -6,6 +6,8 @@ import threading
 
 from ipykernel import iostream
 
+from spmd.engine import printed
+
 
 class OutStream(iostream.OutStream):
     """ipykernel's stream, except that C-level writes stay in the rank's log file.
@@ -30,10 +32,11 @@ class OutStream(iostream.OutStream):
         self._writes_lock = threading.Lock()
 
     def write(self, string: str):
-        written = super().write(string)
+        # (jax's placeholder of an array over several processes gets its mark: engine/printed)
+        written = super().write(printed.marked(string) if isinstance(string, str) else string)
         with self._writes_lock:  # (after: a write counted is in the buffer a flush takes)
             self._writes += 1
-        return written
+        return len(string) if written is not None else written
 
     def _flush(self) -> None:
         """(the IOPub thread) Send what was written; then it is sent."""

@@ -15,6 +15,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from spmd.cluster.lockstep.run import CellResult
 from spmd.cluster.session import Ran, Session
 from spmd.engine.census import KEPT_CELLS
+from spmd.magics import printed
 from spmd.magics.arguments import _cell_parser, _words
 from spmd.magics.automode import AutoMode
 from spmd.magics.background import BackgroundStart
@@ -35,7 +36,7 @@ from spmd.magics.cell import (
 from spmd.magics.inspection import Inspection
 from spmd.magics.lifecycle import Lifecycle
 from spmd.magics.panel import Panel
-from spmd.magics.render import LiveView, RankResults, group_errors, group_results
+from spmd.magics.render import LiveView, RankResults, group_errors, group_results, write
 from spmd.magics.say import NOT_RUNNING, say
 from spmd.magics.transfers import Transfers
 
@@ -229,6 +230,7 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         refuse_exit(cell)
         ran = run_on_ranks(session, self._as_sent(cell), opts, live,
                            opts.breakpoint or self.breakpoints)
+        not_rebuilt = printed.rebuild(ran)  # (print(x) of arrays over several processes)
         count = self.shell.displayhook.prompt_count
         self._keep_requests(count, ran)
         errors = group_errors(ran.cells, ignore=interrupted_by_us(ran.stall))
@@ -236,10 +238,12 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         # (recorded first: the cell ran on the ranks, whatever showing it may raise)
         self._record(session, cell, count, opts.ranks, debugging, ran, errors, results)
         show_cell(session, ran, live, panel, tabs=self.tabs or opts.tabs)
+        if not_rebuilt:
+            write("stderr", not_rebuilt + "\n")
         warn_if_launches_differ(session, ran, raised=bool(errors))
         if not debugging:
             self.failed_ranks = sorted(r for ranks_, _ in errors for r in ranks_)
-        if not (debugging or ran.stall is not None):
+        if not (debugging or ran.stall is not None or not_rebuilt):
             hint_placeholders(session, cell, ran)
         if errors or ran.stall is not None:
             raise cell_failure(session, cell, ran, errors, results)

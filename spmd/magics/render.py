@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from IPython.display import clear_output, display
 
-from spmd.cluster.lockstep.outputs import GLOBAL_ARRAY_MIME, Output, RankCell
+from spmd.cluster.lockstep.outputs import GLOBAL_ARRAY_MIME, Output, RankCell, unmarked
 from spmd.cluster.lockstep.run import rank_label, rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import progress_lines
 
@@ -336,8 +336,9 @@ class LiveView:
             return
         if out.kind not in ("stdout", "stderr") or not out.text:
             return
-        self._unshown[rank] = (self._unshown.get(rank, "") + out.text)[-20_000:]
-        self.lines.extend(f"[rank {rank}] {ln}" for ln in out.text.splitlines())
+        text = unmarked(out.text)  # (the grouped view puts printed arrays together)
+        self._unshown[rank] = (self._unshown.get(rank, "") + text)[-20_000:]
+        self.lines.extend(f"[rank {rank}] {ln}" for ln in text.splitlines())
         del self.lines[: -self.keep]
         self._dirty = True
 

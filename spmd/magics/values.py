@@ -70,9 +70,7 @@ def text(parts: list[dict]) -> str:
     first = parts[0]
     if first.get("library") == "torch":
         return _torch_text(parts)
-    dtype = numpy_dtype(first["dtype"])
-    compact = np.zeros(first["compact"], dtype=dtype)
-    _fill(parts, compact, lambda raw: np.frombuffer(raw, dtype=dtype))
+    compact = compact_of(parts)
     options = dict(first["options"])
     if first["summarized"]:
         options["threshold"] = 0  # (the gaps stand for what numpy leaves out)
@@ -84,6 +82,15 @@ def text(parts: list[dict]) -> str:
     last_line_len = len(s) - s.rfind("\n") + 1
     sep = " " if last_line_len + len(dtype_str) + 2 <= options["linewidth"] else " " * len(prefix)
     return f"{prefix}{s},{sep}{dtype_str})"
+
+
+def compact_of(parts: list[dict]) -> np.ndarray:
+    """What numpy prints of the array, laid out small (a gap where it writes "..."), from the
+    ranks' parts. Raises Incomplete."""
+    dtype = numpy_dtype(parts[0]["dtype"])
+    compact = np.zeros(parts[0]["compact"], dtype=dtype)
+    _fill(parts, compact, lambda raw: np.frombuffer(raw, dtype=dtype))
+    return compact
 
 
 def _fill(parts: list[dict], compact, decode: Callable) -> None:

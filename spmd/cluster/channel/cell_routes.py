@@ -8,7 +8,7 @@ through ipyparallel's futures and its per-request record of every stream).
 A rank has finished its cell when its reply has come and as many outputs as the reply says
 it sent (``wire.IOPUB_COUNT``, engine/quiet.py). A rank whose reply carries no count sends its
 ``status: idle`` instead, and has finished when that has come too. The cell then hears
-``(rank, DONE, the rank's census digest)``; the outputs as ``(rank, msg_type, content)``.
+``(rank, DONE, {"census": its census digest, "printed": its printed arrays' parts})``; the outputs as ``(rank, msg_type, content)``.
 A rank that has finished leaves the routes: what it prints later (a thread of the cell) is a
 late output, for the next cell (client.py).
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)  # (ipyparallel's Client has no logger of its 
 class _Route:
     """One rank's request: where its events go, and what has come of it."""
 
-    __slots__ = ("rank", "engine_id", "events", "came", "sent", "idle", "census")
+    __slots__ = ("rank", "engine_id", "events", "came", "sent", "idle", "census", "printed")
 
     def __init__(self, rank: int, engine_id: int, events: Callable) -> None:
         self.rank, self.engine_id, self.events = rank, engine_id, events
@@ -53,6 +53,7 @@ class _Route:
         self.sent: int | None = None  # how many it sent (its reply's count); None: no reply yet
         self.idle = False  # its status: idle came (a rank that did not count)
         self.census = None
+        self.printed = None  # the parts of the arrays its cell printed (engine/printed.py)
 
 
 class CellRoutes:
@@ -158,6 +159,7 @@ class CellRoutes:
             if route is None:  # (its cell ended without it)
                 continue
             route.census = metadata.get(wire.CENSUS_DIGEST)
+            route.printed = metadata.get(wire.PRINTED_ARRAYS)
             # (a rank that did not count sends its idle: it is waited for)
             route.sent = metadata.get(wire.IOPUB_COUNT, -1)
             self._maybe_done(msg_id, route)
@@ -167,4 +169,4 @@ class CellRoutes:
         if sent is None or (sent == -1 and not route.idle) or route.came < sent:
             return
         del self.routes[msg_id]
-        route.events((route.rank, DONE, route.census))
+        route.events((route.rank, DONE, {"census": route.census, "printed": route.printed}))

@@ -17,6 +17,15 @@ _GLOO_CHATTER = re.compile(
 )
 
 
+# A printed array's mark after jax's placeholder (wire.PRINTED_MARK): its number in the cell.
+PRINTED_MARK = re.compile(re.escape(wire.PRINTED_MARK).replace(r"\{\}", "{}").format(r"(\d+)([sr])"))
+
+
+def unmarked(text: str) -> str:
+    """The text as the rank's program made it: jax's placeholders without their marks."""
+    return PRINTED_MARK.sub("", text) if "\x00" in text else text
+
+
 def drop_chatter(text: str) -> str:
     if "[Gloo]" not in text and "Expected number of connected" not in text:
         return text

@@ -25,7 +25,7 @@ from types import MappingProxyType
 from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.channel.cell_routes import DONE
-from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message
+from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message, unmarked
 
 
 @dataclass
@@ -54,6 +54,7 @@ class CellRun:
     last_output: float | None = None  # when a rank's latest output came (time.monotonic())
     stall: object | None = None  # a watchdog.Stall when the wait ended before every rank did
     census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/census.py)
+    printed: dict = field(default_factory=dict)  # rank -> its printed arrays (engine/printed.py)
     requests: dict = field(default_factory=dict)  # rank -> the msg_id of its execute request
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _pending: set = field(default_factory=set)  # ranks not finished
@@ -111,8 +112,11 @@ class CellRun:
     def _handle(self, rank: int, kind: str, content: dict | None) -> None:
         cell = self.cells[rank]
         if kind == DONE:
-            if content is not None:
-                self.census[rank] = content
+            content = content or {}
+            if content.get("census") is not None:
+                self.census[rank] = content["census"]
+            if content.get("printed") is not None:
+                self.printed[rank] = content["printed"]
             self._pending.discard(rank)
             now = time.monotonic()
             cell.seconds = now - self.started
@@ -129,7 +133,7 @@ class CellRun:
             self.prompting.add(rank)
             return
         if self.log is not None and out.kind in ("stdout", "stderr"):
-            self.log.write(rank, out.text)
+            self.log.write(rank, unmarked(out.text))  # (the log: the text as jax made it)
         cell.add(out)
         if self.on_output is not None:
             self.on_output(rank, out)
@@ -188,6 +192,7 @@ class CellRun:
             engine_ids=MappingProxyType(dict(self.engine_ids)),
             requests=MappingProxyType(dict(self.requests)),
             census=MappingProxyType(dict(self.census)),
+            printed=MappingProxyType(dict(self.printed)),
             stall=self.stall,
             started=self.started,
             prompting=frozenset(self.prompting),
@@ -219,6 +224,8 @@ class CellResult:
     engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
     requests: Mapping[int, str]  # rank -> the msg_id of its execute request
     census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/census.py)
+    # rank -> the parts of the arrays it printed, from its reply (engine/printed.py)
+    printed: Mapping[int, dict]
     # A watchdog.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
     # when the wait ended before every rank finished; None when every rank did.
     stall: object | None

@@ -1,0 +1,93 @@
+"""In the notebook: ``print(x)`` of an array over several processes, shown as one process of
+all the devices prints it.
+
+Each rank marks jax's placeholder where it printed one (engine/printed.py) and sends, with its
+reply, what it holds of the array's printed form. Here, before a cell's outputs are grouped,
+each placeholder and its mark become the array's text, put together from every rank's parts as
+a cell's value is (magics/values.py): numpy's ``str`` form for ``print(x)``, ``str(x)`` and
+f-strings, jax's ``Array(...)`` for ``repr``. Where it cannot be (a rank did not send its part:
+it died, or the cell printed more arrays than a rank sends), the placeholder stays, and one
+line says why.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from spmd.cluster.lockstep.outputs import PRINTED_MARK
+from spmd.magics import values
+
+# jax's placeholder, then its mark
+_MARKED = re.compile(r"(Array\(shape=\([\d, ]*\), dtype=\w+(?:, weak_type=True)?\))"
+                     + PRINTED_MARK.pattern)
+
+
+def rebuild(ran) -> str:
+    """Replace the marked placeholders in each rank's streams (in place, before the outputs
+    are grouped); a line for the ones that stay placeholders ('' when none)."""
+    marked = [(rank, out) for rank, cell in ran.cells.items() for out in cell.outputs
+              if out.kind in ("stdout", "stderr") and "\x00" in out.text]
+    every = [ran.printed.get(rank) or {} for rank in ran.cells]
+    left_out = max((got.get("left_out", 0) for got in every), default=0)
+    if not marked and not left_out:
+        return ""
+    texts, kept = {}, {}  # (placeholders left, by rank)
+
+    def text_of(mark: str, form: str, placeholder: str) -> str | None:
+        if (mark, form) not in texts:
+            parts = [got.get("parts", {}).get(mark) for got in every]
+            texts[mark, form] = None
+            sent = [p for p in parts if p]
+            holders = {tuple(p.get("holders", ())) for p in sent}
+            if sent and not all(parts) and len(holders) == 1 and not any(
+                    p["pieces"] for p in sent):  # (one that some processes hold whole)
+                where = ", ".join(str(h) for h in next(iter(holders)))
+                texts[mark, form] = (f"{placeholder} (it lives on the devices of process "
+                                     f"{where} only, which prints it)")
+            elif all(parts) and len({(tuple(p["shape"]), p["dtype"], p["sharding"])
+                                     for p in parts}) == 1:
+                try:
+                    texts[mark, form] = values.text(parts) if form == "r" else str_text(parts)
+                except values.Incomplete:
+                    pass
+        return texts[mark, form]
+
+    def replace(rank: int, found: re.Match) -> str:
+        shown = text_of(found.group(2), found.group(3), found.group(1))
+        if shown is None:
+            kept[rank] = kept.get(rank, 0) + 1
+        return shown if shown is not None else found.group(1)
+
+    for rank, out in marked:
+        out.text = PRINTED_MARK.sub(
+            "", _MARKED.sub(lambda found, rank=rank: replace(rank, found), out.text))
+    kept = max(kept.values(), default=0) + left_out
+    if not kept:
+        return ""
+    why = (f"the cell printed more than {values_cap()} such arrays" if left_out
+           else "a rank did not send its part of it (it did not print it, or it ended)")
+    return (f"({kept} printed array{'s' if kept != 1 else ''} over several processes "
+            f"stayed jax's placeholder: {why}.)")
+
+
+def values_cap() -> int:
+    from spmd.engine.printed import MAX_ARRAYS
+
+    return MAX_ARRAYS
+
+
+def str_text(parts: list[dict]) -> str:
+    """The array as ``print`` shows it in one process (numpy's ``str`` of its value), from the
+    ranks' parts. Raises values.Incomplete."""
+    first = parts[0]
+    if first.get("library") == "torch":
+        return values.text(parts)  # (a DTensor prints as its repr either way)
+    compact = values.compact_of(parts)
+    options = dict(first["options"])
+    if first["summarized"]:
+        options["threshold"] = 0  # (the gaps stand for what numpy leaves out)
+    with np.printoptions(**options):
+        return np.array2string(compact, separator=" ", prefix="",
+                               max_line_width=options["linewidth"])
