@@ -110,6 +110,9 @@ class Lifecycle:
             session = attach.attach(Session(record.the_settings()), record)
         except linger.AttachError as exc:
             raise UsageError(str(exc)) from None
+        except KeyboardInterrupt:  # (attach.attach put the owner files back: it lingers on)
+            raise UsageError("Interrupted: the attach was given up and the cluster lingers on "
+                             "as it was; %spmd attach tries again.") from None
         if self.session is not None:
             self.session.stop()  # (a stopped one's controller, after a death)
         self.session, self._fresh = session, False
