@@ -334,18 +334,18 @@ def test_torchrun_on_hosts_of_different_sizes_gives_each_its_count_and_place(tmp
     assert done.returncode != 0 and "give this host's place: 0 on a (1 process), 1 on b (2 processes)" in done.stderr
 
 
-def test_the_readmes_listings_are_what_the_export_writes():
-    """The README's quickstart.sh and quickstart.py, exported from the quickstart's cells on 4
-    ranks of 2 devices, are what the export writes now, byte for byte (the Python's folder
-    aside: the README's is the machine's it was written on)."""
+def test_the_export_pages_listings_are_what_the_export_writes():
+    """The quickstart.sh and quickstart.py of docs/how-to/export.md, exported from the
+    quickstart's cells on 4 ranks of 2 devices, are what the export writes now, byte for byte
+    (the Python's folder aside: the page's is the machine's it was written on)."""
     from pathlib import Path
 
     from spmd.cluster.ranks import Ran, Rank, Settings
     from spmd.magics.export import Job
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    launch = readme.split("Run it with: bash quickstart.sh\n\n")[1].split("\n```\n")[0] + "\n"
-    script = readme.split("`quickstart.py`:\n\n```python\n")[1].split("```\n")[0]
+    page = (Path(__file__).parents[1] / "docs" / "how-to" / "export.md").read_text()
+    launch = page.split("Run it with: bash quickstart.sh\n\n")[1].split("\n```\n")[0] + "\n"
+    script = page.split("`quickstart.py`:\n\n```python\n")[1].split("```\n")[0]
     written = launch.split("\n")[3].split('"')[1].rpartition(":")[0]  # (export PATH="...:$PATH")
     seed = re.search(r"^export PYTHONHASHSEED=(\d+)$", launch, re.M).group(1)
     job = Job(Settings(n=4, backend="jax", cpu_devices=2), "local",
