@@ -1,5 +1,5 @@
 """The package's shape: folders import downward only, no module imports itself back through
-others, and modules and classes stay small enough to read (README, "Layout").
+others, and modules and classes stay small enough to read (docs/development/layout.md).
 
 Read from the source with ``ast``: every import counts, also those inside a function (a lazy
 import is still an arrow, and a circle through one is still a circle).
@@ -140,10 +140,9 @@ def test_modules_and_classes_stay_small():
     assert not too_big, "over the size limits:\n" + "\n".join(too_big)
 
 
-def test_the_readme_layout_names_every_folder_and_module():
-    readme = (ROOT.parent / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    layout = layout[: layout.index("\n## ", 4)]
+def test_the_layout_page_names_every_folder_and_module():
+    """docs/development/layout.md names every module and folder under spmd/."""
+    layout = (ROOT.parent / "docs" / "development" / "layout.md").read_text()
     missing = []
     for path in ROOT.rglob("*.py"):
         if path.name in ("__init__.py", "__main__.py"):
@@ -154,7 +153,7 @@ def test_the_readme_layout_names_every_folder_and_module():
     for folder in {p.parent for p in ROOT.rglob("__init__.py")} - {ROOT}:
         if f"{folder.name}/" not in layout:
             missing.append(f"{folder.relative_to(ROOT.parent)}/")
-    assert not missing, "the README's layout section does not name:\n" + "\n".join(missing)
+    assert not missing, "docs/development/layout.md does not name:\n" + "\n".join(missing)
 
 
 def test_the_session_is_parts_not_mixins():
