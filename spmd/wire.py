@@ -51,14 +51,17 @@ ENV_CHANGED = "spmd_env"
 # The arrays over several processes this cell printed, {mark: the parts of its printed form
 # this rank holds} (absent: none). Sent by the rank (engine/printed.py), read by the notebook
 # (channel/cell_routes.py, magics/printed.py), which puts each printed array together where
-# its mark (PRINTED_MARK) follows jax's placeholder in the rank's stream text.
+# marks (PRINTED_BEGIN, PRINTED_MARK) surround its placeholder in the rank's output text.
 PRINTED_ARRAYS = "spmd_printed"
 # What the controller's fan-out keeps of each rank's reply metadata for the notebook.
 KEPT_METADATA = (IOPUB_COUNT, CENSUS_DIGEST, ENV_CHANGED, PRINTED_ARRAYS)
-# The mark a rank puts in its stream text right after jax's placeholder of a printed array
-# over several processes ({} is the array's number in the cell, then "s" where str() or
-# format() printed it, "r" where repr() did). The notebook replaces the
-# placeholder and its mark with the array as one process prints it, or drops the mark.
+# The marks a rank puts in its output text around the placeholder of a printed array over
+# several processes (jax's ``Array(shape=..., dtype=...)``, a DTensor's repr of its own
+# shard), in stdout, stderr and a display's text/plain: PRINTED_BEGIN before it, PRINTED_MARK
+# after it ({} is the array's number in the cell, then "s" where str() or format() printed it,
+# "r" where repr() did). The notebook replaces the placeholder and its marks with the array as
+# one process prints it, or drops the marks.
+PRINTED_BEGIN = "\x00spmd-printed\x00"
 PRINTED_MARK = "\x00spmd-array:{}\x00"
 
 # -- control-channel requests (notebook -> rank) and their replies (rank -> notebook) ---------

@@ -329,14 +329,15 @@ VALUES = ["arr_sharded", "result", "result_2", "y", "sums", "total", "everywhere
           "arr_sharded * 2 + 1"]
 
 
-def one_process_reprs(exprs: list[str]) -> dict[str, str]:
-    """What one process with the cluster's 8 devices prints for each of ``exprs`` after SEED."""
+def one_process_reprs(exprs: list[str], setup: str = "") -> dict[str, str]:
+    """What one process with the cluster's 8 devices prints for each of ``exprs`` after SEED
+    (and ``setup``)."""
     import json
     import subprocess
     import sys
 
     code = (
-        "import jax\njax.config.update('jax_num_cpu_devices', 8)\n" + SEED
+        "import jax\njax.config.update('jax_num_cpu_devices', 8)\n" + SEED + "\n" + setup
         + f"\nimport json\nprint(json.dumps({{e: repr(eval(e)) for e in {exprs!r}}}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -396,19 +397,23 @@ def test_a_value_on_one_processs_devices_only_is_shown_once(cluster):
     assert out.texts == ["Array([0., 1., 2., 3., 4., 5.], dtype=float32)"], out.texts
 
 
-def test_a_display_of_a_global_array_sends_no_parts(cluster):
-    """display(x) shows jax's placeholder (the notebook keeps a global array's parts for a
-    cell's result only): the ranks send no corners for it, while the result still has them."""
+def test_a_display_of_a_global_array_shows_what_one_process_shows(cluster):
+    """display(x) shows the array as one process of all the devices displays it, the same on
+    every rank: once. Its corners go with the cell's reply (as a print's), once however often
+    it is displayed; the display's own bundle holds no parts."""
     from spmd.engine.results import MIME
 
+    reference = one_process_reprs(["arr_sharded", "big2"], BIG2)
     out = run(cluster, "from IPython.display import display\ndisplay(arr_sharded)\n"
+                       "display(arr_sharded)\n"
                        f"print({MIME!r} in get_ipython().display_formatter.format(arr_sharded)[0])")
     assert out.error is None, out.error
     assert out.stdout.endswith("[ranks 0-3] False\n"), out.stdout
-    assert [o.get("text/plain") for o in out.outputs] == [
-        "Array(shape=(4, 8), dtype=float32)"], out.outputs
-    out = run(cluster, "arr_sharded")  # (the result: its parts come, and it is shown whole)
-    assert out.texts and out.texts[0].startswith("Array([[")
+    assert [o.get("text/plain") for o in out.outputs] == [reference["arr_sharded"]] * 2, out.outputs
+    assert "\x00" not in out.stdout + out.stderr
+    out = run(cluster, BIG2 + "\ndisplay(big2)")  # (summarized: its corners)
+    assert out.error is None, out.error
+    assert [o.get("text/plain") for o in out.outputs] == [reference["big2"]], out.outputs
 
 
 def one_process_output(code: str) -> tuple[str, str]:
@@ -431,6 +436,9 @@ def unlabelled(text: str, label: str = "[ranks 0-3]") -> str:
     return text[len(label) + 1:]
 
 
+BIG2 = ("big2 = jax.device_put(jnp.arange(1000 * 1000, dtype=jnp.float32).reshape(1000, 1000), "
+        "sharding)")
+
 # print(x) of arrays over several processes, in each way a program prints: print's arguments,
 # an f-string, sep and end, stderr, repr, pprint, and a summarized 1000 x 1000 array.
 PRINTS = [
@@ -439,8 +447,7 @@ PRINTS = [
     "print(repr(arr_sharded), result_2, y, sep=' | ', end='!\\n')",
     "print('{} and {!r}'.format(arr_sharded * 2, sums))",
     "from pprint import pprint\npprint(result)",
-    "big2 = jax.device_put(jnp.arange(1000 * 1000, dtype=jnp.float32).reshape(1000, 1000), "
-    "sharding)\nprint(big2)",
+    BIG2 + "\nprint(big2)",
 ]
 
 
@@ -451,6 +458,23 @@ def test_print_of_a_global_array_shows_what_one_process_prints(cluster, code):
     assert out.error is None, out.error
     assert unlabelled(out.stdout) == reference, out.stdout
     assert "no single process can print it" not in out.stderr  # (the hint: not true here)
+
+
+def test_print_and_display_on_two_processes_show_what_one_process_shows(fresh):
+    """The same on 2 processes of 4 devices: print, an f-string, stderr, display, and a
+    summarized array."""
+    ready_cluster(fresh, "start -n 2 -d 4", SEED + "\n" + BIG2 + "\nimport sys")
+    for code in ("print(arr_sharded)", "print(f'sum {arr_sharded.sum()} of {arr_sharded}')",
+                 "print(big2)"):
+        out = run(fresh, code)
+        reference = one_process_output(BIG2 + "\n" + code)[0]
+        assert unlabelled(out.stdout, "[ranks 0-1]") == reference, out.stdout
+    out = run(fresh, "print(arr_sharded, file=sys.stderr)")
+    assert unlabelled(out.stderr, "[ranks 0-1]") == one_process_output("print(arr_sharded)")[0]
+    reference = one_process_reprs(["arr_sharded", "big2"], BIG2)
+    out = run(fresh, "display(arr_sharded)\ndisplay(big2)")
+    assert [o.get("text/plain") for o in out.outputs] == [
+        reference["arr_sharded"], reference["big2"]], out.outputs
 
 
 def test_print_to_stderr_and_what_the_program_sees_stay_jaxs(cluster, tmp_path):
@@ -497,10 +521,12 @@ def test_a_global_value_some_ranks_did_not_send_or_displayed_keeps_jaxs_placehol
     assert out.error is None, out.error
     assert out.texts == ["Array(shape=(4, 8), dtype=float32)"]
     assert out.stdout == "[rank 0]\n"
-    # display() shows jax's placeholder, the same on every rank: once
-    out = run(cluster, "from IPython.display import display\ndisplay(arr_sharded)")
-    assert out.outputs == [{"text/plain": "Array(shape=(4, 8), dtype=float32)"}]
-    assert out.stdout == "[ranks 0-3]\n"
+    # a display only rank 0 made: jax's placeholder, and why
+    out = run(cluster, "%%spmd --ranks 0\nfrom IPython.display import display\n"
+                       "display(arr_sharded)")
+    assert out.outputs == [{"text/plain": "Array(shape=(4, 8), dtype=float32)"}], out.outputs
+    assert ("(1 printed array over several processes stayed jax's placeholder: a rank did not "
+            "send its part of it") in out.stderr, out.stderr
 
 
 def test_a_global_value_under_numpys_print_everything_option(cluster):

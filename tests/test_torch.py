@@ -363,6 +363,27 @@ def test_a_dtensor_as_a_cells_value_is_shown_once_as_one_process_prints_it(clust
     assert "\n[rank 1]\nDTensor(local_tensor=tensor([[ 6.,  7.]," in out.texts[0], out.texts
 
 
+def test_a_printed_dtensor_is_the_whole_tensor_as_torch_prints_it(cluster, tmp_path):
+    """print(dt), an f-string and display(dt) of a DTensor sharded over the ranks show the
+    whole tensor as torch prints it in one process (as the DTensor as a cell's value is);
+    what the program itself sees (str(dt) written to a file) is torch's own text."""
+    import torch
+
+    assert run(cluster, DTENSORS).error is None
+    full = torch.arange(12.).reshape(6, 2)
+    out = run(cluster, "print(rows)\nprint(f'cols: {cols}!')")
+    assert out.error is None, report(out)
+    assert out.stdout == f"[ranks 0-1]\n{full!r}\ncols: {full!r}!\n", out.stdout
+    out = run(cluster, "display(rows)")
+    assert [o.get("text/plain") for o in out.outputs] == [repr(full)], out.outputs
+    out = run(cluster, f"open(f'{tmp_path}/{{rank}}', 'w').write(str(rows))\nprint(parts)")
+    assert (tmp_path / "0").read_text().startswith("DTensor(local_tensor=tensor([[0., 1.],")
+    # a Partial one (each rank holds a part of a sum) as each rank prints it, here alike
+    assert out.stdout.startswith("[ranks 0-1] DTensor(local_tensor=tensor([1., 1.])"), out.stdout
+    assert "Partial(sum)" in out.stdout
+    assert "\x00" not in out.stdout, out.stdout
+
+
 @pytest.mark.timeout(240)
 def test_torch_sizes_that_differ_on_plain_gloo_are_named_from_the_surviving_rank(cluster):
     """all_reduce of 4 floats against 5 on plain gloo: gloo aborts one rank, whose census

@@ -41,6 +41,8 @@ class LateOutputs:
             if out.kind in ("stdout", "stderr"):  # (its cell's reply went: no parts come)
                 out.text = unmarked(out.text)
                 logs.write(rank, out.text)
+            elif out.kind == "display" and "\x00" in out.data.get("text/plain", ""):
+                out.data = {**out.data, "text/plain": unmarked(out.data["text/plain"])}
             self.taken.append((rank, out))
         dropped, client.late_dropped = client.late_dropped, 0
         if dropped:

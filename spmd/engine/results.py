@@ -47,9 +47,8 @@ def show_global_arrays(shell) -> None:
 
 def formatting_result(compute, result):
     """``compute(result)``: the shell's displayhook formatting a cell's result (the rank's
-    shell, engine/kernel.py). Only then are the parts made: a display() of one shows jax's
-    placeholder (the notebook keeps the parts for a result only), so its corners would travel
-    for nothing."""
+    shell, engine/kernel.py). Only then are the parts made in the bundle; a display() of one
+    is marked as a print is, its parts sent with the cell's reply (``_displayed``)."""
     _showing.result = True
     try:
         return compute(result)
@@ -85,12 +84,23 @@ _showing = threading.local()
 
 
 def _bundle(x, include=None, exclude=None) -> dict | None:
-    if not getattr(_showing, "result", False):
-        return None
     try:
+        if not getattr(_showing, "result", False):
+            return _displayed(x)
         return _parts(x)
     except Exception:  # (an array of a kind this does not know: jax's own repr, not an error)
         return None
+
+
+# display(x): its text/plain marked, its parts sent with the cell's reply, as a print of it,
+# so a display of one array as often as a cell likes sends its corners once (set by
+# engine/printed.py when it installs: printed.display_text; None: jax's own placeholder).
+marked_display = None
+
+
+def _displayed(x) -> dict | None:
+    text = marked_display(x) if marked_display is not None else None
+    return {"text/plain": text} if text is not None else None
 
 
 def _parts(x) -> dict | None:
@@ -150,9 +160,9 @@ _TORCH_OPTIONS = ("precision", "threshold", "edgeitems", "linewidth", "sci_mode"
 
 
 def _torch_bundle(x, include=None, exclude=None) -> dict | None:
-    if not getattr(_showing, "result", False):
-        return None
     try:
+        if not getattr(_showing, "result", False):
+            return _displayed(x)
         return _torch_parts(x)
     except Exception:  # (a DTensor of a kind this does not know: torch's own repr)
         return None

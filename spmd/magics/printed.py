@@ -1,13 +1,13 @@
-"""In the notebook: ``print(x)`` of an array over several processes, shown as one process of
-all the devices prints it.
+"""In the notebook: ``print(x)`` and ``display(x)`` of an array over several processes, shown
+as one process of all the devices prints it.
 
-Each rank marks jax's placeholder where it printed one (engine/printed.py) and sends, with its
-reply, what it holds of the array's printed form. Here, before a cell's outputs are grouped,
-each placeholder and its mark become the array's text, put together from every rank's parts as
-a cell's value is (magics/values.py): numpy's ``str`` form for ``print(x)``, ``str(x)`` and
-f-strings, jax's ``Array(...)`` for ``repr``. Where it cannot be (a rank did not send its part:
-it died, or the cell printed more arrays than a rank sends), the placeholder stays, and one
-line says why.
+Each rank marks the placeholder where it printed or displayed one (engine/printed.py) and sends,
+with its reply, what it holds of the array's printed form. Here, before a cell's outputs are
+grouped, each marked placeholder becomes the array's text, put together from every rank's parts
+as a cell's value is (magics/values.py): numpy's ``str`` form for ``print(x)``, ``str(x)`` and
+f-strings, jax's ``Array(...)`` for ``repr`` and ``display``; a DTensor, the whole tensor as
+torch prints it. Where it cannot be (a rank did not send its part: it died, or the cell printed
+more arrays than a rank sends), the placeholder stays, and one line says why.
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ import re
 
 import numpy as np
 
-from spmd.cluster.lockstep.outputs import PRINTED_MARK
+from spmd.cluster.lockstep.outputs import PRINTED, unmarked
 from spmd.magics import values
-
-# jax's placeholder, then its mark
-_MARKED = re.compile(r"(Array\(shape=\([\d, ]*\), dtype=\w+(?:, weak_type=True)?\))"
-                     + PRINTED_MARK.pattern)
 
 
 def rebuild(ran) -> str:
     """Replace the marked placeholders in each rank's streams (in place, before the outputs
     are grouped); a line for the ones that stay placeholders ('' when none)."""
     marked = [(rank, out) for rank, cell in ran.cells.items() for out in cell.outputs
-              if out.kind in ("stdout", "stderr") and "\x00" in out.text]
+              if "\x00" in (out.text if out.kind in ("stdout", "stderr")
+                             else (out.data or {}).get("text/plain", ""))]
     every = [ran.printed.get(rank) or {} for rank in ran.cells]
     left_out = max((got.get("left_out", 0) for got in every), default=0)
     if not marked and not left_out:
@@ -61,8 +58,13 @@ def rebuild(ran) -> str:
         return shown if shown is not None else found.group(1)
 
     for rank, out in marked:
-        out.text = PRINTED_MARK.sub(
-            "", _MARKED.sub(lambda found, rank=rank: replace(rank, found), out.text))
+        def rebuilt(text: str, rank=rank) -> str:
+            return unmarked(PRINTED.sub(lambda found: replace(rank, found), text))
+
+        if out.kind in ("stdout", "stderr"):
+            out.text = rebuilt(out.text)
+        else:  # (a display: its text/plain)
+            out.data = {**out.data, "text/plain": rebuilt(out.data["text/plain"])}
     kept = max(kept.values(), default=0) + left_out
     if not kept:
         return ""

@@ -17,13 +17,17 @@ _GLOO_CHATTER = re.compile(
 )
 
 
-# A printed array's mark after jax's placeholder (wire.PRINTED_MARK): its number in the cell.
-PRINTED_MARK = re.compile(re.escape(wire.PRINTED_MARK).replace(r"\{\}", "{}").format(r"(\d+)([sr])"))
+# A printed array's placeholder between its marks (wire.PRINTED_BEGIN, wire.PRINTED_MARK):
+# the placeholder, the array's number in the cell, its form.
+PRINTED = re.compile(re.escape(wire.PRINTED_BEGIN) + "(.*?)" + re.escape(wire.PRINTED_MARK)
+                     .replace(r"\{\}", "{}").format(r"(\d+)([sr])"), re.S)
+_MARKS = re.compile(re.escape(wire.PRINTED_BEGIN) + "|" + re.escape(wire.PRINTED_MARK)
+                    .replace(r"\{\}", "{}").format(r"\d+[sr]"))
 
 
 def unmarked(text: str) -> str:
-    """The text as the rank's program made it: jax's placeholders without their marks."""
-    return PRINTED_MARK.sub("", text) if "\x00" in text else text
+    """The text as the rank's program made it: placeholders without their marks."""
+    return _MARKS.sub("", text) if "\x00" in text else text
 
 
 def drop_chatter(text: str) -> str:
@@ -198,8 +202,8 @@ def output_from_message(msg_type: str, content: dict) -> Output | None:
     if msg_type == "stream":
         return Output(kind=content["name"], text=same_on_every_rank(content["text"]))
     if msg_type == "display_data":
-        # (a global array's parts are for a cell's value only: a display of one shows jax's
-        # placeholder, the same on every rank)
+        # (a global array's parts are for a cell's value only: a display of one is marked as
+        # a print of it is, its parts sent with the cell's reply: engine/printed.py)
         data = {k: v for k, v in content["data"].items() if k != GLOBAL_ARRAY_MIME}
         return Output("display", data=data, metadata=content.get("metadata", {}))
     if msg_type == "execute_result":
