@@ -297,8 +297,8 @@ class Bench:
 
     def printed_loops(self, rounds: int) -> None:
         """A loop that prints an array over 4 processes 1,000 times (the same one, and a new
-        one each step: past the 100 a cell rebuilds), beside the same loop printing an array
-        each process holds whole."""
+        one each step: past the 100 a cell rebuilds), and one that displays it 1,000 times,
+        beside the same loops with an array each process holds whole."""
         self.cell("%spmd start -n 4 -d 2")
         self.cell(
             "import jax, jax.numpy as jnp\n"
@@ -312,7 +312,9 @@ class Bench:
                 for name, code in (("local", "for i in range(1000):\n    print(local)"),
                                    ("global_same", "for i in range(1000):\n    print(spread)"),
                                    ("global_new", "for i in range(1000):\n    print(spread + i)"),
-                                   ("local_new", "for i in range(1000):\n    print(local + i)")):
+                                   ("local_new", "for i in range(1000):\n    print(local + i)"),
+                                   ("display_local", "for i in range(1000):\n    display(local)"),
+                                   ("display_global", "for i in range(1000):\n    display(spread)")):
                     t0 = time.perf_counter()
                     self.cell(code)
                     self.record(f"print_loop_1000/{name}", time.perf_counter() - t0)
@@ -321,7 +323,8 @@ class Bench:
 
     def dtensor_value_cells(self, cells: int) -> None:
         """A cell whose value is one torch DTensor over 4 processes (8x4, and 2048x2048:
-        only its printed corners travel), beside the same cell ending in None."""
+        only its printed corners travel), beside the same cell ending in None; and a loop
+        printing the 8x4 one 1,000 times, beside one printing a tensor each process holds."""
         self.cell("%spmd start -n 4 --backend torch")
         self.cell(
             "import torch\n"
@@ -329,7 +332,8 @@ class Bench:
             "from torch.distributed.tensor import distribute_tensor, Shard\n"
             "mesh = init_device_mesh('cpu', (4,))\n"
             "small = distribute_tensor(torch.arange(32.).reshape(8, 4), mesh, [Shard(0)])\n"
-            "big = distribute_tensor(torch.ones(2048, 2048), mesh, [Shard(1)])"
+            "big = distribute_tensor(torch.ones(2048, 2048), mesh, [Shard(1)])\n"
+            "whole = torch.arange(32.).reshape(8, 4)"
         )
         try:
             for _ in range(cells):
@@ -338,6 +342,12 @@ class Bench:
                     t0 = time.perf_counter()
                     self.cell(code)
                     self.record(f"value_cell/{name}", time.perf_counter() - t0)
+            for _ in range(3):  # (print of a DTensor 1,000 times, beside a tensor each holds)
+                for name, code in (("tensor", "for i in range(1000):\n    print(whole)"),
+                                   ("dtensor", "for i in range(1000):\n    print(small)")):
+                    t0 = time.perf_counter()
+                    self.cell(code)
+                    self.record(f"print_loop_1000/{name}", time.perf_counter() - t0)
         finally:
             self.cell("%spmd stop")
 
@@ -486,6 +496,8 @@ TARGETS = [
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
     ("print_loop_1000/global_same", "print_loop_1000/local", None, ""),
     ("print_loop_1000/global_new", "print_loop_1000/local_new", None, ""),
+    ("print_loop_1000/display_global", "print_loop_1000/display_local", None, ""),
+    ("print_loop_1000/dtensor", "print_loop_1000/tensor", None, ""),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
     ("first_result/kernel", "first_result/magic", 1.0, "≤ 1.0 × the magic"),
     ("first_result/kernel", "start_to_ready/floor", 0.8, "≤ 0.8 × floor"),
