@@ -1,4 +1,4 @@
-# Two entry points a newcomer needs: `make demo` and `make test`.
+# Two entry points a newcomer needs: `make demo` and `make test` (and `make docs`, the site).
 # Each one builds .venv from nothing the first time.
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # resolve the [torch] extra ("torch>=2.4") alone, pip would pick a CUDA build of several GB.
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test bench lint clean system
+.PHONY: demo test docs bench lint clean system
 
 # What the cluster tests need from Debian: sshd for hosts made in network namespaces,
 # MPICH's mpiexec, a one-node Slurm, chromium for the browser tests. Installed one by one where
@@ -30,6 +30,21 @@ demo: $(STAMP)
 	$(BIN)/python -m spmd.kernel install --sys-prefix
 	$(BIN)/python -m spmd.demo $(NOTEBOOKS:%=notebooks/%.ipynb)
 
+# The site, into docs/_build/html: its pages, the reference generated from the code, and the
+# notebooks above run at build in their kernels (a notebook that fails fails the build; so
+# does any warning). No network: nothing is fetched.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m spmd.kernel install --sys-prefix
+	@start=$$(date +%s); \
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html && \
+	echo "The site is in docs/_build/html (built in $$(( $$(date +%s) - start )) s)."
+
 test: $(STAMP) system
 	$(BIN)/python -m pytest
 
@@ -50,7 +65,9 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check spmd tests benchmarks
+	$(BIN)/ruff check spmd tests benchmarks docs/conf.py docs/_ext
 
 clean:
-	rm -rf $(VENV) notebooks/*.executed.ipynb
+	rm -rf $(VENV) notebooks/*.executed.ipynb docs/_build \
+	       docs/reference/magics.md docs/reference/kernel.md docs/reference/internals.md \
+	       docs/development/benchmarks.md

@@ -1,0 +1,152 @@
+"""The site's generated reference (docs/_ext/spmd_docs), without a Sphinx build: each page
+from its generator, against the code it is generated from; and the notebooks `make demo`
+runs, each a page of the site.
+
+`make docs` builds the whole site, running the notebooks; these checks take a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS / "_ext"))
+
+from spmd_docs import benchmarks, internals, kernel, magics  # noqa: E402
+from spmd_docs.tables import Drift  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _commands_the_magic_lists() -> list[str]:
+    """The commands as `%spmd` names them to a person who typed one it does not have."""
+    from IPython.core.error import UsageError
+
+    from spmd.magics.magics import SpmdMagics
+
+    with pytest.raises(UsageError) as refused:
+        SpmdMagics.spmd(object(), "frobnicate")
+    listed = str(refused.value).split(": use ", 1)[1].rstrip(".")
+    return re.split(r", | or ", listed)
+
+
+def test_every_command_the_magic_lists_has_its_entry():
+    listed = _commands_the_magic_lists()
+    assert "start" in listed and "attach" in listed
+    page = magics.page()
+    for command in listed:
+        assert f"(spmd-{command})=\n## `%spmd {command}`\n" in page, command
+    assert page.count("\n## `%spmd ") == len(listed)
+    assert "## `%%spmd`" in page and "## `%%local`" in page
+
+
+@pytest.mark.parametrize("parser_of", ["start", "log", "export", "cell"])
+def test_every_option_of_a_magics_parser_is_on_its_page(parser_of):
+    from spmd.magics.arguments import _cell_parser
+
+    parser = _cell_parser() if parser_of == "cell" else magics._parsers()[parser_of]
+    page = magics.page()
+    heading = "## `%%spmd`" if parser_of == "cell" else f"## `%spmd {parser_of}`"
+    section = page.split(heading, 1)[1].split("\n## ", 1)[0]
+    for action in parser._actions:
+        for option in action.option_strings:
+            assert f"`{option}" in section, option
+
+
+def test_a_command_without_its_sentence_fails_the_build(monkeypatch):
+    from spmd.magics import magics as dispatch
+
+    monkeypatch.setitem(dispatch._COMMANDS, "frobnicate", dispatch.SpmdMagics._cmd_on)
+    with pytest.raises(Drift, match="frobnicate has no sentence"):
+        magics.page()
+
+
+def test_an_option_without_its_sentence_fails_the_build(monkeypatch):
+    parser = argparse.ArgumentParser(prog="%spmd log", add_help=False)
+    parser.add_argument("rank")
+    parser.add_argument("--tail")
+    parser.add_argument("--colour", action="store_true")
+    monkeypatch.setattr(magics, "_parsers", lambda: {"log": parser})
+    with pytest.raises(Drift, match="%spmd log --colour has no sentence"):
+        magics.page()
+
+
+def test_a_sentence_for_an_option_gone_fails_the_build(monkeypatch):
+    parser = argparse.ArgumentParser(prog="%spmd log", add_help=False)
+    parser.add_argument("rank")
+    monkeypatch.setattr(magics, "_parsers", lambda: {"log": parser})
+    with pytest.raises(Drift, match="describes --tail, which %spmd log no longer has"):
+        magics.page()
+
+
+def test_the_kernel_page_has_every_setting_and_command():
+    from spmd.kernel import kernelspec
+    from spmd.kernel.kernel import SpmdKernel
+
+    page = kernel.page()
+    for name in SpmdKernel.class_own_traits(config=True):
+        assert f"`SpmdKernel.{name}`" in page
+    for command, sub in kernel._subparsers(kernelspec._parser()).items():
+        assert f"### `{command}`" in page
+        for action in sub._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert f"`{option}" in page, option
+    assert '"spmd.kernel.app"' in page  # kernel.json's argv
+    assert "usage: python -m spmd stop" in page
+
+
+def test_the_internals_page_lists_every_internal():
+    from spmd.internals import INTERNALS
+
+    page = internals.page()
+    for item in INTERNALS:
+        assert f"`{item.module}.{item.path}`" in page
+    assert f"{len(INTERNALS)} parts of " in page
+
+
+def test_the_benchmarks_page_is_the_table_make_bench_printed():
+    from benchmarks.run import table
+
+    page = benchmarks.page()
+    figures = json.loads(benchmarks.RESULTS.read_text())["figures"]
+    assert table(figures) in page
+    for family in {name.split("/")[0] for name in figures}:
+        assert f"`{family}`\n: " in page
+
+
+def test_every_figure_make_bench_compares_has_its_meaning():
+    """(so that the next `make bench` does not fail the docs build)"""
+    from benchmarks.run import DETECTION, TARGETS
+
+    named = [f for row in TARGETS for f in row[:2]] + [row[0] for row in DETECTION]
+    assert [f for f in named if benchmarks.meaning(f.split("/")[0]) is None] == []
+
+
+def test_a_benchmark_without_its_meaning_fails_the_build(tmp_path):
+    data = json.loads(benchmarks.RESULTS.read_text())
+    data["figures"]["teleport_n4/spmd"] = dict(data["figures"]["stop/spmd"])
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(data))
+    with pytest.raises(Drift, match="teleport_n4"):
+        benchmarks.page(results)
+
+
+def test_every_notebook_make_demo_runs_is_a_page_of_the_site():
+    makefile = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^NOTEBOOKS := ((?:.*\\\n)*.*)$", makefile, re.M).group(1)
+    names = listed.replace("\\\n", " ").split()
+    assert "pitfalls" in names
+    toctrees = (DOCS / "tutorials" / "index.md").read_text() + (
+        DOCS / "getting-started" / "index.md").read_text()
+    for name in names:
+        page = DOCS / "tutorials" / f"{name}.ipynb"
+        assert page.resolve() == ROOT / "notebooks" / f"{name}.ipynb", name
+        assert re.search(rf"^(/tutorials/)?{re.escape(name)}$", toctrees, re.M), name
