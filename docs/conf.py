@@ -29,7 +29,10 @@ extensions = ["myst_nb", "spmd_docs"]
 # copy to fall behind or to clean up). Executed notebooks go to _build, never beside them.
 exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/*.executed.ipynb"]
 
-myst_enable_extensions = ["colon_fence", "deflist"]
+# substitution: a measured figure in a hand-written page is {{ key }}, from
+# benchmarks/results.json at each build (_ext/spmd_docs/figures.py); a key it does not define
+# is a warning, so a failed build (-W).
+myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
 myst_heading_anchors = 3
 
 # -- notebooks: run at every build -------------------------------------------------------

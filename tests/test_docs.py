@@ -1,8 +1,9 @@
 """The site's generated reference (docs/_ext/spmd_docs), without a Sphinx build: each page
 from its generator, against the code it is generated from; and the notebooks `make demo`
-runs, each a page of the site.
+runs, each a page of the site; and the measured figures the pages quote, each a
+substitution from benchmarks/results.json (one check builds a one-page site, a few seconds).
 
-`make docs` builds the whole site, running the notebooks; these checks take a second.
+`make docs` builds the whole site, running the notebooks; these checks take seconds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "_ext"))
 
-from spmd_docs import benchmarks, internals, kernel, magics  # noqa: E402
+from spmd_docs import benchmarks, figures, internals, kernel, magics  # noqa: E402
 from spmd_docs.tables import Drift  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,3 +152,79 @@ def test_every_notebook_make_demo_runs_is_a_page_of_the_site():
         page = DOCS / "tutorials" / f"{name}.ipynb"
         assert page.resolve() == ROOT / "notebooks" / f"{name}.ipynb", name
         assert re.search(rf"^(/tutorials/)?{re.escape(name)}$", toctrees, re.M), name
+
+
+def _pages() -> list[Path]:
+    """The site's MyST pages (the built site under _build is not a source)."""
+    return [p for p in sorted(DOCS.rglob("*.md")) if "_build" not in p.relative_to(DOCS).parts]
+
+
+def test_every_figure_a_page_quotes_comes_from_results_json():
+    """A page says {{ key }} for a measured figure; each key must be one that results.json
+    gives now, or the build fails on it."""
+    defined = figures.substitutions()
+    used = {page.relative_to(DOCS).as_posix(): figures.used(page.read_text())
+            for page in _pages()}
+    assert sum(map(len, used.values())) >= 10  # (the pages do quote figures this way)
+    undefined = {page: [k for k in keys if k not in defined]
+                 for page, keys in used.items() if any(k not in defined for k in keys)}
+    assert undefined == {}
+
+
+def test_the_figures_keys_are_made_from_their_names():
+    from benchmarks.run import median_text
+
+    defined = figures.substitutions()
+    stats = json.loads(figures.RESULTS.read_text())["figures"]
+    assert figures.key("restart/spmd") == "restart_spmd"
+    assert defined["restart_spmd"] == median_text("restart/spmd", stats["restart/spmd"])
+    for name in stats:
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", figures.key(name)), name
+    ratio = figures.ratio_key("restart/spmd", "start_to_ready/floor")
+    assert ratio == "ratio__restart_spmd__start_to_ready_floor"
+    want = stats["restart/spmd"]["median"] / stats["start_to_ready/floor"]["median"]
+    assert defined[ratio] == f"{want:.2f}×"
+
+
+def test_two_figures_with_one_key_fail_the_build(tmp_path):
+    data = json.loads(figures.RESULTS.read_text())
+    data["figures"]["restart_spmd/x"] = data["figures"]["restart/spmd"]
+    data["figures"]["restart/spmd_x"] = data["figures"]["restart/spmd"]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(data))
+    with pytest.raises(Drift, match="restart_spmd_x"):
+        figures.substitutions(results)
+
+
+def test_the_site_enables_substitutions():
+    conf = (DOCS / "conf.py").read_text()
+    enabled = re.search(r"^myst_enable_extensions = (\[.*\])$", conf, re.M).group(1)
+    assert "substitution" in json.loads(enabled)
+
+
+def test_a_page_that_quotes_a_figure_results_json_lacks_fails_the_build(tmp_path):
+    """The check the site's build makes: a Sphinx build with -W, the MyST pages and these
+    substitutions, of a page with a known key and one results.json does not have."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(DOCS / '_ext')!r}, {str(ROOT)!r}]\n"
+        "extensions = ['myst_parser', 'spmd_docs.figures']\n"
+        "myst_enable_extensions = ['substitution']\n"
+    )
+    page = src / "index.md"
+
+    def build(text: str) -> subprocess.CompletedProcess:
+        page.write_text(f"# Figures\n\n{text}\n")
+        return subprocess.run(
+            [sys.executable, "-m", "sphinx", "-W", "-q", "-E", "-b", "text", str(src),
+             str(tmp_path / "out")], capture_output=True, text=True, timeout=50)
+
+    ok = build("A restart takes {{ restart_spmd }}.")
+    assert ok.returncode == 0, ok.stderr
+    said = (tmp_path / "out" / "index.txt").read_text()
+    assert f"A restart takes {figures.substitutions()['restart_spmd']}." in said
+    missing = build("A restart takes {{ restart_spmd_n3 }}.")
+    assert missing.returncode != 0
+    assert "restart_spmd_n3" in missing.stderr and "is undefined" in missing.stderr

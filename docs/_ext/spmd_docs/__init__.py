@@ -7,6 +7,10 @@ page is not read again). The generated files are not kept in git (.gitignore): t
 their only source, so they cannot drift from it. Where a page and the code disagree (a
 command without its sentence), the generator raises ``Drift`` and the build fails with
 its message.
+
+The hand-written pages quote measured figures as MyST substitutions (``{{ restart_spmd }}``),
+which figures.py reads from benchmarks/results.json at each build (its opening comment has
+the keys' rule).
 """
 
 from __future__ import annotations
@@ -58,4 +62,5 @@ def _config_inited(app, config) -> None:
 
 def setup(app):
     app.connect("config-inited", _config_inited)
+    app.setup_extension("spmd_docs.figures")
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
