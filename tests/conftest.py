@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,13 @@ import psutil
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
+
+
+# A ^C reaches what the tests start, as it would from a terminal: a test run launched in the
+# background of a shell, and each of pytest-xdist's workers, begins with SIGINT ignored, which
+# every process it starts inherits (and bash cannot trap a signal ignored at its start: an
+# exported job's ^C would not end it). Python's own handler is not inherited past exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass

@@ -48,8 +48,9 @@ class SpmdKernel(IPythonKernel):
     )
     cluster = Unicode(
         "",
-        help="Where the ranks run: %spmd start's cluster options (--hosts, --launcher, "
-        "--launcher-arg, --python, --gpus-per-process, --start-timeout), as one string.",
+        help="Where and how the ranks run: %spmd start's cluster options (--hosts, "
+        "--launcher, --launcher-arg, --python, --gpus-per-process, --start-timeout, "
+        "--check-collectives, --linger), as one string.",
     ).tag(config=True)
     answer_seconds = Float(
         2.0,

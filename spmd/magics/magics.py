@@ -83,9 +83,10 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
                         [--launcher-arg KEY=VALUE ...] [--python PATH]
                         [--gpus-per-process K] [--no-curve] [--start-timeout S]
                         [--compilation-cache DIR] [--preload M1,M2]
-                        [--rank-server on|off]
+                        [--rank-server on|off] [--linger DURATION]
                         [--max-output N|all] [--panel] [--tabs] [--breakpoint lowest|all]
             %spmd stop | restart | status [all] | interrupt | where | on | off
+            %spmd attach [ID]            take back a cluster whose notebook process died
             %spmd panel [on|off]         the ranks' rows; on: a live panel in every cell
             %spmd log RANK [--tail N]    every line a rank printed
             %spmd debug [RANK]           pdb on a rank's last exception (post-mortem)
@@ -114,6 +115,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         default; every rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
         ``--check-collectives`` turns on torch's own check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``):
         a collective whose op or sizes differ between ranks raises on every rank.
+        ``--linger`` (default 10m; 0: never): how long the ranks outlive this notebook's
+        process when it dies, for ``%spmd attach`` in a new one (``python -m spmd list``).
 
         Cell magic (runs one cell on the cluster, also when auto mode is off)::
 
