@@ -48,7 +48,8 @@ docs: $(DOCS_STAMP)
 # Two workers, each running whole modules (a module's cluster is started once, by one of them):
 # most of a test is waiting for processes, so two halve the time on 2 cores. A test alone,
 # or a file, runs as ever with pytest itself.
-test: $(STAMP) system
+# (the docs extra too: tests/test_docs.py builds a one-page site)
+test: $(DOCS_STAMP) system
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 system:
