@@ -19,7 +19,6 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-
 # A ^C reaches what the tests start, as it would from a terminal: a test run launched in the
 # background of a shell, and each of pytest-xdist's workers, begins with SIGINT ignored, which
 # every process it starts inherits (and bash cannot trap a signal ignored at its start: an
