@@ -45,12 +45,9 @@ docs: $(DOCS_STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html && \
 	echo "The site is in docs/_build/html (built in $$(( $$(date +%s) - start )) s)."
 
-# Two workers, each running whole modules (a module's cluster is started once, by one of them):
-# most of a test is waiting for processes, so two halve the time on 2 cores. A test alone,
-# or a file, runs as ever with pytest itself.
 # (the docs extra too: tests/test_docs.py builds a one-page site)
 test: $(DOCS_STAMP) system
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest
 
 system:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
