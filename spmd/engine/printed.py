@@ -8,61 +8,140 @@ own text is left as the library makes it, so ``str(x)`` written to a file, logge
 jax's (or torch's). What changes is only what reaches the notebook: ``repr`` notes each
 placeholder it makes (on the thread that made it), and the rank's stdout and stderr
 (engine/streams.py), when their text holds such a placeholder, put marks around it
-(``wire.PRINTED_BEGIN``, ``wire.PRINTED_MARK``) and keep the parts of the array's printed form
-this rank holds, as a cell's value does (engine/results.py). ``display(x)`` is the same, its
-text/plain marked (``display_text``). The parts go to the notebook in the cell's reply
-(``wire.PRINTED_ARRAYS``): no collective, no round trip, and nothing for an array no output
-shows. An array is sent once per cell however often it is printed; at most ``MAX_ARRAYS``
-arrays a cell (the rest stay placeholders, and the notebook says so).
+(``wire.PRINTED_BEGIN``, ``wire.PRINTED_MARK``) and take, then and there, the parts of the
+array's printed form this rank holds, as a cell's value does (engine/results.py). ``display(x)``
+is the same, its text/plain marked (``display_text``). The parts go to the notebook in the
+cell's reply (``wire.PRINTED_ARRAYS``): no collective, no round trip, and nothing for an array
+no output shows.
+
+How the notebook knows which parts of each rank belong together: by where the print is, not by
+the order the rank printed in (ranks take their own branches). A mark names the print's place
+(the thread; the cell lines down to the print, so a function called from two lines is two
+places; the values of the ``for`` loops around each of those lines) and how many placeholders
+that place marked before in this cell. So ``if rank == 0: print(a)`` then ``print(b)`` marks b
+alike on every rank, a rank that skips a step of a loop pairs no print with another step's, and
+the n-th print of a DTensor changed in place is matched with the n-th print of the others.
+
+The parts are taken when ``repr`` makes the placeholder (the print that writes it comes next,
+and an f-string's array, ``f'{x * 2}'``, is gone by then), so an array changed in place prints
+as it is at that print, and an unchanged array printed again reuses its parts (a jax.Array
+never changes; a DTensor is looked at through its version counter): a loop printing one array
+sends it once. At most ``MAX_ARRAYS`` different parts a cell and ``MAX_MARKS`` marks (the rest
+stay placeholders, and the notebook says so). Nothing here keeps an array alive (only its
+parts, a few corners, and a weak reference), so ``del x`` frees its memory as in plain jax.
 
 Threads: ``repr`` notes on the thread that calls it (thread-local); the streams' ``write``
-runs on the writer's thread and takes the cell's table under ``_lock``; the main thread takes
-the table at the cell's reply (``into``).
+runs on the writer's thread and takes the cell's table (and ``repr``, the parts taken lately)
+under ``_lock``; the main thread takes
+the table at the cell's reply (``into``). The import hook (``_Installer``) runs on whichever
+thread imports jax or torch's DTensor first.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.abc
+import linecache
+import os
 import sys
 import threading
+import weakref
+import zlib
 
 from spmd import wire
 
-MAX_ARRAYS = 100  # arrays rebuilt per cell (each one's corners are copied from its devices)
+MAX_ARRAYS = 100  # different parts per cell (each one's corners are copied from its devices)
+MAX_MARKS = 10_000  # marked placeholders per cell (a loop printing one array: one part)
 
-# .pending: [(placeholder, array, form)] made since this thread's last write; .form: "s"
-# while str() or format() runs (numpy's form), "-" for a format spec of its own, else "r"
+
+class _Parts:
+    """The parts of one array's printed form this rank holds, taken at one repr (None: no
+    printed form can be made of it)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: dict | None) -> None:
+        self.parts = parts
+
+# .pending: [(placeholder, its parts taken, form, line)] made since this thread's last write;
+# .form: "s" while str() or format() runs (numpy's form), "-" for a format spec of its own,
+# else "r"
 _noted = threading.local()
 _lock = threading.Lock()
-_parts: dict[int, dict] = {}  # this cell's: mark number -> the parts (None: none to send)
-_marks: dict[int, tuple[int, object]] = {}  # id(array) -> (mark number, the array, kept alive)
-_left_out = 0  # arrays of this cell past MAX_ARRAYS
+# under _lock: parts taken lately, id(array) -> (the array, weakly; what decided its printed
+# form; the parts), so a repr of one array again and again copies its corners once
+_taken: dict[int, tuple[weakref.ref, tuple, _Parts]] = {}
+# this cell's, under _lock:
+_parts: list[dict] = []  # the parts its marks name
+_indexes: dict[int, tuple[_Parts, int]] = {}  # id(parts taken) -> (them, index in _parts)
+_marks: dict[str, int] = {}  # mark -> its index in _parts
+_places: dict[str, int] = {}  # a print's place -> how many placeholders it marked
+_left_out = 0  # placeholders of this cell past MAX_ARRAYS or MAX_MARKS
 _installed: set[str] = set()  # the libraries whose arrays are noted: "jax", "torch"
+_MODULES = {"jax": "jax._src.array", "torch": "torch.distributed.tensor"}
 
 
 def install() -> None:
-    """Note the placeholders jax's (and torch's DTensor's) ``repr`` makes, once each library
-    is imported (called before every cell: cheap once both are)."""
-    if "jax" not in _installed and "jax._src.array" in sys.modules:
-        _install_jax(sys.modules["jax._src.array"].ArrayImpl)
+    """Note the placeholders jax's (and torch's DTensor's) ``repr`` makes: now for a library
+    imported already, and for one imported later the moment its import ends (a cell that
+    imports DTensor and prints one)."""
+    if "jax" not in _installed and _MODULES["jax"] in sys.modules:
+        _install_jax(sys.modules[_MODULES["jax"]].ArrayImpl)
         _installed.add("jax")
-    if "torch" not in _installed and "torch.distributed.tensor" in sys.modules:
-        _install_torch(sys.modules["torch.distributed.tensor"].DTensor)
+    if "torch" not in _installed and _MODULES["torch"] in sys.modules:
+        _install_torch(sys.modules[_MODULES["torch"]].DTensor)
         _installed.add("torch")
     if _installed:
         from spmd.engine import results
 
         results.marked_display = display_text
+    waiting = {name for lib, name in _MODULES.items() if lib not in _installed}
+    hooks = [f for f in sys.meta_path if isinstance(f, _Installer)]
+    if waiting and not hooks:
+        sys.meta_path.insert(0, _Installer())
+    elif not waiting:
+        for hook in hooks:
+            sys.meta_path.remove(hook)
+
+
+class _Installer(importlib.abc.MetaPathFinder):
+    """Calls ``install`` once jax's array module or torch's DTensor module has been
+    imported: the other finders find it, its loader runs it, then ``install``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _MODULES.values():
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module):
+            run(module)
+            install()
+
+        loader.exec_module = exec_module  # (this module's own loader object)
+        return spec
 
 
 def _note(text: str, array) -> None:
-    """(the thread calling repr) ``text`` is the placeholder of ``array``: noted for the
-    thread's next write."""
+    """(the thread calling repr) ``text`` is the placeholder of ``array``: its parts taken
+    now (an f-string's array may be gone by the time it is written: ``f'{x * 2}'``), noted for
+    the thread's next write. Nothing keeps the array itself."""
     pending = getattr(_noted, "pending", None)
     if pending is None:
         pending = _noted.pending = []
     # (str() and format() of such an array are its repr: which one asked decides the form one
     # process prints, numpy's str or jax's Array(...))
-    pending.append((text, array, getattr(_noted, "form", "r"), _cell_line()))
+    pending.append((text, _parts_of(array), getattr(_noted, "form", "r"), _cell_line()))
     del pending[:-64]  # (a repr no output shows is forgotten soon)
 
 
@@ -113,15 +192,15 @@ def _install_torch(dtensor) -> None:
 
 def display_text(array) -> str | None:
     """(the main thread, display(x)) The array's text/plain marked for the notebook, as a
-    print of it is (None: not an array over several processes, or past the cap)."""
+    print of it is (None: not an array over several processes, or past the caps)."""
     text = repr(array)
     pending = getattr(_noted, "pending", None)
-    if not pending or pending[-1][1] is not array:
+    if not pending or pending[-1][0] is not text:
         return None
-    line = pending.pop()[3]
+    _, taken, _, line = pending.pop()
     if line is None:  # (not a cell's display: a variable inspector's, the debugger's)
         return None
-    mark = _mark_of(array)
+    mark = _mark_of(taken, _place())
     if mark is None:
         return None
     return wire.PRINTED_BEGIN + text + wire.PRINTED_MARK.format(f"{mark}r")
@@ -144,13 +223,22 @@ def marked(text: str) -> str:
         if at < 0:
             continue
         end = at
-        mark = _mark_of(array) if form != "-" else None
+        found.append((at, placeholder, array, form))
+    if not found:
+        return text
+    place = _place()
+    # (numbered left to right: the order the same print writes them on every rank)
+    for at, placeholder, taken, form in sorted(found, key=lambda f: f[0], reverse=True):
+        mark = _mark_of(taken, place) if form != "-" else None
         if mark is not None:
-            found.append((at, at + len(placeholder), f"{mark}{form}"))
-    for at, where, mark in sorted(found, reverse=True):
-        text = (text[:at] + wire.PRINTED_BEGIN + text[at:where] + wire.PRINTED_MARK.format(mark)
-                + text[where:])
+            where = at + len(placeholder)
+            text = (text[:at] + wire.PRINTED_BEGIN + text[at:where]
+                    + wire.PRINTED_MARK.format(f"{mark}{form}") + text[where:])
     return text
+
+
+def _is_cell(name: str) -> bool:
+    return "ipykernel_" in name or name.startswith("<ipython-input")
 
 
 def _cell_line() -> tuple[int, int] | None:
@@ -160,35 +248,120 @@ def _cell_line() -> tuple[int, int] | None:
     to a file, then the file printed)."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if "ipykernel_" in name or name.startswith("<ipython-input"):
+        if _is_cell(frame.f_code.co_filename):
             return id(frame), frame.f_lineno
         frame = frame.f_back
     return None
 
 
-def _mark_of(array) -> int | None:
-    """The array's number in this cell, its parts made the first time (None: past the cap,
-    or no printed form can be made of it)."""
-    global _left_out
+def _place() -> str:
+    """Where the print is, the same words on every rank that runs the same cells: the thread
+    that prints (for one of its own), and each cell frame's file and line, outermost first,
+    with the values of the ``for`` loops around that line (a rank that skips a step of a loop
+    does not pair its next print with another rank's print of that step). A cell's file is
+    named by its code's hash (ipykernel), never by the rank's pid."""
+    lines = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if _is_cell(name):
+            steps = [_step(frame, loop) for loop in _loops_around(name, frame.f_lineno)]
+            lines.append(f"{os.path.basename(name)}:{frame.f_lineno}:{','.join(steps)}")
+        frame = frame.f_back
+    thread = threading.current_thread()
+    who = "" if thread is threading.main_thread() else thread.name
+    return f"{zlib.crc32('|'.join([who, *reversed(lines)]).encode()):08x}"
+
+
+_loops: dict[str, dict[int, list[str]]] = {}  # a cell's file -> line -> its loops' names
+
+
+def _loops_around(filename: str, line: int) -> list[str]:
+    """The names each ``for`` loop of the cell around ``line`` assigns (read once a cell)."""
+    table = _loops.get(filename)
+    if table is None:
+        if len(_loops) > 256:
+            _loops.clear()
+        table = _loops[filename] = {}
+        try:
+            tree = ast.parse("".join(linecache.getlines(filename)))
+        except (SyntaxError, ValueError):
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                names = [n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)]
+                where = node if not isinstance(node, ast.comprehension) else node.target
+                for at in range(where.lineno, (getattr(node, "end_lineno", None)
+                                               or where.end_lineno) + 1):
+                    table.setdefault(at, []).extend(names)
+    return table.get(line, [])
+
+
+def _step(frame, name: str) -> str:
+    """A loop variable's value, where it is a plain one (a count, a name); else '?'."""
+    value = frame.f_locals.get(name)
+    if isinstance(value, (bool, int, float, str)) and len(repr(value)) < 100:
+        return repr(value)
+    return "?"
+
+
+def _state(array) -> tuple:
+    """What decides the array's printed form besides the array itself: the print options
+    (numpy's for jax, torch's for a DTensor), and a DTensor's version counter (changed in
+    place by ``add_``: printed anew)."""
+    if type(array).__module__.startswith("torch"):
+        from torch._tensor_str import PRINT_OPTS
+
+        return ("torch", array._version, tuple(vars(PRINT_OPTS).items()))
+    import numpy as np
+
+    return ("jax", tuple(sorted(np.get_printoptions().items(), key=lambda kv: kv[0])))
+
+
+def _parts_of(array) -> _Parts:
+    """The parts of the array's printed form this rank holds: taken now, or again those of an
+    earlier repr of the same array in the same state."""
+    state = _state(array)
     with _lock:
-        known = _marks.get(id(array))
-        if known is not None and known[1] is array:
-            return known[0]
-        if len(_marks) >= MAX_ARRAYS:
-            _left_out += 1
-            return None
-        mark = len(_marks)
-        _marks[id(array)] = (mark, array)
+        known = _taken.get(id(array))
+        if known is not None and known[0]() is array and known[1] == state:
+            return known[2]
     from spmd.engine import results
 
-    try:
+    try:  # (outside the lock: it copies from the devices)
         torch = type(array).__module__.startswith("torch")
         parts = results._torch_parts(array) if torch else results._parts(array)
     except Exception:  # (a kind of array this does not know: jax's placeholder stays)
         parts = None
+    taken = _Parts(parts[results.MIME] if parts else None)
     with _lock:
-        _parts[mark] = parts[results.MIME] if parts else None
+        if len(_taken) >= 256:  # (keep those of arrays still alive)
+            for key in [k for k, (alive, _, _) in _taken.items() if alive() is None]:
+                del _taken[key]
+            if len(_taken) >= 256:
+                _taken.clear()
+        _taken[id(array)] = (weakref.ref(array), state, taken)
+    return taken
+
+
+def _mark_of(taken: _Parts, place: str) -> str | None:
+    """The mark of this placeholder (its place and its number there), its parts put in the
+    cell's table (None: past the caps, or no parts to send)."""
+    global _left_out
+    with _lock:
+        count = _places.get(place, 0)
+        _places[place] = count + 1  # (counted even when left out: the numbers stay aligned)
+        if taken.parts is None:
+            return None
+        known = _indexes.get(id(taken))
+        if len(_marks) >= MAX_MARKS or (known is None and len(_parts) >= MAX_ARRAYS):
+            _left_out += 1
+            return None
+        if known is None:
+            _parts.append(taken.parts)
+            known = _indexes[id(taken)] = (taken, len(_parts) - 1)
+        mark = f"{place}-{count}"
+        _marks[mark] = known[1]
     return mark
 
 
@@ -197,11 +370,14 @@ def into(metadata: dict) -> None:
     metadata; the table starts again for the next cell."""
     global _left_out
     with _lock:
-        if _parts or _left_out:
+        if _marks or _left_out:
             metadata[wire.PRINTED_ARRAYS] = {
-                "parts": {str(k): v for k, v in _parts.items() if v is not None},
+                "marks": dict(_marks),
+                "parts": {str(i): p for i, p in enumerate(_parts)},
                 "left_out": _left_out,
             }
         _parts.clear()
+        _indexes.clear()
         _marks.clear()
+        _places.clear()
         _left_out = 0

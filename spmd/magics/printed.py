@@ -6,8 +6,10 @@ with its reply, what it holds of the array's printed form. Here, before a cell's
 grouped, each marked placeholder becomes the array's text, put together from every rank's parts
 as a cell's value is (magics/values.py): numpy's ``str`` form for ``print(x)``, ``str(x)`` and
 f-strings, jax's ``Array(...)`` for ``repr`` and ``display``; a DTensor, the whole tensor as
-torch prints it. Where it cannot be (a rank did not send its part: it died, or the cell printed
-more arrays than a rank sends), the placeholder stays, and one line says why.
+torch prints it. The parts are matched by the print's mark (its place in the cell), never by
+the order each rank printed in. Where they cannot be put together (a rank did not send its
+part: another branch, it died, or the cell printed more arrays than a rank sends; the ranks
+printed different arrays at that place), the placeholder stays, and one line says why.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from spmd.magics import values
 
 def rebuild(ran) -> str:
     """Replace the marked placeholders in each rank's streams (in place, before the outputs
-    are grouped); a line for the ones that stay placeholders ('' when none)."""
+    are grouped); a line for the ones that stay placeholders ('' when none).
+
+    A placeholder is put together from the parts every rank sent under the same mark: the
+    same place in the cell and the same count of prints there (engine/printed.py), never by
+    the order the ranks printed in. The parts must be of one array (shape, dtype, sharding,
+    printed form) and fit together without a hole or an overlap; else the placeholder stays."""
     marked = [(rank, out) for rank, cell in ran.cells.items() for out in cell.outputs
               if "\x00" in (out.text if out.kind in ("stdout", "stderr")
                              else (out.data or {}).get("text/plain", ""))]
@@ -30,31 +37,40 @@ def rebuild(ran) -> str:
     left_out = max((got.get("left_out", 0) for got in every), default=0)
     if not marked and not left_out:
         return ""
-    texts, kept = {}, {}  # (placeholders left, by rank)
+    texts, kept = {}, {}  # (placeholders left, by rank: why -> how many)
 
-    def text_of(mark: str, form: str, placeholder: str) -> str | None:
+    def parts_of(got: dict, mark: str) -> dict | None:
+        index = got.get("marks", {}).get(mark)
+        return None if index is None else got.get("parts", {}).get(str(index))
+
+    def text_of(mark: str, form: str, placeholder: str) -> tuple[str | None, str]:
         if (mark, form) not in texts:
-            parts = [got.get("parts", {}).get(mark) for got in every]
-            texts[mark, form] = None
+            parts = [parts_of(got, mark) for got in every]
+            texts[mark, form] = None, MISSING
             sent = [p for p in parts if p]
             holders = {tuple(p.get("holders", ())) for p in sent}
             if sent and not all(parts) and len(holders) == 1 and not any(
                     p["pieces"] for p in sent):  # (one that some processes hold whole)
                 where = ", ".join(str(h) for h in next(iter(holders)))
                 texts[mark, form] = (f"{placeholder} (it lives on the devices of process "
-                                     f"{where} only, which prints it)")
-            elif all(parts) and len({(tuple(p["shape"]), p["dtype"], p["sharding"])
-                                     for p in parts}) == 1:
+                                     f"{where} only, which prints it)"), ""
+            elif all(parts) and len({_identity(p) for p in parts}) != 1:
+                texts[mark, form] = None, DIFFERENT
+            elif all(parts):
                 try:
-                    texts[mark, form] = values.text(parts) if form == "r" else str_text(parts)
-                except values.Incomplete:
+                    texts[mark, form] = (values.text(parts) if form == "r"
+                                         else str_text(parts)), ""
+                except values.Overlap:
+                    texts[mark, form] = None, DIFFERENT
+                except values.Incomplete:  # (a hole: --ranks, or a rank that held nothing)
                     pass
         return texts[mark, form]
 
     def replace(rank: int, found: re.Match) -> str:
-        shown = text_of(found.group(2), found.group(3), found.group(1))
+        shown, why = text_of(found.group(2), found.group(3), found.group(1))
         if shown is None:
-            kept[rank] = kept.get(rank, 0) + 1
+            kept.setdefault(rank, {}).setdefault(why, 0)
+            kept[rank][why] += 1
         return shown if shown is not None else found.group(1)
 
     for rank, out in marked:
@@ -65,13 +81,30 @@ def rebuild(ran) -> str:
             out.text = rebuilt(out.text)
         else:  # (a display: its text/plain)
             out.data = {**out.data, "text/plain": rebuilt(out.data["text/plain"])}
-    kept = max(kept.values(), default=0) + left_out
-    if not kept:
+    whys = [why for per_rank in kept.values() for why in per_rank]
+    counted = {why: max(per.get(why, 0) for per in kept.values()) for why in whys}
+    if left_out:
+        counted[f"the cell printed more than {values_cap()} such arrays"] = left_out
+    if not counted:
         return ""
-    why = (f"the cell printed more than {values_cap()} such arrays" if left_out
-           else "a rank did not send its part of it (it did not print it, or it ended)")
-    return (f"({kept} printed array{'s' if kept != 1 else ''} over several processes "
-            f"stayed jax's placeholder: {why}.)")
+    lines = []
+    for why, n in counted.items():
+        lines.append(f"({n} printed array{'s' if n != 1 else ''} over several processes "
+                     f"stayed jax's placeholder: {why}.)")
+    return "\n".join(lines)
+
+
+# Why a printed array stays a placeholder.
+MISSING = ("a rank did not send its part of it (it did not print it at that place in the "
+           "cell, or it ended)")
+DIFFERENT = ("the ranks printed different arrays at that place in the cell (each rank's "
+             "print(x) is put together only with the same print of every other rank)")
+
+
+def _identity(part: dict) -> tuple:
+    """What must be the same in every rank's part of one array."""
+    return (tuple(part["shape"]), part["dtype"], part["sharding"], tuple(part["compact"]),
+            part["summarized"], repr(sorted(part["options"].items())), part.get("library"))
 
 
 def values_cap() -> int:

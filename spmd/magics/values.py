@@ -64,6 +64,10 @@ class Incomplete(ValueError):
     cell, or held nothing of it): the cell keeps jax's placeholders."""
 
 
+class Overlap(Incomplete):
+    """Two ranks sent the same block: their parts are not of one array."""
+
+
 def text(parts: list[dict]) -> str:
     """The array as jax prints it in one process (a DTensor: as torch prints the whole
     tensor), from the ranks' parts. Raises Incomplete."""
@@ -102,6 +106,8 @@ def _fill(parts: list[dict], compact, decode: Callable) -> None:
         for piece in part["pieces"]:
             data = decode(base64.b64decode(piece["data"]))
             where = tuple(slice(a, a + n) for a, n in zip(piece["at"], piece["shape"]))
+            if filled[where].any():  # (one block from two ranks: not one array's parts)
+                raise Overlap("the ranks' parts overlap")
             compact[where] = data.reshape(piece["shape"])
             filled[where] = True
     gaps = [(n - 1) // 2 if first["summarized"] and n != full else None

@@ -1,0 +1,219 @@
+"""The judge of "print(x) shows what one process shows": a corpus of cells that print arrays
+over several processes, each run on real ranks (2 processes x 4 CPU devices, and 4 x 2) and in
+one process of all 8 devices; the notebook's text, rank labels removed, must be that one
+process's. Cells whose ranks print different things (a rank-dependent branch) are checked
+against what each rank can show: the arrays every rank printed at the same place are put
+together, the others stay jax's placeholder with a line that says why, and no value is ever
+put together from two arrays."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ready_cluster, report, run
+
+pytestmark = pytest.mark.timeout(300)
+
+SETUP = """
+import threading
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+rank = jax.process_index()
+auto = (jax.sharding.AxisType.Auto,)  # (the meshes jax's guides were written for)
+mesh = jax.make_mesh((2, 4), ('x', 'y'), axis_types=auto * 2)
+mesh8 = jax.make_mesh((8,), ('x',), axis_types=auto)
+params = jax.device_put(jnp.arange(8.0), NamedSharding(mesh8, P('x')))
+grads = jax.device_put(-jnp.arange(8.0), NamedSharding(mesh8, P('x')))
+wide = jax.device_put(jnp.arange(16.0).reshape(2, 8), NamedSharding(mesh, P('x', 'y')))
+big = jax.device_put(jnp.arange(1000.0 * 1000).reshape(1000, 1000), NamedSharding(mesh8, P('x')))
+"""
+
+# Cells that print the same on every rank: the notebook shows them once, as one process does.
+CORPUS = {
+    "print": "print(params)",
+    "two arrays in one print": "print('params', params, 'grads', grads)",
+    "f-string": "print(f'{params} and {grads!r} and {wide}')",
+    "format spec of its own": "print(f'{params.sum():.2f}')",
+    "containers": "print([params, grads], {'w': wide}, (grads,))",
+    "repr and pprint": "from pprint import pprint\nprint(repr(grads))\npprint(wide)",
+    "stderr": "import sys\nprint(grads, file=sys.stderr)\nprint(params)",
+    "a loop of new arrays": "for i in range(3):\n    print(i, params + i)",
+    "a loop rebinding one name": "v = params\nfor i in range(3):\n    v = v.at[i].set(100 + i)\n"
+                                 "    print(v)",
+    "the same array again and again": "for i in range(50):\n    print(grads)",
+    "two places in a loop": "for i in range(2):\n    print('p', params * i)\n"
+                            "    print('g', grads * i)",
+    "a function called from two lines": "def show(a):\n    print('shown', a)\n"
+                                        "show(params)\nshow(grads)",
+    "a thread": "t = threading.Thread(target=lambda: print('from a thread', grads))\n"
+                "t.start()\nt.join()",
+    "a large summarized array": "print(big)\nprint(big + 1)",
+    "a replicated result": "print(params.sum(), jnp.dot(params, grads))",
+    "print options": "with np.printoptions(precision=2):\n    print(params / 3)\n"
+                     "print(params / 3)",
+}
+
+
+def one_process(cells: list[str]) -> list[str]:
+    """What each cell prints (stdout + stderr) in one process with all 8 devices."""
+    marker = "\x01cell\x01"
+    program = ["import jax, sys", "jax.config.update('jax_num_cpu_devices', 8)", SETUP]
+    for cell in cells:
+        program += [f"print({marker!r}, flush=True)", f"print({marker!r}, file=sys.stderr, "
+                    "flush=True)", cell, "sys.stdout.flush(); sys.stderr.flush()"]
+    done = subprocess.run([sys.executable, "-c", "\n".join(program)], capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    outs = done.stdout.split(marker + "\n")[1:]
+    errs = done.stderr.split(marker + "\n")[1:]
+    return [(o, e) for o, e in zip(outs, errs)]
+
+
+def unlabelled(text: str, n: int) -> str:
+    """The text of one output shown once for every rank, without its label."""
+    label = f"[ranks 0-{n - 1}]"
+    if not text:
+        return text
+    assert text.startswith(label), text
+    return text[len(label) + 1:]
+
+
+def check_corpus(shell, n: int) -> None:
+    reference = one_process(list(CORPUS.values()))
+    wrong = []
+    for (name, cell), (stdout, stderr) in zip(CORPUS.items(), reference):
+        out = run(shell, cell)
+        assert out.error is None, (name, report(out))
+        shown = (unlabelled(out.stdout, n), unlabelled(out.stderr, n))
+        if shown != (stdout, stderr):
+            wrong.append(f"{name}:\n  notebook: {shown!r}\n  one process: {(stdout, stderr)!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.fixture
+def two(module_shell):
+    return ready_cluster(module_shell, "start -n 2 -d 4", SETUP)
+
+
+def test_the_corpus_on_two_processes_prints_what_one_process_prints(two):
+    check_corpus(two, 2)
+
+
+@pytest.mark.slow
+def test_the_corpus_on_four_processes_prints_what_one_process_prints(module_shell):
+    check_corpus(ready_cluster(module_shell, "start -n 4 -d 2", SETUP), 4)
+
+
+def test_arrays_printed_in_an_order_that_differs_by_rank_are_never_mixed(two):
+    """Rank 0 prints params, then every rank prints grads: grads is put together from every
+    rank's grads; params, which rank 1 did not print, stays jax's placeholder and one line
+    says why (before: rank 0's half of params and rank 1's half of grads, named params)."""
+    out = run(two, "if rank == 0:\n    print('params', params)\nprint('grads', grads)")
+    assert out.error is None, report(out)
+    expected_grads = one_process(["print('grads', grads)"])[0][0]
+    assert out.stdout == ("[rank 0]\nparams Array(shape=(8,), dtype=float32)\n"
+                          f"{expected_grads}[rank 1] {expected_grads}"), out.stdout
+    assert ("printed array over several processes stayed jax's placeholder: a rank did not "
+            "send its part of it (it did not print it at that place in the cell") in out.stderr
+    # in a loop that rank 1 enters once less: the n-th print at a place is matched with the
+    # n-th of every rank, never with the print of another step
+    out = run(two, "for i in range(3):\n    if rank == 1 and i == 0:\n        continue\n"
+                   "    print(i, params + i)")
+    assert out.error is None, report(out)
+    steps = one_process(["for i in range(3):\n    print(i, params + i)"])[0][0].splitlines()
+    assert out.stdout.splitlines() == [
+        "[rank 0]", "0 Array(shape=(8,), dtype=float32)", steps[1], steps[2],
+        "[rank 1]", steps[1], steps[2]], out.stdout
+
+
+def test_an_array_printed_on_one_rank_only_stays_a_placeholder_and_says_why(two):
+    out = run(two, "if rank == 1:\n    print(params)")
+    assert out.error is None, report(out)
+    assert out.stdout == "[rank 1] Array(shape=(8,), dtype=float32)\n", out.stdout
+    assert "a rank did not send its part of it" in out.stderr, out.stderr
+
+
+def test_printing_an_array_keeps_nothing_alive(two):
+    """After print(x) (and after repr(x) that no print shows, as a logger makes it), ``del x``
+    frees the array at once, as in plain jax: nothing here holds it until the cell's reply or
+    across cells."""
+    out = run(two, "import gc, weakref, logging\n"
+                   "x = params * 3\nalive = weakref.ref(x)\nprint(x)\n"
+                   "logging.getLogger('quiet').debug('%r', x); text = repr(x)\n"
+                   "del x\ngc.collect()\nprint('freed', alive() is None)")
+    assert out.error is None, report(out)
+    assert out.stdout.endswith("freed True\n"), out.stdout
+    # noted by a repr in one cell, freed in the next
+    assert run(two, "y = grads * 3\nalive = weakref.ref(y)\ntext = repr(y)").error is None
+    out = run(two, "del y\ngc.collect()\nprint('freed', alive() is None)")
+    assert out.stdout == "[ranks 0-1] freed True\n", out.stdout
+
+
+def test_jax_debug_print_inside_jit_shows_the_value_one_process_prints(two):
+    """jax.debug.print of a sharded value runs its callback on process 0's first device with
+    the whole value: rank 0 prints what one process prints."""
+    cell = ("@jax.jit\ndef g(v):\n    jax.debug.print('v {v}', v=v)\n    return v\n"
+            "_ = g(params).block_until_ready()")
+    out = run(two, cell)
+    assert out.error is None, report(out)
+    # (on the device jax runs the callback on: process 0's, as the label says)
+    assert out.stdout == f"[rank 0] {one_process([cell])[0][0]}", out.stdout
+
+
+def generated_program(seed: int, n: int) -> tuple[str, set[str]]:
+    """A cell of a few prints, each under a control flow drawn at random: on every rank, on
+    some ranks only, in a loop that some rank leaves a step of, through a function. Each
+    print starts with its own tag; the tags every rank prints are returned too."""
+    import random
+
+    pick = random.Random(seed)
+    # (elementwise: no collective, which a rank-dependent branch would leave waiting)
+    arrays = ["params", "grads", "params * 2", "grads - params", "params * grads"]
+    lines, everywhere = ["def show(tag, a):", "    print(tag, a)"], set()
+    for k in range(6):
+        array, tag = pick.choice(arrays), f"s{k}"
+        kind = pick.choice(["all", "some", "loop", "function", "some loop"])
+        some = pick.choice([f"rank == {pick.randrange(n)}", "rank % 2 == 1", f"rank != {n - 1}"])
+        if kind == "all":
+            lines.append(f"print('{tag}', {array})")
+            everywhere.add(tag)
+        elif kind == "some":
+            lines += [f"if {some}:", f"    print('{tag}', {array})"]
+        elif kind == "function":
+            lines.append(f"show('{tag}', {array})")
+            everywhere.add(tag)
+        else:
+            skip = pick.randrange(3)
+            guard = f"rank == {pick.randrange(n)} and i == {skip}" if kind == "loop" else \
+                f"not ({some})"
+            lines += ["for i in range(3):", f"    if {guard}:", "        continue",
+                      f"    print('{tag}', i, {array} + i)"]
+    return "\n".join(lines), everywhere
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_generated_control_flows_never_show_a_wrong_value(two, seed):
+    """Every printed line is the value one process prints at that print, or jax's
+    placeholder where not every rank printed it there; a print every rank made is never a
+    placeholder."""
+    import re
+
+    cell, everywhere = generated_program(seed, 2)
+    out = run(two, cell)
+    assert out.error is None, report(out)
+    reference = {}
+    for line in one_process([cell])[0][0].splitlines():
+        reference.setdefault(" ".join(line.split()[:2]) if " " in line else line, set()).add(line)
+    label = re.compile(r"^\[ranks? [0-9, -]+\]\s?")
+    for line in out.stdout.splitlines():
+        line = label.sub("", line)
+        if not line:
+            continue
+        tag = line.split()[0]
+        if line.endswith("Array(shape=(8,), dtype=float32)"):
+            assert tag not in everywhere, (cell, out.stdout)
+            continue
+        keys = [" ".join(line.split()[:2]), tag]
+        assert any(line in reference.get(key, ()) for key in keys), (cell, line, out.stdout)
