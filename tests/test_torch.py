@@ -400,3 +400,36 @@ def test_torch_sizes_that_differ_on_plain_gloo_are_named_from_the_surviving_rank
             "all_reduce (a rank's census dies with it).\n  Hint: gloo names neither side of "
             "a collective whose sizes differ: %spmd start --check-collectives") in text, text
     restart_and_all_reduce(cluster)
+
+
+def test_a_dtensor_changed_in_place_prints_its_value_at_each_print(cluster):
+    """w.add_(1) between two prints of w, in one cell and in a loop: each print shows w as
+    it is then, as one process prints it (the parts are taken at the print, not once a
+    cell)."""
+    import torch
+
+    setup = ("from torch.distributed.device_mesh import init_device_mesh\n"
+             "from torch.distributed.tensor import distribute_tensor, Shard\n"
+             "mesh = init_device_mesh('cpu', (2,))\n"
+             "w = distribute_tensor(torch.arange(4.), mesh, [Shard(0)])")
+    assert run(cluster, setup).error is None
+    out = run(cluster, "w.add_(1); print(w); w.add_(1); print(w)")
+    assert out.error is None, report(out)
+    base = torch.arange(4.)
+    assert out.stdout == f"[ranks 0-1]\n{base + 1!r}\n{base + 2!r}\n", out.stdout
+    out = run(cluster, "for s in range(2):\n    w.add_(1)\n    print(w)")
+    assert out.stdout == f"[ranks 0-1]\n{base + 3!r}\n{base + 4!r}\n", out.stdout
+
+
+def test_a_dtensor_printed_in_the_cell_that_imports_it_is_the_whole_tensor(cluster):
+    """On ranks that had not imported torch's DTensor yet (a restart gives new ones), the cell
+    that imports it, makes one and prints it shows the whole tensor, as a later cell does."""
+    import torch
+
+    out = restart_and_run(
+        cluster, SETUP,
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import distribute_tensor, Shard\n"
+        "w = distribute_tensor(torch.arange(4.), init_device_mesh('cpu', (2,)), [Shard(0)])\n"
+        "print(w)")
+    assert out == f"[ranks 0-1] {torch.arange(4.)!r}\n", out
