@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import many
+
 NOTEBOOK = """
 import sys
 from IPython.core.interactiveshell import InteractiveShell
@@ -56,6 +58,8 @@ def measure(bench, rounds: int = 3) -> None:
     os.environ["JUPYTER_RUNTIME_DIR"] = runtime
     try:
         for n, backend, times in ((4, "jax", rounds), (64, "none", 1)):
+            if not many.fits(bench, n, backend, f"attach to {n} ranks ({backend})"):
+                continue
             start = f"%spmd start -n {n} --backend {backend} --linger 2m"
             setup = "import os\nx = int(os.environ['SPMD_RANK'])"
             for _ in range(times):

@@ -9,6 +9,11 @@
 - 128 ranks: the start until a cell has run on every rank;
 - 256 ranks: the same, and one cell.
 
+Each part first asks the start's own room check (spmd.cluster.launchers.processes) whether this
+machine has the free memory for its ranks now; a part that does not fit is left out, with the
+check's sentence, into ``bench.left_out``, and the bench goes on: ``make bench`` then prints its
+tables, and what it left out and why, below them.
+
 On this 2-core machine the ranks' own CPU is on the same cores as the notebook's: on a real
 cluster each host's ranks have their own, and what the notebook and the controller spend per
 rank is what a person waits for.
@@ -24,15 +29,34 @@ import time
 
 import psutil
 
+from spmd.cluster.launchers import processes
+
 
 def _cpu(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
 
 
+def fits(bench, n: int, backend: str, what: str) -> bool:
+    """Whether this machine has room for ``n`` ranks of ``backend`` now, as ``%spmd start``'s
+    own check counts them (forked by the rank server); where not, ``what`` is left out, with
+    the check's sentence, into ``bench.left_out``."""
+    try:
+        processes.check_room(n, backend, forked=True)
+    except processes.StartRefused as exc:
+        bench.left_out[what] = str(exc)
+        print(f"left out, {what}: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def cells(bench, n: int, count: int) -> None:
     """A trivial cell on ``n`` ranks, ``count`` times; at 64 ranks or more, the CPU each
     process spent on them."""
+    what = (f"{n} ranks: trivial cells" + (" and %px" if n >= 64 else "")
+            + (", a restart" if n == 64 else ""))
+    if not fits(bench, n, "none", what):
+        return
     bench.cell(f"%spmd start -n {n} --backend none")
     try:
         session = bench.magics.session
@@ -81,6 +105,8 @@ def px(bench, session, n: int, count: int) -> None:
 
 def start(bench, n: int) -> None:
     """``n`` ranks: the start until a cell has run on every rank, then one cell."""
+    if not fits(bench, n, "none", f"{n} ranks: a start and a cell"):
+        return
     t0 = time.perf_counter()
     bench.cell(f"%spmd start -n {n} --backend none")
     try:
@@ -93,11 +119,14 @@ def start(bench, n: int) -> None:
         bench.cell("%spmd stop")
 
 
-def measure(bench, count: int = 30, largest: int = 256) -> None:
-    """Record the many-ranks figures into ``bench`` (benchmarks.run.Bench)."""
-    for n in (4, 64):
+def measure(bench, count: int = 30, cells_on: tuple = (4, 64),
+            starts: tuple = (128, 256)) -> None:
+    """Record the many-ranks figures into ``bench`` (benchmarks.run.Bench): ``count`` trivial
+    cells on each of ``cells_on`` ranks, a start of each of ``starts``; what does not fit here
+    is left out."""
+    for n in cells_on:
         cells(bench, n, count)
-    for n in (128, largest):
+    for n in starts:
         start(bench, n)
 
 
@@ -109,6 +138,9 @@ if __name__ == "__main__":
     for name, xs in sorted(bench.samples.items()):
         print(f"{name}: median {statistics.median(xs) * 1000:.3f} ms "
               f"({min(xs) * 1000:.3f}-{max(xs) * 1000:.3f}), {len(xs)} runs")
-    ratio = (statistics.median(bench.samples["cell_n64/none"])
-             / statistics.median(bench.samples["cell_n4/none"]))
-    print(f"trivial cell, 64 ranks over 4: {ratio:.1f}x")
+    if "cell_n64/none" in bench.samples and "cell_n4/none" in bench.samples:
+        ratio = (statistics.median(bench.samples["cell_n64/none"])
+                 / statistics.median(bench.samples["cell_n4/none"]))
+        print(f"trivial cell, 64 ranks over 4: {ratio:.1f}x")
+    for what, why in bench.left_out.items():
+        print(f"left out, {what}: {why}")

@@ -70,6 +70,7 @@ class Bench:
         self.magics = self.shell.magics_manager.registry["SpmdMagics"]
         self.samples: dict[str, list[float]] = defaultdict(list)
         self.facts: dict[str, object] = {}
+        self.left_out: dict[str, str] = {}  # a part not measured here -> why (many.fits)
 
     def cell(self, code: str) -> str:
         with capture_output() as cap:
@@ -129,6 +130,8 @@ class Bench:
     def many_ranks(self, n: int, backend: str) -> None:
         """``n`` ranks on this machine: start until a cell returns on every rank, restart
         until the same, stop."""
+        if not many.fits(self, n, backend, f"{n} ranks ({backend}): a start and a restart"):
+            return
         cell = PSUM if backend == "jax" else "import os"
         t0 = time.perf_counter()
         self.cell(f"%spmd start -n {n} --backend {backend}")
@@ -645,7 +648,7 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
         for x in xs:
             bench.record(name, x)
     print("many ranks: 4 and 64, a restart of 64, 128 and 256", file=sys.stderr, flush=True)
-    many.measure(bench, count=10 if quick else 30, largest=128 if quick else 256)
+    many.measure(bench, count=10 if quick else 30, starts=(128,) if quick else (128, 256))
     print("attach to a lingering cluster: 4 and 64 ranks", file=sys.stderr, flush=True)
     attach.measure(bench, rounds=1 if quick else 3)
     print("the census, 2 ranks", file=sys.stderr, flush=True)
@@ -680,29 +683,40 @@ def main(argv: list[str] | None = None) -> int:
         # Two SSH hosts in network namespaces, where this machine can make them (root).
         hosts = None if why_not() else stack.enter_context(Hosts(2))
         run_all(bench, rounds, args.quick, hosts)
-    stats = summarize(bench.samples)
-    machine = (
-        f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, {sys.platform}"
-    )
     RESULTS.write_text(
         json.dumps(
             {
-                "machine": machine,
+                "machine": machine(),
                 "quick": args.quick,
                 "rounds": rounds,
                 "seconds": round(time.perf_counter() - started, 1),
-                "figures": stats,
+                "figures": summarize(bench.samples),
                 "facts": bench.facts,
+                "left_out": bench.left_out,
             },
             indent=2,
         )
     )
-    print(f"\njupyter-spmd benchmarks on {machine}; ratios from one run\n")
-    print(table(stats))
-    for name, value in bench.facts.items():
-        print(f"{name}: {value}")
+    print(summary(bench))
     print(f"\nwritten to {RESULTS} in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, {sys.platform}"
+
+
+def summary(bench: Bench) -> str:
+    """What ``make bench`` prints at its end: the table, the facts, and the parts this machine
+    had no room for, each with why."""
+    lines = [f"\njupyter-spmd benchmarks on {machine()}; ratios from one run\n",
+             table(summarize(bench.samples))]
+    lines += [f"{name}: {value}" for name, value in bench.facts.items()]
+    if bench.left_out:
+        lines += ["", f"Left out ({len(bench.left_out)}): this machine had no room for them "
+                  "when their turn came."]
+        lines += [f"- {what}: {why}" for what, why in bench.left_out.items()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

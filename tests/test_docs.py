@@ -62,6 +62,29 @@ def test_every_option_of_a_magics_parser_is_on_its_page(parser_of):
             assert f"`{option}" in section, option
 
 
+@pytest.mark.parametrize("parser_of", ["start", "log", "export", "cell"])
+def test_every_option_of_a_magics_parser_is_in_its_help(parser_of):
+    """`%spmd?` (the magic's docstring) names each option by one of its spellings (`-n` or
+    `--processes`): it left out export's `--raw-output`."""
+    from spmd.magics.arguments import _cell_parser
+    from spmd.magics.magics import SpmdMagics
+
+    parser = _cell_parser() if parser_of == "cell" else magics._parsers()[parser_of]
+    help_text = SpmdMagics.spmd.__doc__
+    missing = [action.option_strings for action in parser._actions if action.option_strings
+               and not any(re.search(rf"{re.escape(o)}\b", help_text)
+                           for o in action.option_strings)]
+    assert missing == [], missing
+
+
+def test_every_backend_is_in_the_readmes_start_line():
+    """(it left out jax,torch)"""
+    from spmd.options import BACKENDS
+
+    listed = re.search(r"--backend ([\w,|]+)\]", (ROOT / "README.md").read_text()).group(1)
+    assert listed.split("|") == list(BACKENDS)
+
+
 def test_a_command_without_its_sentence_fails_the_build(monkeypatch):
     from spmd.magics import magics as dispatch
 

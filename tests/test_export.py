@@ -147,6 +147,30 @@ def test_export_runs_with_mpich_mpiexec(jax_notebook, folder):
         (r, str(r)) for r in range(4)}
 
 
+def test_an_mpi_job_labels_each_line_once_whatever_its_buffering(tmp_path):
+    """print('step', x, 'on', rank) of a jax float under mpiexec, with PYTHONUNBUFFERED=1 (as
+    a terminal or a container may have it): each line has one label, its rank's. (Unbuffered,
+    print wrote its words one by one and mpiexec labelled each piece it read: '[rank 0]
+    step[rank 0]  [rank 0] 992.0[rank 0]  ...'.) The last value takes a moment to turn into
+    text, as a big array's does, so that its line comes apart for certain."""
+    if shutil.which("mpiexec") is None:
+        pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
+    cells = ["import time\nimport jax.numpy as jnp\nx = jnp.float32(992.0) + rank\n"
+             "class Slow:\n    def __str__(self):\n        time.sleep(0.05)\n"
+             "        return 'slow'\n"
+             f"for i in range(20):\n    print('{TAG} step', x, 'on', rank)\n"
+             f"print('{TAG} last', Slow(), 'on', rank)"]
+    launch = write_job(str(tmp_path), cells, launcher="mpi")
+    done = subprocess.run(["bash", launch], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env=dict(os.environ, MASTER_PORT=str(free_port()),
+                                                PYTHONUNBUFFERED="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if TAG in line]
+    assert sorted(lines) == sorted(
+        [f"[rank {r}] {TAG} step {992.0 + r} on {r}" for r in range(2) for _ in range(20)]
+        + [f"[rank {r}] {TAG} last slow on {r}" for r in range(2)]), done.stdout
+
+
 @pytest.fixture
 def slurm():
     why = test_slurm.why_not()

@@ -89,6 +89,21 @@ def test_the_panel_freezes_to_a_summary_that_names_the_slowest_rank(cluster):
     assert now.outputs[0]["text/plain"].startswith("Ranks now: 2 idle.")
 
 
+def test_the_live_view_shows_a_line_that_came_in_pieces_as_one_line(cluster):
+    """A rank writes 'after', then ' 1' and its newline a second later (two messages: a rank
+    sends what it has every 0.2 s): the live view shows '[rank 0] after 1', and 'after'
+    alone while the rest has yet to come, never ' 1' as a line of its own."""
+    with displays() as shown:  # every update of the live view
+        out = run(cluster, "print('after', end='', flush=True)\ntime.sleep(1.5)\n"
+                           "print('', 1)\ntime.sleep(1)")
+    assert out.error is None
+    live = [d["text/plain"].splitlines() for d in shown
+            if "text/plain" in d and "[rank " in d["text/plain"]]
+    assert any("[rank 0] after 1" in lines for lines in live), live
+    assert not any("[rank 0]  1" in lines for lines in live), live
+    assert any("[rank 0] after" in lines for lines in live), live  # (begun, shown as it is)
+
+
 def test_the_panel_shows_the_straggler_while_the_cell_runs(cluster):
     try:
         assert run(cluster, "%spmd panel on").error is None

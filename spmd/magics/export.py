@@ -172,6 +172,14 @@ class Job:
     def _startup(self) -> list[str]:
         s, lines = self.settings, ["# -- Start-up: what %spmd start did in every rank " + "-" * 30]
         lines += self._which()
+        if self.launcher == "mpi":
+            lines += [
+                "# mpiexec puts the rank before each piece of output it reads: one write a line,",
+                "# even where PYTHONUNBUFFERED is set (print's words would each be a piece).",
+                "sys.stdout.reconfigure(line_buffering=True, write_through=False)",
+                "sys.stderr.reconfigure(line_buffering=True, write_through=False)",
+            ]
+            self.imports.add("sys")
         if self.pmi:
             lines += [
                 "# MPICH's mpiexec ends the job at once when a process that said hello to it",

@@ -82,7 +82,8 @@ class Launch:
                  f"-x MASTER_PORT={DEFAULT_PORT} {python} {os.path.basename(script)})"]
                 + path_line + store
                 # (not PYTHONUNBUFFERED: mpiexec puts the rank before each piece it reads, and
-                # unbuffered, print's text and its newline come as two pieces)
+                # unbuffered, print's words come as pieces; the script makes its stdout and
+                # stderr line-buffered whatever the person's environment says: export.py)
                 + [*_MPI_STOP, " ".join(line) + " &", "job=$!",
                                        *_MPI_WAIT])
         if self.launcher == "torchrun":
