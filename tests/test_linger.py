@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
-from conftest import kernel_stream, spmd_processes, wait_until_gone
+from conftest import SPMD_KERNEL, kernel_stream, spmd_processes, wait_until_gone
 from jupyter_client.manager import start_new_kernel
 
 NOTEBOOK = "/work/notebooks/linger-test.ipynb"
@@ -145,7 +146,7 @@ def test_attach_refuses_in_one_sentence_and_the_terminal_stops_a_cluster(runtime
         attach.attach(Session(chosen.the_settings()), chosen)
     with open(path, "w") as f:
         json.dump(kept, f)
-    assert linger.lingering() and not linger.lingering()[0].held_by()
+    assert [r.held_by() for r in linger.every()] == [0]  # (nothing changed: it lingers on)
     chosen = linger.choose()  # (the only one lingering)
     stopped = spmd_cli("stop", cluster_id)
     assert stopped.returncode == 0, stopped.stderr
@@ -205,18 +206,338 @@ def test_a_cell_running_when_the_notebook_died_is_reported_at_attach(runtime):
         km.shutdown_kernel(now=True)
 
 
-@pytest.mark.timeout(120)
-def test_a_notebook_killed_once_its_stop_began_leaves_nothing_lingering(runtime):
-    """Jupyter kills a kernel whose shutdown takes too long: a stop that had begun has
-    disarmed the linger, so the ranks end with the kernel, and no record is left."""
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("spmd_kernelspec")
+def test_a_kernel_killed_while_its_shutdown_waits_leaves_nothing_lingering(runtime):
+    """Jupyter kills a kernel whose shutdown takes too long: the shutdown disarmed the linger
+    as it began, so the ranks end with the kernel, and no record is left. Here the shutdown
+    waits for a cell held at a rank's input() prompt that nobody answers (the stop waits up
+    to 4 s for it), and the kernel is killed meanwhile."""
+    km, kc = start_new_kernel(kernel_name=SPMD_KERNEL, env=runtime)
+    try:
+        run_ok(kc, "x = 1")  # (its cluster is up, lingering should the kernel die)
+        assert [r for r in os.listdir(runtime["JUPYTER_RUNTIME_DIR"])
+                if r.startswith("spmd-cluster-")]
+        started = spmd_processes(km.provisioner.process.pid)
+        assert started
+        kc.execute("input('? ')", allow_stdin=True)
+        assert kc.get_stdin_msg(timeout=60)["msg_type"] == "input_request"
+        kc.shutdown()  # (Kernel > Shut Down: on the control channel)
+        time.sleep(1.5)
+    finally:
+        kill(km, kc)
+    assert not wait_until_gone(started, timeout=15)
+    assert not [r for r in os.listdir(runtime["JUPYTER_RUNTIME_DIR"]) if r.startswith("spmd-")]
+
+
+def notebook_killed_in_a_cell(runtime, start: str, cell: str, seconds: float = 1.5) -> int:
+    """A kernel that starts a cluster with ``start``, is running ``cell`` on the ranks
+    ``seconds`` later, and is killed then: its pid."""
     km, kc = kernel(runtime)
     try:
-        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 5m")
-        run_ok(kc, "%%local\nfrom spmd.cluster import linger\n"
-                   "linger.disarm(get_ipython().magics_manager.registry['SpmdMagics']"
-                   ".session.launch)")  # (what a stop or a shutdown does first)
+        run_ok(kc, f"%load_ext spmd\n{start}")
+        kc.execute(cell)
+        time.sleep(seconds)
+    finally:
+        pid = kill(km, kc)
+    return pid
+
+
+FOREVER = "import time\nwhile True:\n    time.sleep(0.1)"
+
+
+@pytest.mark.timeout(240)
+def test_spmd_interrupt_reaches_the_cell_that_ran_when_the_notebook_died(runtime):
+    pid = notebook_killed_in_a_cell(
+        runtime, "%spmd start -n 2 --backend none --linger 2m", FOREVER)
+    started = spmd_processes(pid)
+    km, kc = kernel(runtime)
+    try:
+        text = run_ok(kc, "%load_ext spmd\n%spmd attach")
+        assert "Ranks 0-1 still run the cell that was running when the notebook process " \
+               "ended" in text, text
+        text = run_ok(kc, "%spmd interrupt")  # (before: "there is nothing to interrupt")
+        assert text == "Interrupted ranks 0-1; every rank is idle now.\n", text
+        text = run_ok(kc, "print('next')")
+        assert "[rank 1, in a cell from before the attach]" in text, text
+        assert "KeyboardInterrupt" in text, text
+        assert ("The cell that was running when the notebook process ended has now ended "
+                "with KeyboardInterrupt on ranks 0-1.") in text, text
+        assert text.endswith("[ranks 0-1] next\n"), text
+        run_ok(kc, "%spmd stop")
+        assert not wait_until_gone(started)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(240)
+def test_what_the_cell_from_before_an_attach_prints_and_how_it_ends_reach_the_notebook(
+        runtime, tmp_path):
+    go_on = tmp_path / "go-on"
+    cell = (f"import os, time\nwhile not os.path.exists({str(go_on)!r}):\n"
+            "    time.sleep(0.1)\n"
+            "print('printed after the attach', os.environ['SPMD_RANK'], flush=True)\n"
+            "time.sleep(2)\n"
+            "if os.environ['SPMD_RANK'] == '1':\n"
+            "    raise ValueError('rank 1 failed after the attach')\n")
+    pid = notebook_killed_in_a_cell(
+        runtime, "%spmd start -n 2 --backend none --linger 2m", cell)
+    started = spmd_processes(pid)
+    km, kc = kernel(runtime)
+    try:
+        text = run_ok(kc, "%load_ext spmd\n%spmd attach")
+        assert "Ranks 0-1 still run the cell" in text, text
+        go_on.touch()
+        text = run_ok(kc, "print('next')")  # (before: nothing of it, anywhere)
+        assert text.startswith("Waiting for the cell from before the attach to end on ranks "
+                               "0-1 (Interrupt stops it)...\n"), text
+        for rank in (0, 1):
+            assert (f"[rank {rank}, in a cell from before the attach] printed after the "
+                    f"attach {rank}\n") in text, text
+        assert "ValueError: rank 1 failed after the attach" in text, text
+        assert ("The cell that was running when the notebook process ended has now ended "
+                "without an error on rank 0; with ValueError: rank 1 failed after the attach "
+                "on rank 1.") in text, text
+        assert text.endswith("[ranks 0-1] next\n"), text
+        assert "printed after the attach 1" in run_ok(kc, "%spmd log 1")
+        # (the rank copied it to its own log too, and how the cell ended)
+        log = run_ok(kc, "%%local\ns = get_ipython().magics_manager.registry['SpmdMagics']"
+                         ".session\nprint(open(s.cluster.rank_launchers()[1].output_file)"
+                         ".read())")
+        assert "printed after the attach 1" in log, log
+        assert "--- the cell ended: ValueError: rank 1 failed after the attach | import os" in log
+        run_ok(kc, "%spmd stop")
+        assert not wait_until_gone(started)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_death_after_an_attach_shows_the_ranks_last_lines_since(runtime):
+    """The attach reads each rank's log; a death report afterwards reads it again (before:
+    ipyparallel's copy from the attach's read, without the rank's last words)."""
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 2m")
     finally:
         pid = kill(km, kc)
     started = spmd_processes(pid)
-    assert started and not wait_until_gone(started, timeout=10)
-    assert not [r for r in os.listdir(runtime["JUPYTER_RUNTIME_DIR"]) if r.startswith("spmd-")]
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd attach")
+        reply, _ = kernel_stream(
+            kc, "import os\nif os.environ['SPMD_RANK'] == '1':\n"
+                "    os.write(2, b'the last words after the attach\\n')\n    os._exit(3)")
+        assert reply["content"]["status"] == "error"
+        said = "\n".join(reply["content"]["traceback"])
+        assert "Rank 1" in said and "the last words after the attach" in said, said
+        run_ok(kc, "%spmd stop")
+        assert not wait_until_gone(started)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+ARRAY = ("import time, jax, numpy as np\n"
+         "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+         "mesh = jax.make_mesh((jax.device_count(),), ('i',))\n"
+         "x = jax.make_array_from_callback((4,), NamedSharding(mesh, P('i')), "
+         "lambda i: np.arange(4.0)[i])")
+
+
+@pytest.mark.timeout(240)
+def test_a_global_array_printed_with_no_notebook_reaches_the_log_as_plain_text(runtime):
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --linger 2m")
+        run_ok(kc, ARRAY)
+        kc.execute("time.sleep(3)\nprint('x is', x)")
+        time.sleep(1.5)
+    finally:
+        pid = kill(km, kc)
+    started = spmd_processes(pid)
+    time.sleep(4)  # (x is printed with nobody there)
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd attach")
+        log = run_ok(kc, "%spmd log 0")
+        assert "x is Array(" in log, repr(log)
+        assert "\x00" not in log and "spmd-printed" not in log, repr(log)
+        run_ok(kc, "%spmd stop")
+        assert not wait_until_gone(started)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(180)
+def test_an_attach_from_a_folder_with_an_owner_file_takes_the_cluster(
+        runtime, tmp_path, monkeypatch):
+    """A cluster without a compilation cache (--backend none), attached from a folder that
+    holds an owner.json (before: take() marked the cluster this process's, then raised a
+    TypeError, leaving it held with no session)."""
+    from spmd.cluster import attach, linger
+    from spmd.cluster.launchers import profiles
+    from spmd.cluster.session import Session
+
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 1m")
+    finally:
+        pid = kill(km, kc)
+    started = spmd_processes(pid)
+    here = tmp_path / "here"
+    here.mkdir()
+    profiles.mark_owner(str(here))
+    monkeypatch.chdir(here)
+    record = linger.choose()
+    assert record.cache_dir is None
+    session = Session(record.the_settings())
+    try:
+        attach.attach(session, record)
+        assert [r.held_by() for r in linger.every()] == [os.getpid()]
+        assert session.running and len(session.ranks) == 2
+    finally:
+        session.stop()
+    assert not wait_until_gone(started)
+
+
+@pytest.mark.timeout(180)
+def test_an_attach_as_the_linger_ends_keeps_the_cluster(runtime):
+    """A process whose linger is over ends holding the cluster folder's lock, which an attach
+    holds while it writes the owner file: one that found the linger over while an attach held
+    it reads the new owner, and stays (before: it read the old one, and ended)."""
+    import fcntl
+
+    from spmd.cluster import linger
+    from spmd.cluster.launchers import profiles
+
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 3s")
+    finally:
+        pid = kill(km, kc)
+    started = spmd_processes(pid)
+    record = linger.choose()
+    lock = os.open(record.profile_dir, os.O_RDONLY)  # (an attach under way: linger.take)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        time.sleep(3 + 4)  # (the linger is over for every process: each waits for the lock)
+        assert all(p.is_running() for p in started)
+        profiles.mark_owner(record.profile_dir)  # (this process holds the cluster now)
+    finally:
+        os.close(lock)
+    time.sleep(3)
+    assert all(p.is_running() and p.status() != "zombie" for p in started)
+    assert [r.held_by() for r in linger.every()] == [os.getpid()]
+    stopped = spmd_cli("stop", record.id)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not wait_until_gone(started)
+
+
+@pytest.mark.timeout(180)
+def test_spmd_list_counts_the_linger_from_when_the_notebook_died(runtime):
+    """(before: from the newest write to a rank's log, so a rank that prints always showed
+    the whole linger)"""
+    talk = ("import threading, time\ndef talk():\n    while True:\n"
+            "        print('tick', flush=True)\n        time.sleep(0.3)\n"
+            "threading.Thread(target=talk, daemon=True).start()")
+    km, kc = kernel(runtime)
+    try:
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 1m")
+        run_ok(kc, talk)
+    finally:
+        pid = kill(km, kc)
+    started = spmd_processes(pid)
+    time.sleep(10)
+    listed = spmd_cli("list").stdout.splitlines()
+    assert listed[0].split()[-2:] == ["ENDS", "IN"], listed
+    from spmd.cluster.linger import parse_duration
+
+    left = parse_duration(listed[1].split()[-1])
+    assert 35 <= left <= 55, listed
+    assert spmd_cli("stop", "--all").returncode == 0
+    assert not wait_until_gone(started)
+
+
+KILLED_IN_A_CELL = """
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "spmd")
+shell.run_cell(sys.argv[1])
+s = shell.magics_manager.registry["SpmdMagics"].session
+print("STARTED", s is not None and s.running, flush=True)
+shell.run_cell(sys.argv[2])
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ssh_ranks_in_a_cell_end_when_the_linger_is_over(runtime, tmp_path):
+    """Ranks on other hosts miss the controller's heartbeats only on their event loop, which
+    does not turn while a cell runs: each host's rank server ends them itself once the
+    controller has ended, at the linger's end (before: they ran on for ever)."""
+    from hosts import Hosts, why_not
+
+    reason = why_not()
+    if reason:
+        pytest.skip(f"no hosts in network namespaces here: {reason}")
+    with Hosts(2) as hosts:
+        script = tmp_path / "notebook.py"
+        script.write_text(KILLED_IN_A_CELL)
+        start = (f"%spmd start -n 2 --hosts {','.join(hosts.names)} --python {hosts.python} "
+                 f"{hosts.launcher_arg} --backend none --linger 5s")
+        notebook = subprocess.Popen([sys.executable, str(script), start, "%%spmd\n" + FOREVER],
+                                    stdout=subprocess.PIPE, text=True)
+        try:
+            line = next((ln for ln in notebook.stdout if ln.startswith("STARTED")), "")
+            assert line.strip() == "STARTED True", line
+            here = psutil.Process(notebook.pid).children(recursive=True)
+            time.sleep(2)  # (the cell runs on the ranks)
+        finally:
+            notebook.kill()
+            notebook.wait()
+            notebook.stdout.close()
+        sshd = {p.pid for p in hosts._sshd}
+        there = [psutil.Process(p) for p in hosts.pids() if p not in sshd]
+        assert len(there) >= 4  # (a server and a rank on each host)
+        assert not wait_until_gone(here, 5 + 20)
+        assert not wait_until_gone(there, 30)
+
+
+def test_a_kernel_shut_down_while_its_attach_fails_starts_no_cluster(monkeypatch):
+    """The SPMD kernel attaches to its notebook's lingering cluster in the background; a
+    shutdown that comes meanwhile cancels it, and the attach then fails: nothing starts
+    (before: a whole new cluster started, which lingered after the kernel was gone)."""
+    import dataclasses
+
+    from spmd.cluster import attach, linger
+    from spmd.cluster.ranks import Settings, StartError
+    from spmd.cluster.session import Session
+    from spmd.magics.background import BackgroundStart
+
+    settings = Settings(n=2, backend="none")
+    record = linger.Record(
+        id="ended", pid=1, notebook=NOTEBOOK, started=time.time(), linger=60.0,
+        settings=dataclasses.asdict(settings), profile_dir="/nonexistent", cache_dir=None,
+        cluster_id="ended", controller={}, controller_started=0.0, engine_set="", engines={},
+        rank_server=0)
+
+    def attach_that_fails(session, record):
+        session.cancelled.wait(30)  # (the shutdown comes while it attaches)
+        raise linger.AttachError("Cluster ended has ended: start one with %spmd start.")
+
+    started = []
+
+    def start(session):
+        started.append(session)
+        raise StartError("a cluster started")
+
+    monkeypatch.setattr(attach, "attach", attach_that_fails)
+    monkeypatch.setattr(Session, "start", start)
+    early = BackgroundStart(settings, attach_to=record)
+    early.cancel()  # (what the kernel's shutdown does with it)
+    assert early.done and started == []
+    assert early.error is not None and "cancelled" in str(early.error)

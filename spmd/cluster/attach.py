@@ -20,14 +20,25 @@ import time
 import psutil
 
 from spmd.cluster import linger, stopping
+from spmd.cluster.adopted import Adopted
 from spmd.cluster.launchers import profiles
-from spmd.cluster.linger import AttachError, Record, give_back, remove, take, taken
+from spmd.cluster.linger import AttachError, Record, check, give_back, remove, take, taken
 from spmd.engine.orphans import started_at
 
 
 def _same(record: Record, pid: int) -> bool:
     """Whether ``pid`` is still the process the record lists (not a pid reused since)."""
     return bool(pid) and started_at(pid) == record.started_at.get(str(pid))
+
+
+def _still_there(record: Record) -> None:
+    """AttachError where a process of the cluster on this machine has ended (its linger
+    ended as this notebook took it: orphans.Linger.confirm_over)."""
+    ranks_here = [int(e.get("pid") or 0) for e in record.engines.get("engines", {}).values()]
+    if not record.alive() or not all(
+            _same(record, pid) for pid in ranks_here + [record.rank_server] if pid):
+        raise AttachError(f"Cluster {record.id}'s linger ended as it was attached: end the "
+                          f"rest with python -m spmd stop {record.id}.")
 
 
 def adopt(launch, record: Record) -> list[int]:
@@ -86,14 +97,25 @@ def adopt(launch, record: Record) -> list[int]:
 
 def attach(session, record: Record):
     """Make the new ``session`` hold the cluster of ``record``, or leave everything as it
-    was (AttachError): the cluster lingers on, for another try."""
+    was (AttachError): the cluster lingers on, for another try.
+
+    The new client connects before the owner files name this process: a rank copies what
+    it prints to its log until it finds a notebook back (or, for the cell that ran when the
+    notebook died, until that cell ends: engine/unattended.py), and the client hears it from
+    its connection on, so nothing printed between is lost. The cell the ranks still run
+    becomes this session's (adopted.py)."""
     import atexit
 
     with taken(record):
-        before = take(record)
+        check(record)  # (the refusals, before anything is done)
         with session.life:
+            before: dict = {}
             try:
                 engine_ids = adopt(session.launch, record)
+                adopted = Adopted.find(session.launch.client, engine_ids)
+                session.launch.client.adopted = adopted
+                before = take(record)
+                _still_there(record)  # (a process whose linger ended as this one took it)
             except BaseException as exc:
                 running = session.launch.hand_over()
                 if running.client is not None:
@@ -110,6 +132,7 @@ def attach(session, record: Record):
             # (it lingers again should this notebook die; a stop disarms it: linger.disarm)
             session.launch.linger_env = linger.process_env(session.settings, record.profile_dir)
             session._new_generation(engine_ids)
+            session.gen.adopted = adopted
             for row, kept in zip(session.gen.ranks, record.rows()):
                 row.pid, row.host, row.gpus = kept.pid, kept.host, kept.gpus
                 row.local_devices, row.global_devices = kept.local_devices, kept.global_devices

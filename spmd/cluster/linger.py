@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from spmd.cluster.launchers import profiles, remote
 from spmd.cluster.ranks import Rank, Settings
-from spmd.engine.orphans import read_owner, runs, started_at
+from spmd.engine.orphans import GONE_FILE, folder_lock, read_owner, runs, started_at
 
 RECORD_PREFIX = "spmd-cluster-"
 DEFAULT_LINGER = Settings.linger  # seconds (10m)
@@ -255,27 +255,16 @@ def mine() -> Record | None:
 
 
 def ends_in(record: Record) -> str:
-    """How long until a lingering cluster ends, in words (approximate: each process keeps
-    its own clock from when it found the notebook gone)."""
-    try:
-        gone = os.stat(record.owner_file).st_mtime
-    except OSError:
-        gone = time.time()
+    """How long until a lingering cluster ends, in words: from when its controller found the
+    notebook gone (orphans.note_gone; approximate: each process keeps its own clock from
+    when it found that). Before the controller has looked (a second), the whole linger."""
     if record.held_by():
         return "held"
-    gone = max(gone, _death_time(record))
+    gone = time.time()
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        with open(os.path.join(record.profile_dir, GONE_FILE)) as f:
+            gone = min(gone, float(json.load(f)["at"]))
     return words(max(0.0, gone + record.linger - time.time()))
-
-
-def _death_time(record: Record) -> float:
-    """When its notebook process was last known alive: the newest write to a rank's log (a
-    lingering rank writes one line when it finds the notebook gone)."""
-    newest = 0.0
-    log = os.path.join(record.profile_dir, "log")
-    with contextlib.suppress(OSError):
-        for name in os.listdir(log):
-            newest = max(newest, os.stat(os.path.join(log, name)).st_mtime)
-    return newest
 
 
 def table(records: list[Record]) -> str:
@@ -332,10 +321,9 @@ def taken(record: Record):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def take(record: Record) -> dict:
-    """Make this notebook process the cluster's holder (with ``taken`` held): what its owner
-    files said before, for ``give_back``. AttachError if another live one holds it, if it
-    ended, or if it runs other versions."""
+def check(record: Record) -> None:
+    """AttachError if another live notebook process holds the cluster, if it ended, or if
+    it runs other versions."""
     if not record.alive() or read(record.path) is None:
         raise AttachError(f"Cluster {record.id} has ended: start one with %spmd start.")
     holder = record.held_by()
@@ -352,17 +340,37 @@ def take(record: Record) -> dict:
             + ", ".join(f"{k} {v}" for k, v in sorted(mine.items()))
             + f": attach from the same environment, or end it with python -m spmd stop {record.id}."
         )
+
+
+def take(record: Record) -> dict:
+    """Make this notebook process the cluster's holder (with ``taken`` held): what its owner
+    files said before, for ``give_back``. AttachError as ``check``'s."""
+    check(record)
+    ended = AttachError(f"Cluster {record.id} has ended: start one with %spmd start.")
+    # (with the lock its processes end under: one whose linger is over has ended, or it
+    # reads this notebook as the holder and stays: orphans.Linger.confirm_over)
+    lock = folder_lock(record.profile_dir)
+    if lock is None:  # (its linger ended meanwhile: the controller removed its folder)
+        raise ended
     before = {}
     try:
+        if not record.alive():
+            raise ended
         for folder in (record.profile_dir, record.cache_dir):
+            if not folder:  # (no cache: a cluster without jax)
+                continue
             # (only the cluster's own folders: a cache the user named has no owner file)
-            owner = read_owner(os.path.join(folder or "", profiles.OWNER_FILE))
+            owner = read_owner(os.path.join(folder, profiles.OWNER_FILE))
             if owner:
                 before[folder] = owner
                 profiles.mark_owner(folder)
-    except OSError:  # (its linger ended meanwhile: the controller removed its folder)
+    except BaseException as exc:  # (whatever failed, the cluster is not left held by nobody)
         give_back(record, before)
-        raise AttachError(f"Cluster {record.id} has ended: start one with %spmd start.") from None
+        if isinstance(exc, (OSError, AttachError)):  # (the controller removed its folder)
+            raise ended from None
+        raise
+    finally:
+        os.close(lock)
     return before
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from spmd.cluster.launchers import remote
 
 if TYPE_CHECKING:
+    from spmd.cluster.adopted import Adopted
     from spmd.cluster.lockstep.run import CellRun
     from spmd.cluster.lockstep.watchdog import Death
 
@@ -116,6 +117,8 @@ class Generation:
     unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
     death: Death | None = None  # the first rank to die; the cluster was stopped after it
     out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
+    # After an attach: the cell that ran when the notebook before this one died (adopted.py).
+    adopted: Adopted | None = None
 
     def ended(self) -> Generation:
         """The same rows once the processes are gone: no handles, every live rank stopped."""

@@ -12,25 +12,45 @@ import time
 import psutil
 
 from spmd.cluster.launchers import processes, servers
+from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.ranks import StartError
 from spmd.cluster.startup import Launch, import_time_env, loopback_ports
 from spmd.engine import bootstrap as engine
 
 
-def keep_rank_env(client) -> None:
+def keep_rank_env(client, ranks: list) -> str:
     """The variables jax reads at import that cells changed on the ranks (``%env
     JAX_ENABLE_X64=1`` in auto mode) become the notebook's, which every rank of this
-    restart, forked or afresh, starts with (engine/import_env.py)."""
+    restart, forked or afresh, starts with (engine/import_env.py); only those that every one
+    of ``ranks`` (rank rows) changed alike: the restart starts them all with one environment.
+    One sentence on those left out ('' when none)."""
+    engine_ids = [r.engine_id for r in ranks]
     routes = getattr(client, "cells", None)
-    changed = routes.rank_env if routes is not None else {}
-    if not changed:
-        return
+    by_engine = routes.rank_env if routes is not None else {}
+    if not by_engine:
+        return ""
     routes.rank_env = {}
-    for name, value in changed.items():
-        if value is None:
+    unchanged = object()
+    left_out: dict[str, list[int]] = {}  # name -> the ranks that changed it
+    for name in sorted({name for changes in by_engine.values() for name in changes}):
+        values = [by_engine.get(e, {}).get(name, unchanged) for e in engine_ids]
+        if any(v is unchanged for v in values) or len(set(values)) > 1:
+            left_out[name] = [r for r, v in enumerate(values) if v is not unchanged]
+            continue
+        if values[0] is None:
             os.environ.pop(name, None)
         else:
-            os.environ[name] = value
+            os.environ[name] = values[0]
+    if not left_out:
+        return ""
+    said = "; ".join(
+        f"{name} on {rank_words(ranks)} only" if len(ranks) < len(engine_ids)
+        else f"{name} to different values on different ranks"
+        for name, ranks in left_out.items())
+    them = "it" if len(left_out) == 1 else "them"
+    return (f"A cell changed {said}: the restart starts every rank with one environment, so "
+            f"it leaves {them} as before (set {them} on every rank alike, or with %%local "
+            f"%env, to keep {them}).")
 
 
 def why_afresh(launch: Launch) -> str:

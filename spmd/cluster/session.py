@@ -41,7 +41,7 @@ import shutil
 import threading
 import time
 
-from spmd.cluster import interrupts, linger, restarts, stopping
+from spmd.cluster import adopted, interrupts, linger, restarts, stopping
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
 from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.late import LateOutputs
@@ -97,6 +97,7 @@ class Session:
         self.ran: list[Ran] = []
         self.start_seconds = 0.0
         self.afresh_because = ""  # why a restart started afresh ('' when it did not)
+        self.env_left_out = ""  # what cells set on the ranks that the last restart left out
 
     # What runs, for readers (the magics, the panel, the debugger, the benchmarks, tests).
 
@@ -218,7 +219,7 @@ class Session:
         """Start the ranks again, keeping the controller and the client, forked by the rank
         servers. False (nothing done) where there are none, or they ended: the caller then
         stops and starts afresh. Raises StartError if the new ranks fail to join."""
-        restarts.keep_rank_env(self.launch.client)
+        self.env_left_out = restarts.keep_rank_env(self.launch.client, self.gen.ranks)
         server = self.launch.rank_server
         if server is None:
             return False
@@ -344,11 +345,11 @@ class Session:
 
     def interrupt(self) -> tuple[list[int], list[int]]:
         """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
-        return self.cells.interrupt()
+        return self.cells.interrupt() if self.gen.adopted is None else adopted.interrupt(self)
 
     def busy_ranks(self) -> list[int]:
-        """Ranks still running a cell the notebook stopped waiting for."""
-        return self.cells.busy_ranks()
+        """Ranks still running a cell the notebook stopped waiting for (or from before)."""
+        return sorted({*self.cells.busy_ranks(), *adopted.busy(self)})
 
     def stacks(self, ranks: list[int]):
         """The main-thread Python stack of each rank (None: it did not answer)."""

@@ -248,7 +248,7 @@ class Launch:
                 [host for host, _ in placed.hosts], placed.ssh_cmd, placed.ssh_args,
                 placed.python or sys.executable, modules, log_dir,
                 folder=ssh.host_folder(self.profile_dir), hash_seed=self.hash_seed,
-                linger=bool(self.linger_env),
+                linger=s.linger if self.linger_env else 0.0,
             )
             self.rank_server.start()
             config.Cluster.engine_launcher_class = forks.ForkedSSHEngineSetLauncher

@@ -13,7 +13,7 @@ import secrets
 import sys
 import tempfile
 
-from spmd.engine.orphans import watch_parent
+from spmd.engine.orphans import note_gone, watch_parent
 
 
 def save_connection_dict(self, fname: str, cdict: dict) -> None:
@@ -65,7 +65,7 @@ def _encrypt() -> None:
 
 
 def main() -> None:
-    watch_parent()
+    note_gone(watch_parent())  # (when the linger began: python -m spmd list counts from it)
     if os.environ.get(CURVE_ENV) == "1":
         _encrypt()
     from ipyparallel.controller.app import IPController

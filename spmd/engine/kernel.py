@@ -158,6 +158,7 @@ class RankKernel(IPythonParallelKernel):
 
     async def execute_request(self, stream, ident, parent):
         printed.install()  # (jax imported by a cell of a --backend none rank: once, cheap after)
+        unattended.cell_began()  # (a cell that runs when a notebook attaches: unattended.py)
         request = quiet.start_counting(parent)
         try:
             result = super().execute_request(stream, ident, parent)

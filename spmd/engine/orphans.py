@@ -11,6 +11,14 @@ names the notebook process that holds the cluster now (``%spmd attach`` in a new
 its own there), and end once no live process has held it for the whole linger. A forked rank
 still ends with its rank server, which lingers in its stead.
 
+A process whose linger is over ends holding a lock on the cluster's folder (``folder_lock``),
+and an attach writes the owner file holding the same lock: a process that read the old owner
+just before an attach reads the new one before it ends (and stays), or has ended before the
+attach looks whether the cluster's processes still run (and the attach is refused).
+
+The controller notes when it found the notebook gone (``GONE_FILE``, ``note_gone``): that is
+when the linger began, which ``python -m spmd list`` counts from.
+
 Threads: the watch thread reads the owner file and ends the process; ``on_gone`` callbacks
 run on it once, when it first finds the notebook gone.
 """
@@ -27,11 +35,14 @@ PARENT_ENV = "SPMD_PARENT_PID"
 # the notebook process holding the cluster now (profiles.OWNER_FILE in its folder).
 LINGER_ENV = "SPMD_LINGER"
 OWNER_ENV = "SPMD_OWNER_FILE"
-# Set (to "1") for a rank server on another host of a cluster with a linger (server.py).
+# The linger's seconds, for a rank server on another host of a cluster with a linger (server.py).
 REMOTE_LINGER_ENV = "SPMD_LINGER_REMOTE"
 # Paths the controller removes when its linger is over (os.pathsep between them): the
 # cluster's folders and its record.
 REMOVE_ENV = "SPMD_LINGER_REMOVE"
+# In the cluster's folder, beside the owner file: when the controller found the notebook gone
+# ({"at": time.time()}), while no notebook holds the cluster.
+GONE_FILE = "gone.json"
 
 
 def end_children() -> None:
@@ -178,6 +189,61 @@ class Linger:
             _call(self.on_gone)
         return now - self.gone_since >= self.seconds
 
+    def confirm_over(self) -> bool:
+        """(once ``over``) Whether it is still over with the cluster's folder locked: the
+        owner file is read again, under the lock an attach writes it with. True: the lock is
+        kept, and the process must end now (its exit lets go of it); False: a notebook
+        attached meanwhile, and the linger goes on."""
+        folder = os.path.dirname(self.owner_file)
+        fd = folder_lock(folder)
+        if runs(read_owner(self.owner_file)):
+            if fd is not None:
+                os.close(fd)  # (closing it lets go of the lock)
+            self.gone_since = None
+            _call(self.on_back)
+            return False
+        return True
+
+
+def folder_lock(folder: str) -> int | None:
+    """An exclusive lock on the cluster's folder, waited for: its descriptor (closing it, or
+    the process's end, lets go), or None where the folder is gone (nothing to attach to)."""
+    import fcntl
+
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def note_gone(linger: Linger | None) -> None:
+    """(the controller) Keep, beside the owner file, when the linger began (``GONE_FILE``),
+    for ``python -m spmd list`` to count from; removed when a notebook holds it again."""
+    if linger is None:
+        return
+    path = os.path.join(os.path.dirname(linger.owner_file), GONE_FILE)
+
+    def gone() -> None:
+        partial = f"{path}.{os.getpid()}"
+        with open(partial, "w") as f:
+            json.dump({"at": time.time()}, f)
+        os.replace(partial, path)
+
+    def back() -> None:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    linger.on_gone.append(gone)
+    linger.on_back.append(back)
+
 
 def _call(callbacks: list) -> None:
     for call in callbacks:
@@ -219,7 +285,7 @@ def watch_parent(period: float = 1.0, linger: Linger | None = None) -> Linger | 
             ):  # (no linger, or the parent was a rank server, which lingers in our stead)
                 end_children()
                 os._exit(1)
-            if linger is not None and linger.over():
+            if linger is not None and linger.over() and linger.confirm_over():
                 end_children()
                 _remove_what_was_kept()
                 os._exit(1)

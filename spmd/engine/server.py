@@ -17,7 +17,8 @@ on stdin:
   answered ``{"forked": id, "pid": pid}`` (or ``{"forked": id, "error": "why"}``). The rank's
   environment is ``env`` (this machine's notebook gives its whole own), or with
   ``"keep_env": true`` the server's own plus ``env`` (another host's, where the login made
-  it); ``cwd`` '' stays in the server's folder; the output's folders are made private;
+  it); ``cwd`` '' stays in the server's folder; the output's folders are made private; with
+  ``"controller": "host:port"`` (another host's), the controller it watches while it lingers;
 - ``{"signal": pid, "sig": n}``: send a rank (with ``"group": true``, its process group)
   a signal; not answered (its end is);
 - ``{"read": id, "path": path, "tail": n}``: the last ``n`` characters of a rank's output
@@ -33,9 +34,13 @@ its ssh connection dropped), when asked to end, or on SIGTERM, the server kills 
 forked (each in its own process group, with what it started) and exits. A cluster with a
 linger is the exception: when stdin closes, the server and its ranks run on, with nobody to
 tell, until the linger is over (orphans.Linger, on the notebook's machine) or, on another host
-(``$SPMD_LINGER_REMOTE``), which cannot see the notebook's processes, until its last rank
-ended (a lingering rank ends when its controller is gone, at the linger's end); and on either,
-once no rank is left. A notebook that attaches ends it by SIGTERM, or by ending its ranks.
+(``$SPMD_LINGER_REMOTE``: the linger's seconds), which cannot see the notebook's processes,
+until the cluster's controller is gone (it ends at the linger's end): the server tries its
+registration port every few seconds, and ends its ranks itself once the connection is refused
+twice in a row, or has found no answer for the linger's length. (The ranks cannot be left to
+end by themselves: they miss the controller's heartbeats on their event loop, which does not
+turn while a cell runs, so a training loop would run for ever.) On either, the server also
+ends once no rank is left. A notebook that attaches ends it by SIGTERM, or by ending its ranks.
 
 Threads: one. Children are forked from the only Python thread there is.
 """
@@ -48,11 +53,17 @@ import os
 import select
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 
 from spmd.engine.orphans import REMOTE_LINGER_ENV, Linger
+
+# How often another host's lingering server tries its controller's port (seconds), and how
+# long one try waits for an answer.
+CONTROLLER_CHECK_SECONDS = 2.0
+CONTROLLER_CONNECT_SECONDS = 1.0
 
 # What every rank imports before its first cell, whatever its backend.
 ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.app",
@@ -84,8 +95,13 @@ class Server:
         self.ending = False
         self.remove: list[str] = []  # folders to remove at the end
         self.linger = Linger.from_env()  # (None: the server ends with its notebook)
-        # (on another host: the server outlives its stdin while it has ranks)
-        self.lingers = self.linger is not None or os.environ.get(REMOTE_LINGER_ENV) == "1"
+        # (on another host: the server outlives its stdin while its controller runs)
+        self.remote_linger = _seconds(os.environ.get(REMOTE_LINGER_ENV))
+        self.lingers = self.linger is not None or self.remote_linger > 0
+        self.controller = ""  # "host:port": the controller's port (another host's, to watch)
+        self._next_check = 0.0
+        self._refused = 0  # tries in a row that the controller's host refused
+        self._unanswered_since: float | None = None
         self.reading = True  # stdin is open
         self._wake_read, self._wake_write = os.pipe()
         for fd in (self._wake_read, self._wake_write):
@@ -114,18 +130,21 @@ class Server:
         while not self.ending:
             watched = [0, self._wake_read] if self.reading else [self._wake_read]
             try:
-                # (with a linger, the owner is looked at every second)
-                ready, _, _ = select.select(watched, [], [], 1.0 if self.linger else None)
+                # (with a linger, the owner, or the controller, is looked at every second)
+                watching = self.linger is not None or (not self.reading and self.controller)
+                ready, _, _ = select.select(watched, [], [], 1.0 if watching else None)
             except InterruptedError:
                 continue
             if self._wake_read in ready:
                 while _drain(self._wake_read):
                     pass
                 self._reap()
-            if self.linger is not None and self.linger.over():
+            if self.linger is not None and self.linger.over() and self.linger.confirm_over():
                 break
             if not self.reading and not self.children:  # (lingering, with no rank left)
                 break
+            if not self.reading and self.controller and self._controller_gone():
+                break  # (another host's linger is over: its ranks end here, now)
             if 0 in ready:
                 data = os.read(0, 1 << 16)
                 if not data:  # the notebook is gone
@@ -138,6 +157,26 @@ class Server:
                 for line in lines:
                     if line.strip():
                         self._handle(json.loads(line))
+
+    def _controller_gone(self) -> bool:
+        """(another host, lingering) Whether the cluster's controller has ended: its port
+        refused twice in a row, or unanswered for the linger's length (see the opening
+        comment). Looked at every CONTROLLER_CHECK_SECONDS."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + CONTROLLER_CHECK_SECONDS
+        answer = _reach(self.controller)
+        if answer == "yes":
+            self._refused, self._unanswered_since = 0, None
+            return False
+        if answer == "refused":
+            self._refused += 1
+            return self._refused >= 2
+        self._refused = 0
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+        return now - self._unanswered_since >= self.remote_linger
 
     def _asked_to_end(self, *_) -> None:
         self.ending = True
@@ -162,6 +201,7 @@ class Server:
             if not os.path.exists(request["remove"]):
                 self.remove.append(request["remove"])
         elif "fork" in request:
+            self.controller = request.get("controller") or self.controller
             try:
                 pid = os.fork()
             except OSError as exc:
@@ -256,6 +296,27 @@ class Server:
                 except Exception:  # (a closed stream at the very end)
                     pass
             os._exit(code)
+
+
+def _seconds(text: str | None) -> float:
+    try:
+        return max(0.0, float(text or 0))
+    except ValueError:
+        return 0.0
+
+
+def _reach(address: str) -> str:
+    """Whether a TCP connection to ``address`` ("host:port") is made: "yes", "refused" (the
+    host answered that nothing listens there), or "no answer"."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)),
+                                      timeout=CONTROLLER_CONNECT_SECONDS):
+            return "yes"
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, ValueError):
+        return "no answer"
 
 
 def _drain(fd: int) -> bool:

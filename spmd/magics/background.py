@@ -5,7 +5,9 @@ it ready (or, where its notebook's cluster lingers after the kernel before it di
 that one, and the first cell says so); a cell that comes earlier waits for it, showing one progress line that becomes the
 start's summary. A notebook whose first cell is ``%spmd start ...`` with other settings gets its
 own cluster instead: the background start is cancelled and what it began is stopped, so there
-are never two.
+are never two. A start cancelled while it attaches (the kernel shuts down) starts nothing
+afterwards, even where the attach then fails: a cluster started then would linger after a
+deliberate shutdown.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class BackgroundStart:
             self.attach_to, attached = None, settings
         self.session = Session(attached)
         self.fresh_settings = settings  # (what starts where the attach fails)
+        # Set by cancel (any thread); with _lock held, the start's thread makes no new
+        # Session once it is set, and cancel cancels the Session there is.
+        self._cancelled = False
+        self._lock = threading.Lock()
         self.attached = ""  # the attach's line, once it attached ('' if it did not)
         self.error: StartError | None = None
         self.progress = ""  # how the start goes, in a few words (set on the start's thread)
@@ -53,10 +59,14 @@ class BackgroundStart:
             try:
                 attach.attach(self.session, record)
             except Exception as exc:  # (it ended meanwhile: a new one starts)
-                self.attached = ("The notebook's earlier cluster could not be attached, so a "
-                                 f"new one starts: {exc}")
-                self.session = Session(self.fresh_settings)
-                self.session.progress = self._tell
+                with self._lock:
+                    if self._cancelled:  # (the kernel shuts down: nothing starts)
+                        self.error = StartError("The kernel's cluster start was cancelled.")
+                        return
+                    self.attached = ("The notebook's earlier cluster could not be attached, "
+                                     f"so a new one starts: {exc}")
+                    self.session = Session(self.fresh_settings)
+                    self.session.progress = self._tell
             else:
                 self.attached = attached_line(record, time.perf_counter() - t0)
                 return
@@ -106,8 +116,12 @@ class BackgroundStart:
         return line
 
     def cancel(self) -> None:
-        """Give the start up and end whatever it had started."""
-        self.session.cancel()
+        """Give the start up and end whatever it had started (an attach that fails after
+        this starts no cluster)."""
+        with self._lock:
+            self._cancelled = True
+            session = self.session
+        session.cancel()
         while self._thread.is_alive():
             self._thread.join(0.1)
         self.session.stop()

@@ -224,6 +224,10 @@ class Lifecycle:
                 raise UsageError(
                     "Interrupted: the restart was given up while the new ranks joined, and "
                     "no rank runs now; %spmd restart starts them afresh.") from None
+            finally:
+                left_out, session.env_left_out = session.env_left_out, ""
+                if left_out:
+                    say(left_out)
             if forked:
                 self.auto.on = True
                 say(summary(session, restarted=True))

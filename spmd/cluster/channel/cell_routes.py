@@ -62,9 +62,10 @@ class CellRoutes:
     def __init__(self, client) -> None:
         self.client = client
         self.routes: dict[str, _Route] = {}  # a rank's request id -> its route
-        # The variables jax reads at import that cells changed on the ranks (None: removed),
-        # engine/import_env.py: replaced whole by the IO thread, taken by a restart.
-        self.rank_env: dict[str, str | None] = {}
+        # The variables jax reads at import that cells changed on each rank, by engine id
+        # (None: removed), engine/import_env.py: replaced whole by the IO thread, taken by a
+        # restart (which keeps only what every rank changed alike).
+        self.rank_env: dict[int, dict[str, str | None]] = {}
         self.stream: ZMQStream | None = None
 
     def connect(self) -> None:
@@ -152,10 +153,13 @@ class CellRoutes:
         if msg["header"]["msg_type"] != wire.CELL_REPLIES:
             return
         for msg_id, metadata in msg["content"]["replies"]:
-            changed = metadata.get(wire.ENV_CHANGED)
-            if changed is not None:  # (a cell set JAX_* on the ranks: the restart keeps it)
-                self.rank_env = {**self.rank_env, **changed}
             route = self.routes.get(msg_id)
+            changed = metadata.get(wire.ENV_CHANGED)
+            # (a cell set JAX_* on the ranks: the restart keeps it; each rank's message has
+            # every change since it started)
+            engine_id = route.engine_id if route is not None else self.client._engine_of.get(msg_id)
+            if changed is not None and engine_id is not None:
+                self.rank_env = {**self.rank_env, engine_id: changed}
             if route is None:  # (its cell ended without it)
                 continue
             route.census = metadata.get(wire.CENSUS_DIGEST)

@@ -19,6 +19,9 @@ started prints on, under that cell's id, and each such message makes the entry a
   through ``control`` (and ``drop``s a request left unanswered): nothing outside channel/
   touches ipyparallel's client inside (spmd/internals.py lists what this folder touches);
 
+- after an attach, the outputs of the cell that was running when the notebook before this one
+  died (another session's: ipyparallel leaves them out) go to ``adopted`` (cluster/adopted.py);
+
 - a rank's debug events (JupyterLab's debugger, spmd/kernel/debugger.py) go to
   ``on_debug_event``, and the ranks paused in the debugger are kept in ``paused`` (engine id:
   its stopped threads), which the watchdog reads: a paused rank is not diverged.
@@ -68,6 +71,8 @@ class SpmdClient(ipyparallel.Client):
         self.on_debug_event = None  # called with (engine id, the event) on the IO thread
         self.paused: dict[int, frozenset] = {}  # engine id -> its threads stopped in debugpy
         self.cells = CellRoutes(self)
+        # (set by an attach, cluster/adopted.py: it hears the outputs of other sessions)
+        self.adopted = None
         super().__init__(*args, **kwargs)
 
     def _setup_streams(self) -> None:
@@ -87,6 +92,14 @@ class SpmdClient(ipyparallel.Client):
             self._debug_event(msg)
             return
         parent = msg.get("parent_header") or {}
+        adopted = self.adopted
+        if adopted is not None and parent and parent.get("session") != self.session.session:
+            try:  # (a cell of the notebook before this one: cluster/adopted.py)
+                adopted.heard(self._engine(msg.get("metadata", {}).get("engine")), kind,
+                              msg["content"], parent.get("msg_id", ""), self.late)
+            except Exception as exc:  # (this is the IO thread: it must go on)
+                log.warning("an output of the cell from before the attach was lost: %r", exc)
+            return
         if parent.get("msg_id") in self.cells.routes and parent.get("session") == self.session.session:
             try:
                 if kind.startswith("comm_"):  # (ipyparallel relays it to the front end)

@@ -8,6 +8,7 @@ wait thread (ipyparallel's ``_wait``) reads its end from its server's replies.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -96,6 +97,20 @@ async def _ready(server: RankServer | SSHRankServers, timeout: float) -> bool:
     return ready
 
 
+def _controller_of(env: dict[str, str]) -> str:
+    """The controller's registration port as "host:port", from the connection info the
+    engines get in their environment (ipyparallel's $IPP_CONNECTION_INFO): what another
+    host's server watches while the cluster lingers ('' where it is not there)."""
+    try:
+        info = json.loads(env.get("IPP_CONNECTION_INFO") or "{}")
+        host = str(info["interface"]).split("://", 1)[-1]
+        if host in ("*", "0.0.0.0", ""):  # (bound to every interface: where it runs)
+            host = str(info["location"])
+        return f"{host}:{int(info['registration'])}"
+    except (KeyError, TypeError, ValueError):
+        return ""
+
+
 def _engine_argv(args: list[str]) -> list[str]:
     """The engine's command line as the forked rank sees it (what follows ``-m spmd.engine``)."""
     return [args[0], *args[args.index("spmd.engine") + 1:]]
@@ -117,10 +132,11 @@ class ForkedSSHEngineLauncher(ssh.RankedSSHEngineLauncher):
         self.loop  # noqa: B018 (bound here, on the loop's thread, where the wait thread reports)
         key = f"{self.parent.engine_set_id}/{self.identifier}"
         # (its environment: the host's own, as a login gives it, and the rank's)
+        env = self.get_env()
         self.pid = self.server.fork(
-            key, self.get_env(), _engine_argv(self.program + self.program_args),
+            key, env, _engine_argv(self.program + self.program_args),
             self.remote_output_file, cwd="",
-            keep_env=True,
+            keep_env=True, controller=_controller_of(env),
         )
         self.notify_start({"host": self.location, "pid": self.pid})
         self._start_waiting()

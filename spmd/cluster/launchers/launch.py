@@ -27,6 +27,9 @@ from spmd.engine.orphans import PARENT_ENV
 from spmd.engine.stacks import STACK_FILE_ENV
 
 LOOPBACK = remote.LOOPBACK
+# How much of a rank's output ``output_of`` reads by default (the death reports' last lines
+# come from its end), as a rank server reads another host's (servers.RankServer.read).
+OUTPUT_TAIL = 1 << 16
 
 
 def heartbeat_ms(n: int) -> int:
@@ -267,10 +270,16 @@ class SpmdCluster(Cluster):
                 return engine_set
         return None
 
-    def output_of(self, rank: int) -> str:
-        """What a rank's process wrote (for mpiexec and srun: every rank's, interleaved)."""
-        if rank in self.rank_launchers():
-            return self.rank_launchers()[rank].get_output()
+    def output_of(self, rank: int, tail: int = OUTPUT_TAIL) -> str:
+        """What a rank's process wrote (for mpiexec and srun: every rank's, interleaved): on
+        this machine its last ``tail`` bytes, read now. (ipyparallel keeps a launcher's whole
+        file from its first read on: a death report after an attach, which read the logs,
+        showed the lines from before it; and a log is as long as the rank printed.)"""
+        launchers = self.rank_launchers()
+        if rank in launchers:
+            text = _tail(launchers[rank].output_file, tail)
+            # (a stop read and removed the file: ipyparallel's copy)
+            return text if text is not None else launchers[rank].get_output()[-tail:]
         if rank in self.ssh_launchers():
             try:
                 return self.ssh_launchers()[rank].fetch_output()
@@ -306,3 +315,13 @@ def cluster_log() -> logging.Logger:
         log.addHandler(logging.StreamHandler(sys.stdout))
         log.propagate = False
     return log
+
+
+def _tail(path: str, size: int) -> str | None:
+    """The last ``size`` bytes of a file, as text (None where it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+            return f.read(size).decode(errors="replace")
+    except (OSError, TypeError):
+        return None

@@ -90,18 +90,20 @@ class RankServer:
         return not self.why_not
 
     def fork(self, key: str, env: dict[str, str], argv: list[str], output: str, cwd: str,
-             keep_env: bool = False, timeout: float = 30.0) -> int:
+             keep_env: bool = False, timeout: float = 30.0, controller: str = "") -> int:
         """Fork one rank; its pid. Raises ServerUnavailable (the start then fails)."""
-        self.ask_fork(key, env, argv, output, cwd, keep_env)
+        self.ask_fork(key, env, argv, output, cwd, keep_env, controller)
         return self.forked(key, timeout)
 
     def ask_fork(self, key: str, env: dict[str, str], argv: list[str], output: str, cwd: str,
-                 keep_env: bool = False) -> None:
+                 keep_env: bool = False, controller: str = "") -> None:
         """Ask for one rank's fork, without waiting for it (``forked`` waits): the forks of
         many ranks are asked for in one go, and the server forks them one after the other
-        without a round trip each (64 round trips took 1.3 s)."""
-        self._send({"fork": key, "env": env, "argv": argv, "output": output, "cwd": cwd,
-                    "keep_env": keep_env})
+        without a round trip each (64 round trips took 1.3 s). ``controller``: its
+        "host:port", which another host's lingering server watches (server.py)."""
+        request = {"fork": key, "env": env, "argv": argv, "output": output, "cwd": cwd,
+                   "keep_env": keep_env}
+        self._send({**request, "controller": controller} if controller else request)
 
     def forked(self, key: str, timeout: float = 30.0) -> int:
         """The pid of the rank asked for as ``key``, once forked; ServerUnavailable if it
@@ -311,9 +313,11 @@ class SSHRankServers:
 
     def __init__(self, hosts: list[str], ssh_cmd: list[str], ssh_args: list[str], python: str,
                  modules: list[str], log_dir: str, folder: str, hash_seed: str = "",
-                 linger: bool = False) -> None:
+                 linger: float = 0.0) -> None:
         self.hash_seed = hash_seed  # (every host's ranks get the same string-hash secret)
-        self.linger = linger  # (each server outlives its connection while it has ranks)
+        # Seconds the cluster lingers (0: none): each server outlives its connection while
+        # the cluster's controller runs (spmd/engine/server.py).
+        self.linger = linger
         self.masters = ssh.Masters(ssh_cmd, ssh_args, hosts)
         self.folder = folder  # the cluster's folder on the hosts, removed as each server ends
         self.python, self.modules, self.log_dir = python, modules, log_dir
@@ -348,7 +352,7 @@ class SSHRankServers:
             self.masters.connect()
             # (its shell says its pid first, which the exec keeps: see RankServer.kill)
             seed = [f"PYTHONHASHSEED={self.hash_seed}"] if self.hash_seed else []
-            seed += [f"{REMOTE_LINGER_ENV}=1"] if self.linger else []
+            seed += [f"{REMOTE_LINGER_ENV}={self.linger!r}"] if self.linger else []
             seed = ["env", *seed] if seed else []
             remote = "printf '{\"started\": %d}\\n' $$ && exec " + shlex.join(
                 [*seed, *ssh.python_there(self.python), "-m", "spmd.engine.server",
