@@ -287,7 +287,7 @@ def test_pushing_several_names_says_which_went_and_which_did_not(cluster):
 
 def test_gather_works_while_the_ranks_are_out_of_step(cluster):
     failed = run(
-        cluster, "%%spmd --grace 0.5\nif rank == 0:\n    raise ValueError('x')\ntime.sleep(30)"
+        cluster, "%%spmd --timeout 1\nif rank == 0:\n    raise ValueError('x')\ntime.sleep(30)"
     )
     assert failed.error is not None
     assert isinstance(run(cluster, "x").error, UsageError)  # cells are refused...

@@ -181,3 +181,31 @@ def test_a_report_leaves_out_a_rank_that_had_not_begun_the_cell(cluster):
     assert "programs differ" not in text, text
     assert ("Census of the cell's cross-process programs:\n  Rank 1 had not begun the cell "
             "(still before its first line): its launches are not compared.") in text, text
+
+
+def test_the_watchdog_tells_a_rank_ahead_of_a_finished_one_from_one_behind_it():
+    """(no ranks) A busy rank whose launches begin a finished rank's is behind; one with more,
+    or with other shapes where the finished one had a launch, or blocked inside a launch past
+    the finished one's last (``inside``), cannot meet it."""
+    from spmd.cluster.lockstep.census import ahead, with_inside
+
+    def record(*shapes: str, inside: str | None = None) -> dict:
+        sigs = sorted(set(shapes) | ({inside} if inside else set()))
+        rec = {"programs": [["pmap", "<lambda>", "line 1"]], "signatures": [[s] for s in sigs],
+               "runs": [[0, sigs.index(s), 1] for s in shapes], "count": len(shapes),
+               "dropped": 0}
+        if inside:
+            rec["inside"] = [["pmap", "<lambda>", "line 1"], [inside]]
+        return with_inside(rec)
+
+    finished = record("float32[2]", "float32[2]")
+    digest = {0: [2, "hash"]}
+    assert ahead({1: record()}, digest, {0: finished}) == []
+    assert ahead({1: record("float32[2]")}, digest, {0: finished}) == []
+    assert ahead({1: record("float32[2]", inside="float32[2]")}, digest, {0: finished}) == []
+    assert ahead({1: record("float32[2]", "float32[2]", inside="float32[2]")}, digest,
+                 {0: finished}) == [1]
+    assert ahead({1: record("float32[3]")}, digest, {0: finished}) == [1]
+    assert ahead({1: record(inside="float32[2]")}, {0: None}, {}) == [1]
+    # (without the finished rank's whole record, the counts alone)
+    assert ahead({1: record("float32[3]")}, digest, {}) == []

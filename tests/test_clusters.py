@@ -442,8 +442,9 @@ def test_ssh_a_linger_never_attached_ends_here_and_on_the_hosts(hosts, tmp_path,
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     here = killed_notebook(tmp_path, ssh_start(hosts, extra="--backend none --linger 5s"))
     assert len(running_on(hosts)) >= 4
-    # The controller ends when the linger is over; the ranks on the hosts when they miss its
-    # heartbeats (about 15 s), and each host's server with its last rank.
+    # The controller ends when the linger is over; the ranks on the hosts when their server
+    # finds it gone (a few seconds: spmd/engine/server.py) or they miss its heartbeats, and
+    # each host's server with them.
     assert not wait_until_gone(here, 5 + 15)
     deadline = time.monotonic() + 40
     while running_on(hosts) and time.monotonic() < deadline:
@@ -478,7 +479,7 @@ def test_ssh_a_kernelspec_for_the_hosts_starts_its_ranks_there(hosts):
 def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):
     assert run(fresh, ssh_start(hosts)).error is None
     assert run(fresh, SETUP).error is None
-    out = run(fresh, "%%spmd --grace 1\nif rank == 1:\n    time.sleep(60)\n")
+    out = run(fresh, "%%spmd --timeout 2\nif rank == 1:\n    time.sleep(60)\n")
     text = report(out)
     # rank 1's stack came over its control channel, from node2
     assert "[rank 1] was running at cell line 2: time.sleep(60)" in text
@@ -742,7 +743,7 @@ def test_mpi_where_and_interrupt_reach_ranks_without_handles(fresh):
     before = {p.pid for p in spmd_processes()}
     assert run(fresh, "%spmd start -n 2 --launcher mpi").error is None
     assert run(fresh, SETUP).error is None
-    text = report(run(fresh, "%%spmd --grace 1\nif rank == 0:\n    time.sleep(60)\n"))
+    text = report(run(fresh, "%%spmd --timeout 2\nif rank == 0:\n    time.sleep(60)\n"))
     assert "[rank 0] was running at cell line 2: time.sleep(60)" in text
     assert magics(fresh).session.busy_ranks() == []
     run(fresh, "%spmd stop")

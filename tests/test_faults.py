@@ -10,7 +10,15 @@ import threading
 import time
 
 import pytest
-from conftest import displays, ready_cluster, report, restart_and_run, run, session
+from conftest import (
+    displays,
+    ready_cluster,
+    report,
+    restart_and_run,
+    run,
+    session,
+    spmd_kernel,
+)
 from IPython.core.error import UsageError
 
 from spmd.magics.render import LiveView
@@ -77,21 +85,153 @@ def test_sleeping_past_the_timeout_reports_the_line_and_needs_a_restart(cluster)
     restart_and_psum(cluster)
 
 
-def test_one_rank_still_running_after_the_grace_is_named(cluster):
-    out = run(cluster, "%%spmd --grace 1\nif rank == 1:\n    time.sleep(60)\nprint('done')")
+@pytest.mark.parametrize("late", ["time.sleep(2)", "time.sleep(4)", "busy(3)"])
+def test_a_rank_that_is_only_slower_is_waited_for_and_the_cluster_stays_in_step(cluster, late):
+    """Late is not diverged: rank 1 runs plain Python past the grace (2 s), launches nothing
+    rank 0 did not, and the cell waits for it; the live view says whom it waits for."""
+    busy = "def busy(s):\n    end = time.monotonic() + s\n    while time.monotonic() < end:\n" \
+           "        pass"
+    assert run(cluster, busy).error is None
+    with displays() as shown:
+        out = run(cluster, f"if rank == 1:\n    {late}\nprint('slept')")
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1] slept\n", out.stdout
+    assert not session(cluster).out_of_step
+    if late != "time.sleep(2)":  # (2 s is a race with the grace: rank 1 may end first)
+        seen = [d.get("text/plain", "") for d in shown]
+        assert any(text.startswith("Waiting for rank 1: still running 2 s after rank 0 "
+                                   "finished, and behind it") for text in seen), seen
+    # the next cell runs, and a collective meets
+    assert run(cluster, PSUM).stdout == "[ranks 0-1] [4. 4.]\n"
+
+
+def test_the_interrupt_reaches_a_straggler_the_cell_waits_for(cluster):
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))  # past the grace
+    timer.start()
+    out = run(cluster, "if rank == 1:\n    time.sleep(60)")
+    timer.cancel()
     text = report(out)
-    assert text.startswith("The ranks diverged: rank 1 is still running 1 s after rank 0 finished")
-    # line numbers count from the first line after %%spmd, as the ranks' tracebacks do
+    assert text.startswith("Interrupted: rank 1 is running while rank 0 had finished."), text
     assert "[rank 1] was running at cell line 2: time.sleep(60)" in text
-    assert out.stdout.startswith("[rank 0] done\n")
+    assert "did not respond" not in text and not session(cluster).busy_ranks()
     restart_and_psum(cluster)
+
+
+def test_a_rank_behind_a_finished_ranks_launch_is_waited_for(cluster):
+    # rank 0 launches the psum (jax dispatches it without waiting) and ends its cell; rank 1
+    # is 4 s behind, with no launch yet: behind, not diverged; then it launches the same
+    out = run(cluster, "time.sleep(4 if rank == 1 else 0)\ny = psum(jnp.ones(2))")
+    assert out.error is None, report(out)
+    assert run(cluster, "print(y)").stdout == "[ranks 0-1] [4. 4.]\n"
+
+
+@pytest.mark.parametrize("collective", [
+    "jax.block_until_ready(psum(jnp.ones(2)))",
+    # (jax's own jit, blocked inside its call: the census names the launch in flight)
+    "from jax.experimental import multihost_utils\n"
+    "    multihost_utils.sync_global_devices('x')",
+])
+def test_a_rank_that_skips_a_collective_is_still_reported_within_the_grace(cluster, collective):
+    t0 = time.monotonic()
+    out = run(cluster, f"if rank == 0:\n    {collective}")
+    seconds = time.monotonic() - t0
+    text = report(out)
+    assert text.startswith("The ranks diverged: rank 0 is waiting in a collective that rank 1 "
+                           "never reached: rank 1 finished the cell without it"), text
+    assert "rank 0 launched 1, rank 1 launched 0" in text, text
+    assert seconds < 2 + 3  # the grace, and the report's own second or two
+    assert isinstance(run(cluster, PSUM).error, UsageError)  # out of step: refused
+    restart_and_psum(cluster)
+
+
+def test_a_straggler_that_then_launches_what_the_others_never_did_is_reported(cluster):
+    # past the grace rank 1 is only behind; 4 s in, it launches a psum rank 0 never made
+    t0 = time.monotonic()
+    out = run(cluster, "if rank == 1:\n    time.sleep(4)\n    print(psum(jnp.ones(2)))")
+    seconds = time.monotonic() - t0
+    text = report(out)
+    assert text.startswith("The ranks diverged: rank 1 is waiting in a collective that rank 0 "
+                           "never reached"), text
+    assert 4 < seconds < 4 + 2 + 3  # within a grace of the launch
+    restart_and_psum(cluster)
+
+
+GLOBAL_X = (
+    "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+    "mesh = jax.make_mesh((jax.device_count(),), ('x',), "
+    "axis_types=(jax.sharding.AxisType.Auto,))\n"
+    "x = jax.device_put(jnp.arange(8.), NamedSharding(mesh, P('x')))"
+)
+
+
+@pytest.mark.parametrize("eager", ["print(x.sum())", "print(x[::-1])"])
+def test_a_rank_inside_an_eager_jax_operation_the_others_skipped_is_reported(cluster, eager):
+    """jax's own operations on an array over both processes (no jit of the user's) launch
+    collectives the census does not see: rank 0 stays inside jax, and is reported past the
+    grace and the patience; the live view says where it is meanwhile."""
+    assert run(cluster, GLOBAL_X).error is None
+    t0 = time.monotonic()
+    with displays() as shown:
+        out = run(cluster, f"if rank == 0:\n    {eager}")
+    seconds = time.monotonic() - t0
+    text = report(out)
+    assert text.startswith(f"The ranks diverged: rank 0 has been inside jax (at cell line 2: "
+                           f"{eager}; in "), text
+    assert ("and rank 1 finished the cell" in text and "most likely it is waiting in a "
+            "cross-process operation that rank 1 did not make" in text), text
+    assert "allow more time with %%spmd --grace S" in text, text
+    assert "[rank 0] was running at cell line 2: " + eager in text, text
+    assert 2 + 3 < seconds < 2 + 3 + 5  # the grace, the patience, the report's own seconds
+    seen = [d.get("text/plain", "") for d in shown]
+    assert any(ln.startswith("Waiting for rank 0: still running ") and "inside jax (at cell "
+               f"line 2: {eager}; in " in ln and "it may be waiting in a collective that rank "
+               "1 did not make" in ln for d in seen for ln in d.splitlines()), seen
+    assert not any("slower, not diverged" in d for d in seen), seen
+    assert isinstance(run(cluster, PSUM).error, UsageError)  # out of step: refused
+    restart_and_psum(cluster)
+
+
+def test_a_stack_tells_a_wait_inside_jax_from_plain_python_and_from_a_compile():
+    """(no ranks) The innermost frames decide, looking through the standard library and spmd's
+    engine: jax's or torch's are a call that may wait; the user's own code (the cell, another
+    file of theirs) is plain Python; jax's compiler or tracing anywhere is work."""
+    from spmd.cluster.lockstep.where import Frame, Stack
+
+    cell, jax_ = "/tmp/ipykernel_7/123.py", "/v/lib/python3.11/site-packages/jax/_src/"
+    stdlib = os.path.join(os.path.dirname(os.__file__), "threading.py")
+    engine = os.path.join("/src", "spmd", "engine", "results.py")
+
+    def inside(*files: str):
+        at = Stack(0, [Frame(cell, 2, "<module>")] + [Frame(f, 1, "f") for f in files]).inside
+        return None if at is None else (at.library, at.building)
+
+    assert inside() is None  # time.sleep, a busy loop: the cell is innermost
+    assert inside("/home/me/train.py") is None  # the user's own file
+    assert inside(jax_ + "api.py", "/home/me/loss.py") is None  # the user's, called by jax
+    assert inside(jax_ + "array.py") == ("jax", False)
+    assert inside(jax_ + "array.py", engine, stdlib) == ("jax", False)
+    assert inside("/v/site-packages/torch/distributed/tensor/_api.py") == ("torch", False)
+    assert inside("/v/site-packages/numpy/core/x.py") is None
+    assert inside(jax_ + "pjit.py", jax_ + "compiler.py") == ("jax", True)
+    assert inside(jax_ + "pjit.py", jax_ + "interpreters/partial_eval.py", cell,
+                  jax_ + "numpy/array_methods.py") == ("jax", True)  # tracing the user's
+    assert inside("/v/site-packages/ipykernel/iostream.py") is None  # the cell just ended
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_rank_30_s_slower_is_waited_for(cluster):
+    out = run(cluster, "time.sleep(30 if rank == 1 else 0)\nprint('slept')")
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1] slept\n", out.stdout
+    assert run(cluster, PSUM).stdout == "[ranks 0-1] [4. 4.]\n"
 
 
 def test_the_watchdogs_interrupt_reaches_a_rank_and_ends_its_cell(cluster):
     # (the report is written before any signal is sent: only the rank itself can show that
     # the SIGINT came)
     cell = (
-        "%%spmd --grace 0.5\n"
+        "%%spmd --timeout 1\n"
         "if rank == 1:\n"
         "    try:\n"
         "        time.sleep(60)\n"
@@ -107,7 +247,7 @@ def test_the_watchdogs_interrupt_reaches_a_rank_and_ends_its_cell(cluster):
 
 def test_where_shows_busy_ranks_and_interrupt_says_who_did_not_respond(cluster):
     stubborn = (
-        "%%spmd --grace 0.5\n"
+        "%%spmd --timeout 1\n"
         "if rank == 1:\n"
         "    while True:\n"
         "        try:\n"
@@ -288,3 +428,50 @@ def test_a_completions_look_at_busy_ranks_leaves_a_ranks_prompt_waiting(cluster)
         assert session(cluster).busy_ranks() == [1]
         time.sleep(0.1)
     restart_and_psum(cluster)
+
+
+# -- the report, as a front end shows it ------------------------------------------------------
+
+
+def error_shown(kc, code: str) -> tuple[str, str]:
+    """Run ``code``; (its report's first line, the error as front ends that show the
+    exception's message beside the report do: nbclient's errors, VS Code's, ``ename: evalue``
+    and then the traceback)."""
+    errors = []
+    kc.execute_interactive(code, timeout=120, output_hook=lambda msg: errors.append(
+        msg["content"]) if msg["msg_type"] == "error" else None)
+    assert len(errors) == 1, errors
+    error = errors[0]
+    return error["traceback"][0], "\n".join([f"{error['ename']}: {error['evalue']}",
+                                              *error["traceback"]])
+
+
+def test_a_divergence_report_says_its_first_sentence_once_in_the_spmd_kernel():
+    with spmd_kernel() as (_km, kc):
+        headline, shown = error_shown(
+            kc, "import jax, jax.numpy as jnp\nif jax.process_index() == 0:\n"
+                "    jax.block_until_ready(jax.pmap(lambda x: jax.lax.psum(x, 'i'), "
+                "axis_name='i')(jnp.ones(1)))")
+        assert headline.startswith("The ranks diverged: rank 0 is waiting in a collective"), shown
+        assert shown.count(headline) == 1, shown
+        assert shown.startswith("RankErrors: The cell stopped: the ranks diverged.\n"), shown
+
+
+def test_a_death_report_says_its_first_sentence_once_with_the_magic_in_a_plain_kernel():
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        started = kc.execute_interactive("%load_ext spmd\n%spmd start -n 2", timeout=120)
+        assert started["content"]["status"] == "ok", started
+        headline, shown = error_shown(kc, "import os, signal, jax\nif jax.process_index() == 1:"
+                                          "\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                                          "import time\ntime.sleep(30)")
+        assert headline.startswith("Rank 1 died: killed by SIGKILL"), shown
+        assert shown.count(headline) == 1, shown
+        assert shown.startswith("RankErrors: The cell stopped: rank 1 died.\n"), shown
+        kc.execute_interactive("%spmd stop", timeout=60)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+

@@ -226,6 +226,34 @@ def test_a_jax_variable_set_on_the_ranks_is_told_once_and_kept_by_the_restart(fr
         os.environ.pop("JAX_ENABLE_X64", None)
 
 
+def test_a_jax_variable_set_on_some_ranks_only_is_not_kept_by_the_restart(fresh):
+    """A restart starts every rank with one environment: a variable one rank set (``%%spmd
+    --ranks 0``), or the ranks set to different values, is left as it was, in one sentence
+    (before: the last rank's value went to every rank)."""
+    assert run(fresh, "%spmd start -n 2").error is None
+    try:
+        assert run(fresh, "%%spmd --ranks 0\n%env JAX_ENABLE_X64=1").error is None
+        assert run(fresh, "%env XLA_FLAGS=--xla_cpu_enable_fast_math=false").error is None
+        out = run(fresh, "%spmd restart")
+        assert out.error is None, out.stderr
+        assert ("A cell changed JAX_ENABLE_X64 on rank 0 only: the restart starts every rank "
+                "with one environment, so it leaves it as before (set it on every rank alike, "
+                "or with %%local %env, to keep it).") in out.stdout, out.stdout
+        assert "JAX_ENABLE_X64" not in os.environ
+        assert os.environ.get("XLA_FLAGS") == "--xla_cpu_enable_fast_math=false"  # (alike)
+        out = run(fresh, "import os, jax.numpy as jnp\nprint(jnp.ones(1).dtype, "
+                         "os.environ.get('JAX_ENABLE_X64'))")
+        assert out.stdout == "[ranks 0-1] float32 None\n", out.stdout + out.stderr
+        assert run(fresh, "import os, jax\nos.environ['JAX_ENABLE_X64'] = str(jax.process_index())"
+                   ).error is None
+        out = run(fresh, "%spmd restart")
+        assert ("A cell changed JAX_ENABLE_X64 to different values on different ranks: "
+                ) in out.stdout, out.stdout
+    finally:
+        os.environ.pop("JAX_ENABLE_X64", None)
+        os.environ.pop("XLA_FLAGS", None)
+
+
 def test_a_restart_starts_the_ranks_in_the_notebooks_folder_now(fresh, tmp_path):
     """After the notebook changed its folder (%%local), the restarted ranks start there, as a
     fresh start's would (before: in the folder the rank server started in)."""
@@ -402,9 +430,11 @@ def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh):
     every = run(fresh, "%spmd status all").stdout.splitlines()
     assert every[0].split()[0] == "rank" and every[128].split()[0] == "127", every[:3]
     mine = "import os, time\nmine = int(os.environ['SPMD_RANK'])\n"
-    out = run(fresh, "%%spmd --timeout 120\n" + mine + "if mine in (5, 77): time.sleep(120)")
+    # (only late, in plain Python: the cell waits for them, until its timeout)
+    out = run(fresh, "%%spmd --timeout 15\n" + mine + "if mine in (5, 77): time.sleep(120)")
     text = report(out)
-    assert "ranks 5,77 are still running 2 s after ranks 0-4,6-76,78-127 finished" in text
+    assert ("Timed out after 15 s: ranks 5,77 are still running while ranks 0-4,6-76,78-127 "
+            "had finished.") in text, text
     assert "[ranks 5,77] was running at cell line 3" in text, text
     assert len(text.splitlines()) < 20, text
     assert run(fresh, "%spmd restart").error is None

@@ -20,7 +20,14 @@ from spmd.cluster.channel import control
 from spmd.cluster.lockstep import census, where
 from spmd.cluster.lockstep.outputs import Output
 from spmd.cluster.lockstep.run import CellResult, CellRun
-from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, TIMEOUT, Stall
+from spmd.cluster.lockstep.watchdog import (
+    DIED,
+    DIVERGED,
+    INSIDE_PATIENCE,
+    INTERRUPTED,
+    TIMEOUT,
+    Stall,
+)
 from spmd.cluster.ranks import OutOfStep
 
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
@@ -31,6 +38,70 @@ RESUMED_SECONDS = 10.0
 
 # Why a cell's wait ended when the kernel is shutting down (see Session.shutdown).
 STOPPED = "stopped"
+
+
+class _Late:
+    """The watchdog's looks at ranks still busy past the grace (``_wait``): a look asks them
+    for their census so far, and names those ahead of a finished rank (they diverged); the
+    others are the run's ``stragglers``. The first look comes at the grace, then one a grace
+    (half a second at least) apart, so a straggler that goes on to launch what the finished
+    ranks never did is reported within a grace of it.
+
+    The census does not see jax's eager operations on arrays over several processes
+    (``print(x)``, ``x[::-1]``, ``jnp.dot`` outside a jit: jax's own programs), so each look
+    also reads the stragglers' stacks (``run.inside``: those inside a call of jax or torch,
+    and since when in that same call). When every busy rank has stayed in one such call, not
+    compiling, for ``INSIDE_PATIENCE`` seconds, they are taken for diverged too; a look comes
+    every second while one is there. A straggler in plain Python is waited for."""
+
+    def __init__(self, client, run: CellRun, stacks: Callable[[list[int]], dict]) -> None:
+        self.client, self.run, self.stacks = client, run, stacks
+        self.looked: float | None = None
+        self.records: dict[int, dict] = {}  # finished ranks' whole records, read once
+        self.seen: dict[int, tuple[tuple, float]] = {}  # rank -> (its frames, there since)
+
+    def next_look(self, grace_ends: float, grace: float) -> float:
+        if self.looked is None:
+            return grace_ends
+        then = self.looked + max(grace, 0.5)
+        waits = [since for stack, since in self.run.inside.values() if not stack.inside.building]
+        if waits:  # (to see that it stays in the call, and to report it on time)
+            then = min(then, self.looked + 1.0, min(waits) + INSIDE_PATIENCE)
+        return max(grace_ends, then)
+
+    def diverged(self) -> bool:
+        """Whether the busy ranks cannot meet the finished ones: some launched what those
+        never did (the census), or all of them stay inside jax or torch (their stacks)."""
+        run = self.run
+        busy = run.busy_ranks
+        finished = {r: run.census.get(r) for r, c in run.cells.items() if c.done}
+        found = census.launched_ahead(self.client, run.engine_ids, run.requests, busy,
+                                      finished, self.records) if busy else []
+        run.stragglers = [r for r in run.busy_ranks if r not in found]
+        if not found:
+            run.inside = self._inside(run.stragglers)
+        self.looked = now = time.monotonic()
+        stuck = [r for r, (stack, since) in run.inside.items()
+                 if not stack.inside.building and now - since >= INSIDE_PATIENCE - 0.05]
+        return bool(found) or (bool(busy) and set(stuck) >= set(busy))
+
+    def _inside(self, ranks: list[int]) -> dict:
+        """{rank: (its stack, since when it is in this same call)} of ``ranks`` inside a call
+        of jax or torch now."""
+        now = time.monotonic()
+        stacks = self.stacks(ranks) if ranks else {}
+        inside = {}
+        for rank in ranks:
+            stack = stacks.get(rank)
+            if stack is None or stack.inside is None:
+                self.seen.pop(rank, None)
+                continue
+            frames = tuple(stack.frames)
+            before = self.seen.get(rank)
+            since = before[1] if before is not None and before[0] == frames else now
+            self.seen[rank] = (frames, since)
+            inside[rank] = (stack, since)
+        return inside
 
 
 class CellRunner:
@@ -67,9 +138,11 @@ class CellRunner:
     ) -> CellResult:
         """Send ``code`` to the ranks and wait until every one has finished (lockstep).
 
-        The wait ends early when a rank dies, when some ranks are still busy ``grace``
-        seconds after another finished (they diverged), on a timeout, or when the notebook
-        is interrupted. The result's ``stall`` then says which, and where the busy ranks were.
+        The wait ends early when a rank dies, when ranks still busy ``grace`` seconds after
+        another finished launched what it never did, or all stay inside one call of jax or
+        torch (they diverged: ranks only behind are waited for; ``_Late``), on a timeout, or
+        when the notebook is interrupted. The result's ``stall`` then says which, and where
+        the busy ranks were.
         ``max_output``: stream lines kept per rank (0: the settings'; None: all of them).
         """
         s = self.session
@@ -135,6 +208,7 @@ class CellRunner:
     ) -> tuple[str, float | None]:
         """Poll the cell until it finishes ('', None) or a reason to stop waiting."""
         last = time.monotonic()
+        late = _Late(self._client, run, self.stacks)
         while not run.finished:
             now = time.monotonic()
             if run.debugger_paused() and not run.prompting:  # (a prompt counts itself)
@@ -155,7 +229,7 @@ class CellRunner:
             # (a rank whose output keeps coming, a flood, is not stuck: the grace runs from
             # the later of the first rank done and the latest output, for 10 graces at most:
             # a rank stuck in a collective while a thread of its cell prints is still found)
-            diverged_at = (
+            grace_ends = (
                 None
                 if grace is None or run.first_done is None
                 else min(
@@ -164,9 +238,15 @@ class CellRunner:
                 )
                 + grace
             )
-            if diverged_at is not None and now >= diverged_at:
-                return DIVERGED, grace
-            wake = min(t for t in (until, diverged_at, now + 0.1) if t is not None)
+            look_at = None if grace_ends is None else late.next_look(grace_ends, grace)
+            if look_at is not None and now >= look_at:
+                # Late is not diverged: only ranks that launched what a finished rank never
+                # did, or that stay inside jax or torch, cannot meet it; the others are
+                # behind, and the cell waits for them.
+                if late.diverged():
+                    return DIVERGED, round(time.monotonic() - run.first_done, 1)
+                look_at = late.next_look(grace_ends, grace)
+            wake = min(t for t in (until, look_at, now + 0.1) if t is not None)
             run.poll(max(0.0, wake - now))
             if tick is not None:
                 tick(run)
@@ -177,7 +257,13 @@ class CellRunner:
         deaths = self.session.deaths.deaths()
         if reason == DIED and deaths and "torch" in self.session.settings.backend:
             self._let_survivors_finish(run, {d.rank for d in deaths})
-        stall = Stall.at(reason, seconds, run.cells, deaths=deaths)
+        ahead = [r for r in run.busy_ranks if r not in run.stragglers]
+        now = time.monotonic()
+        inside = {r: (stack, now - since) for r, (stack, since) in run.inside.items()
+                  if r in run.busy_ranks}
+        stall = Stall.at(reason, seconds, run.cells, deaths=deaths,
+                         ahead=ahead if reason == DIVERGED else [],
+                         inside=inside if reason == DIVERGED and not ahead else {})
         busy = stall.busy
         # Where the busy ranks are, before an interrupt moves them.
         stall.stacks = self.stacks(busy)

@@ -23,15 +23,23 @@ record in the cell's reply (``wire.CENSUS_DIGEST``, compared across ranks after 
 the whole record on the control channel (``wire.CENSUS_REQUEST``, answered by the rank's
 kernel, engine/kernel.py) when they differ or a report needs it.
 
+A jax launch is recorded once its call returns (only its result tells whether it spans
+processes), and a call can block: the first cross-process program of a job sets up gloo's
+context, which waits for every process. So the launch in flight on the main thread is kept
+too (``_inside``), and a record read while the cell runs names it (``inside``): the watchdog
+tells a rank blocked in a launch the finished ranks never made from one only behind them.
+
 Threads: records are appended on the rank's main thread only, where cells run (a thread's
 launches are not recorded); the control thread reads copies (``of``), whose last count
 may be off by one while a launch is recorded; the digest is made on the main thread, after
-the cell, when recording stops.
+the cell, when recording stops. ``_inside`` is set and cleared by the main thread, read by
+the control thread.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import os
@@ -49,6 +57,7 @@ _cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
 _current: Record | None = None  # the running cell's (None between cells)
 _last: Record | None = None
 _main: int | None = None  # the rank's main thread, where cells run (set by record_cells)
+_inside: tuple | None = None  # (Launched, args, kwargs): the main thread's jax call in flight
 _off = os.environ.get("SPMD_CENSUS") == "off"  # (README: the census turned off)
 
 
@@ -115,13 +124,17 @@ def record(program: tuple, leaves) -> None:
     current = _current
     if current is None or _off or threading.get_ident() != _main:
         return
+    current.add(program, _signature(leaves))
+
+
+def _signature(leaves) -> tuple:
     shown = tuple(
         (leaf.shape, leaf.dtype) if type(leaf) is _Array or (
             hasattr(leaf, "dtype") and hasattr(leaf, "shape"))
         else type(leaf).__name__ for leaf in leaves[:MAX_LEAVES])
     if len(leaves) > MAX_LEAVES:
         shown += (f"(+{len(leaves) - MAX_LEAVES} more)",)
-    current.add(program, shown)
+    return shown
 
 
 def start_cell(request_id: str) -> None:
@@ -140,9 +153,18 @@ def end_cell() -> list | None:
 
 
 def of(request_id: str | None) -> dict | None:
-    """A cell's record (None: the running or last cell's); None if not kept."""
+    """A cell's record (None: the running or last cell's); None if not kept. The running
+    cell's names the cross-process launch its main thread is inside now, not yet recorded
+    (``inside``: [program, its arguments' signature])."""
     rec = _last if request_id is None else _cells.get(request_id)
-    return None if rec is None else rec.as_json()
+    if rec is None:
+        return None
+    said = rec.as_json()
+    inside = _inside
+    if rec is _current and inside is not None and not _off:
+        with contextlib.suppress(Exception):  # (its arguments, read from another thread)
+            said["inside"] = inside[0].in_flight(inside[1], inside[2])
+    return said
 
 
 # -- jax ------------------------------------------------------------------------------------
@@ -175,10 +197,36 @@ class Launched:
 
     def __call__(self, *args, **kwargs):
         __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
-        out = self._jitted(*args, **kwargs)
-        if _current is not None:  # (None between cells)
-            self.recorded(out, args, kwargs)
+        global _inside
+        if _current is None:  # (between cells)
+            return self._jitted(*args, **kwargs)
+        main = _get_ident() == _main
+        if main:  # (a jitted call inside another's trace gives the outer one back after it)
+            before, _inside = _inside, (self, args, kwargs)
+        try:
+            out = self._jitted(*args, **kwargs)
+        finally:
+            if main:
+                _inside = before
+        self.recorded(out, args, kwargs)
         return out
+
+    def in_flight(self, args, kwargs) -> list | None:
+        """(control thread) This launch, called and not returned, as [program, signature]
+        where it spans processes (a pmap over several; a jit whose last result did, or of a
+        global array); None where it is this process's own."""
+        if self._kind == "pmap":
+            spans = _several_processes
+        else:
+            leaves = _leaves((args, kwargs))
+            spans = self._spanning[1] or any(
+                type(leaf) is _Array and not leaf.sharding.is_fully_addressable
+                for leaf in leaves)
+        if not spans:
+            return None
+        arrays = not kwargs and all(type(arg) is _Array for arg in args)
+        shown = _signature(args if arrays else _leaves((args, kwargs)))
+        return [list(self._program), [_aval(a) for a in shown]]
 
     def recorded(self, out, args, kwargs) -> None:
         """Record this launch if its result spans processes. (Every step counts: on this
@@ -223,6 +271,7 @@ def _first_leaf(out):
 # (bound by install_jax: an import in every launch would cost microseconds each)
 _leaves = _Array = None
 _several_processes = False
+_get_ident = threading.get_ident
 
 
 def install_jax() -> None:

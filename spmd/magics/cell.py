@@ -8,9 +8,11 @@ runs on the notebook's main thread, and ipykernel routes output by that thread's
 
 from __future__ import annotations
 
+import time
+
 from IPython.core.error import UsageError
 
-from spmd.cluster import interrupts
+from spmd.cluster import adopted, interrupts
 from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.run import CellResult, rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
@@ -34,17 +36,46 @@ from spmd.magics.render import (
 
 def show_before(live: LiveView, session: Session, started: str | None) -> None:
     """The kernel's start line again (``started``: a live view follows it), then what ranks
-    printed after their last cell ended."""
+    printed after their last cell ended, and after an attach what the cell that ran when the
+    notebook before this one died printed since, and once how it ended."""
     if started:
         live.reprint("stdout", started + "\n")
+    wait_for_the_cell_from_before(live, session)
     show_late(live, session.late_outputs())
+    before, news = adopted.from_before(session)
+    show_late(live, before, "in a cell from before the attach")
+    if news:
+        live.note("stdout", news + "\n")
 
 
-def show_late(live: LiveView, late: list) -> None:
+def wait_for_the_cell_from_before(live: LiveView, session: Session) -> None:
+    """After an attach, a cell is sent once the cell that ran when the notebook before this
+    one died has ended on every rank (sent behind it, it would start on a rank that ended
+    that one first, and look diverged there), showing what that cell prints meanwhile. An
+    interrupt stops that cell, and this one is not sent."""
+    busy = adopted.busy(session)
+    if not busy:
+        return
+    live.note("stdout", f"Waiting for the cell from before the attach to end on "
+                        f"{rank_words(busy)} (Interrupt stops it)...\n")
+    try:
+        while adopted.busy(session):
+            show_late(live, adopted.from_before(session, with_news=False)[0],
+                      "in a cell from before the attach")
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        sent, still = session.interrupt()
+        left = (f"; {rank_words(still)} did not respond: %spmd restart ends them" if still
+                else "")
+        raise UsageError(f"Interrupted: the cell from before the attach was stopped on "
+                         f"{rank_words(sent)}{left}. This cell was not run.") from None
+
+
+def show_late(live: LiveView, late: list, when: str = "after its cell ended") -> None:
     """What ranks printed after their cell had ended (threads, callbacks), before this cell's
-    own outputs, labelled as such."""
+    own outputs, labelled as such (``when``)."""
     for rank, out in late:
-        label = f"[rank {rank}, after its cell ended]"
+        label = f"[rank {rank}, {when}]"
         if out.kind in ("stdout", "stderr"):
             live.note(out.kind, labelled(label, out.text))
         elif out.kind == "error":
@@ -189,17 +220,17 @@ def cell_failure(
     not returned, and the report is one exception, for the magic to raise."""
     for group in results:
         show_group(*group)
-    notes, details, hints = [], [], []
+    notes, details, hints, title = [], [], [], ""
     stall = ran.stall
     if stall is not None:
-        notes = stall.summary()
+        notes, title = stall.summary(), stall.title()
         details = stack_section(stall.busy, stall.stacks, stall.in_debugger) + stall.census
         if stall.deaths:
             details = ["", *stall.deaths[0].describe(headline=False), *details]
     else:
         hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
     dead = [d.rank for d in stall.deaths] if stall is not None else []
-    return RankErrors(errors, sorted(ran.cells), notes, details, hints, dead)
+    return RankErrors(errors, sorted(ran.cells), notes, details, hints, dead, title)
 
 
 # -- words for the steps ----------------------------------------------------------------------

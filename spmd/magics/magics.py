@@ -96,7 +96,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             %spmd gather EXPR [-o NAME] [--max-bytes N]   the global value, as numpy
             %spmd push NAME [NAME ...]   notebook variables to every rank
             %spmd export PATH.py [--launcher local|ssh|mpi|slurm|torchrun] [--cells ok|all]
-                                         the cells the ranks ran, as a script and its launch
+                         [--raw-output]  the cells the ranks ran, as a script and its launch
+                                         (--raw-output: the job's lines without their ranks)
 
         ``start`` launches N engine processes on 127.0.0.1, joins them into one distributed
         job (``jax.distributed.initialize``) and turns auto mode on: from then on every cell
@@ -131,10 +132,14 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         reach it together; ``--breakpoint all``: every rank), and the others go on to wait in
         their next collective.
 
-        When some ranks are still busy ``--grace`` seconds (default 2, ``off`` to disable)
-        after another rank finished, or after ``--timeout`` seconds, or when you interrupt
-        the kernel, the cell fails with a report: which ranks raised, where the others were
-        blocked, and the likely cause. ``%spmd where`` shows the stack of every busy rank.
+        When ranks still busy ``--grace`` seconds (default 2, ``off`` to disable) after
+        another rank finished launched a cross-process program it never did (they diverged),
+        or stay 3 s more inside one call of jax or torch (an eager operation on a global
+        array the others skipped), or after ``--timeout`` seconds, or when you interrupt the
+        kernel, the cell fails with a report: which ranks raised, where the others were
+        blocked, and the likely cause. A rank that is only slower (in its own Python code, or
+        compiling) is waited for, named in the live view. ``%spmd where`` shows the stack of
+        every busy rank.
 
         ``%%local`` runs one cell in the notebook only.
         """

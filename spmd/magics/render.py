@@ -17,7 +17,7 @@ from IPython.display import clear_output, display
 
 from spmd.cluster.lockstep.outputs import GLOBAL_ARRAY_MIME, Output, RankCell, unmarked
 from spmd.cluster.lockstep.run import rank_label, rank_set, rank_words
-from spmd.cluster.lockstep.watchdog import progress_lines
+from spmd.cluster.lockstep.watchdog import progress_lines, straggler_lines
 
 Group = tuple[list[int], Output]
 
@@ -242,7 +242,8 @@ class RankErrors(Exception):
 
     ``errors`` are the tracebacks grouped by identical text. ``notes`` say what else happened
     (a divergence, a timeout, a death) and what to do next; ``details`` follow the tracebacks
-    (where the busy ranks were, a dead rank's last lines).
+    (where the busy ranks were, a dead rank's last lines). ``title`` is its message where
+    there are notes: a line of its own, as a front end may show it beside the report.
     """
 
     def __init__(
@@ -253,6 +254,7 @@ class RankErrors(Exception):
         details: list[str] = (),
         hints: list[str] = (),
         dead: list[int] = (),
+        title: str = "",
     ) -> None:
         self.errors = errors
         self.dead = list(dead)  # ranks that died: the notes, not the error count, come first
@@ -262,7 +264,9 @@ class RankErrors(Exception):
         self.hints = list(hints)  # what to do about the errors, under the headline
         self.failed_ranks = sorted(r for rs, _ in errors for r in rs)
         if self.notes:
-            message = self.notes[0]
+            # (not notes[0]: front ends that show the message beside the report would say
+            # its first sentence twice)
+            message = title or "The cell stopped before every rank finished."
         else:
             first = errors[0][1]
             message = f"{rank_label(self.failed_ranks)} {first.ename}: {first.evalue}"
@@ -288,9 +292,16 @@ class RankErrors(Exception):
         return lines
 
 
+# The characters of a line not ended yet that the live view keeps (print('.', end='') in a
+# loop makes one line without end)
+OPEN_LINE = 2_000
+
+
 class LiveView:
     """What a long cell is doing, shown while it runs: the last lines of every rank's streams
-    and, after ``look_after`` seconds, the line each busy rank is on.
+    and, after ``look_after`` seconds, the line each busy rank is on; at once, the ranks the
+    cell waits for after the others finished (the watchdog's stragglers: slower, not diverged),
+    and the line they are on.
 
     Fast cells never show it. When the cell ends, the live view is cleared (with the cell's
     output, so that a saved notebook holds no empty leftover), the lines printed before it are
@@ -309,12 +320,17 @@ class LiveView:
         self.widgets_shown = False
         self.prompted = False  # a rank asked the person something: its lines were shown
         self._unshown: dict[int, str] = {}  # stream text of each rank since its last prompt
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # whole lines, each with its rank
+        # (rank, stream) -> its line begun and not ended yet: print writes its words, and a
+        # rank sends what it has every 0.2 s, so a line can come in pieces
+        self._open: dict[tuple[int, str], str] = {}
         self.status: list[str] = []
+        self.late = ""  # the stragglers' lines ('' while there are none)
         self.handle = None
         self.where = where
         self._shown_at = 0.0
         self._looked_at = 0.0
+        self._calls: list = []  # the stragglers' calls of jax or torch, (rank, since when)
         self._dirty = False
         self._before: list[tuple[str, str]] = []  # (stream, text) shown before the live view
 
@@ -338,7 +354,10 @@ class LiveView:
             return
         text = unmarked(out.text)  # (the grouped view puts printed arrays together)
         self._unshown[rank] = (self._unshown.get(rank, "") + text)[-20_000:]
-        self.lines.extend(f"[rank {rank}] {ln}" for ln in text.splitlines())
+        lines = (self._open.pop((rank, out.kind), "") + text).splitlines(keepends=True)
+        if lines and lines[-1].splitlines()[0] == lines[-1]:  # (not ended yet)
+            self._open[(rank, out.kind)] = lines.pop()[-OPEN_LINE:]
+        self.lines.extend(f"[rank {rank}] {ln.splitlines()[0]}" for ln in lines)
         del self.lines[: -self.keep]
         self._dirty = True
 
@@ -354,10 +373,16 @@ class LiveView:
         now = time.monotonic()
         if self.panel is not None and run is not None:
             self.panel.tick(run)
+        late = _late(run, now) if run is not None else ""
+        if late != self.late:
+            self.late, self._dirty = late, True
+        calls = sorted((r, since) for r, (_, since) in getattr(run, "inside", {}).items())
+        if calls != self._calls:  # (a straggler went into a call of jax: its line, at once)
+            self._calls, self._looked_at = calls, 0.0
         if (
             self.where is not None
             and run is not None
-            and now - self.started >= self.look_after
+            and (now - self.started >= self.look_after or late)
             and now - self._looked_at >= self.look_every
             and run.busy_ranks
         ):
@@ -367,7 +392,9 @@ class LiveView:
             self._dirty = True
         if not self._dirty or now - self.started < self.delay or now - self._shown_at < self.every:
             return
-        bundle = {"text/plain": "\n".join(self.status + self.lines)}
+        begun = [f"[rank {rank}] {text}" for (rank, _), text in self._open.items()]
+        late = [self.late] if self.late else []
+        bundle = {"text/plain": "\n".join(late + self.status + (self.lines + begun)[-self.keep :])}
         if self.handle is None:
             self.handle = display(bundle, raw=True, display_id=True)
         else:
@@ -383,3 +410,15 @@ class LiveView:
             self.panel.forget()
         for stream, text in self._before:
             write(stream, text)
+
+
+def _late(run, now: float) -> str:
+    """The live view's lines on the stragglers of ``run`` now ('' when it waits for none):
+    slower, or inside jax or torch (the watchdog's last look)."""
+    busy = set(run.busy_ranks)
+    late = [r for r in getattr(run, "stragglers", ()) if r in busy]
+    if not late or run.first_done is None:
+        return ""
+    finished = sorted(r for r, cell in run.cells.items() if cell.done)
+    inside = {r: stack for r, (stack, _) in getattr(run, "inside", {}).items()}
+    return "\n".join(straggler_lines(late, finished, now - run.first_done, inside))

@@ -59,9 +59,13 @@ def _start_options() -> dict[str, Said]:
             "S", "Seconds a cell may run; then it fails with the report of where each rank "
             "was. Default: no limit."),
         "--grace": Said(
-            "S|off", "Seconds the other ranks may still run a cell after one rank finished it, "
-            "before the cell fails with the report of which ranks raised and where the others "
-            "wait; `off` (or 0) turns this watchdog off."),
+            "S|off", "Seconds after one rank finished a cell before the watchdog looks at the "
+            "ranks still running it, and then between its looks: one that launched a "
+            "cross-process program the finished ranks never did has diverged, and the cell "
+            "fails with the report of which ranks raised and where the others wait, as does "
+            "one that stays 3 s more inside one call of jax or torch; one only slower (in its "
+            "own Python code, or compiling) is waited for. `off` (or 0) turns this watchdog "
+            "off."),
         "--start-timeout": Said("S", "Seconds the ranks may take to start and join."),
         "--hosts": Said(
             "H1,H2|H1:2,H2:6", "The hosts the ranks run on, filled in order (`H1:2`: two ranks "

@@ -3,7 +3,10 @@
 Every rank records the cross-process programs and collectives its cell launched
 (spmd/engine/census.py). Here the records of the ranks are compared, and the first launch
 where they part is named in words a student can act on: the same program with other shapes,
-other programs at the same place, or a rank that launched fewer; with the usual fix.
+other programs at the same place, or a rank that launched fewer; with the usual fix. The
+watchdog asks the same of ranks still running past the grace (``launched_ahead``): a rank
+that launched what a finished one never did has diverged; one whose launches begin the
+finished one's is only behind.
 
 Runs on the notebook's main thread; a record is the JSON the rank sent (``runs`` run-length
 encoded: [program, argument types, times]).
@@ -39,8 +42,30 @@ def fetch(client, engine_ids: dict[int, int], requests: dict[int, str] | None = 
 
 def _records(replies: dict[int, dict | None]) -> dict[int, dict]:
     """{rank: its record}, of the ranks that answered with one."""
-    return {rank: reply["census"] for rank, reply in replies.items()
+    return {rank: with_inside(reply["census"]) for rank, reply in replies.items()
             if reply is not None and reply.get("census") is not None}
+
+
+def with_inside(record: dict) -> dict:
+    """A running cell's record with the launch its rank is inside now (``inside``: called,
+    not returned, as the first cross-process program of a job waits for every process) as
+    one more launch: the rank is at it."""
+    inside = record.get("inside")
+    if not inside:
+        return record
+    program, signature = inside
+    rec = {**record, "programs": list(record["programs"]),
+           "signatures": list(record["signatures"]),
+           "runs": [list(run) for run in record["runs"]], "count": record["count"] + 1}
+    for table, item in ((rec["programs"], program), (rec["signatures"], signature)):
+        if item not in table:
+            table.append(item)
+    p, a = rec["programs"].index(program), rec["signatures"].index(signature)
+    if rec["runs"] and rec["runs"][-1][:2] == [p, a]:
+        rec["runs"][-1][2] += 1
+    else:
+        rec["runs"].append([p, a, 1])
+    return rec
 
 
 def _ask(client, engine_ids: dict[int, int], requests: dict[int, str] | None,
@@ -139,6 +164,49 @@ def explain(records: dict[int, dict], waiting: bool = True,
     said = "; ".join(f"{rank_words(ranks)} {what}" for what, ranks in launches)
     return "programs", [f"The ranks' {nth} cross-process programs differ: {said}.",
                         "Hint: " + HINTS["programs"]]
+
+
+def ahead(busy: dict[int, dict], finished: dict[int, list | None],
+          records: dict[int, dict]) -> list[int]:
+    """The busy ranks that launched what a finished rank never did: past its last launch, or
+    another program or shapes where it had one. Those cannot meet it (a cross-process launch
+    completes only once every process made it); a busy rank whose launches so far begin a
+    finished rank's is only behind. ``busy``: each busy rank's record so far (a rank that had
+    not begun the cell, or did not answer, is left out); ``finished``: each finished rank's
+    digest from its reply (None: it launched nothing); ``records``: finished ranks' whole
+    records, where read (without one, only the counts are compared)."""
+    found = []
+    for rank, rec in sorted(busy.items()):
+        for other, digest in finished.items():
+            count = digest[0] if digest else 0
+            if rec["count"] > count:
+                found.append(rank)
+                break
+            theirs = records.get(other)
+            if not rec["count"] or theirs is None or rec.get("dropped") or theirs.get("dropped"):
+                continue
+            parted = first_difference({rank: rec, other: theirs})
+            if parted is not None and parted[1][rank] is not None:
+                found.append(rank)
+                break
+    return found
+
+
+def launched_ahead(client, engine_ids: dict[int, int], requests: dict[int, str],
+                   busy: list[int], finished: dict[int, list | None],
+                   records: dict[int, dict], timeout: float = 0.5) -> list[int]:
+    """``ahead``, with the busy ranks' records read now from their control channels (a rank
+    answers there while its cell runs) and the finished ranks' whole records read once into
+    ``records`` when a count alone does not tell. A rank that does not answer in ``timeout``
+    seconds gives no evidence: it is waited for, never taken for diverged."""
+    replies = _ask(client, {r: engine_ids[r] for r in busy if r in requests}, requests, timeout)
+    so_far = _records(replies)
+    counts = [digest[0] for digest in finished.values() if digest]
+    wanted = [r for r, digest in finished.items() if digest and r not in records]
+    if wanted and any(0 < rec["count"] <= max(counts) for rec in so_far.values()):
+        records.update(_records(_ask(client, {r: engine_ids[r] for r in wanted}, requests,
+                                     timeout)))
+    return ahead(so_far, finished, records)
 
 
 def for_report(client, engine_ids: dict[int, int], stall,

@@ -53,6 +53,12 @@ class CellRun:
     first_done: float | None = None  # when the first rank finished (time.monotonic())
     last_output: float | None = None  # when a rank's latest output came (time.monotonic())
     stall: object | None = None  # a watchdog.Stall when the wait ended before every rank did
+    # Ranks still busy past the grace whose launches so far begin the finished ranks' (the
+    # watchdog's last look, cells.py): only slower, waited for, and shown so in the live view.
+    stragglers: list = field(default_factory=list)
+    # Those of them inside a call of jax or torch at the watchdog's last look: rank -> (its
+    # where.Stack, since when it is in that same call, time.monotonic()).
+    inside: dict = field(default_factory=dict)
     census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/census.py)
     printed: dict = field(default_factory=dict)  # rank -> its printed arrays (engine/printed.py)
     requests: dict = field(default_factory=dict)  # rank -> the msg_id of its execute request

@@ -2,8 +2,13 @@
 
 In SPMD the classic failure is silent: one rank raises, or takes another branch, while the
 others wait in a collective forever. The session's wait loop notices four things (a rank that
-died, ranks still busy a grace period after another finished, a timeout, the user's
-interrupt); this module holds what it found and turns it into the report a student reads.
+died, ranks still busy a grace period after another finished that launched what it never did,
+a timeout, the user's interrupt); this module holds what it found and turns it into the report
+a student reads. A rank that is only later than the others is no fault: the live view says
+who the cell waits for (``straggler_lines``). The census does not see jax's own programs (an
+eager operation on an array over several processes), so a straggler that stays inside one call
+of jax or torch for ``INSIDE_PATIENCE`` seconds past the grace is taken for diverged too, and
+the report says that this is what is known.
 """
 
 from __future__ import annotations
@@ -21,6 +26,18 @@ from spmd.cluster.lockstep.where import Stack
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
 RESTART = "%spmd restart"
+
+# How long past the grace every busy rank may stay inside one call of jax or torch (the same
+# stack at every look, not compiling) before it is taken for waiting in a cross-process
+# operation that a finished rank did not make: the census does not see jax's own programs.
+INSIDE_PATIENCE = 3.0
+
+# What launches collectives the census does not see, by library (the report's words).
+_UNSEEN = {
+    "torch": "torch's operations on DTensors over several processes are collectives too",
+}
+_UNSEEN_JAX = ("jax's own operations on arrays over several processes, such as printing one, "
+               "x[::-1] or jnp.dot outside a jit, are collectives too")
 
 
 @dataclass
@@ -115,6 +132,12 @@ class Stall:
     deaths: list[Death] = field(default_factory=list)  # first to die first
     in_debugger: list[int] = field(default_factory=list)  # busy ranks paused in the debugger
     census: list[str] = field(default_factory=list)  # where the ranks' launches parted (census.py)
+    # DIVERGED: the busy ranks that launched what a finished rank never did (the others were
+    # only behind, and are interrupted with them)
+    ahead: list[int] = field(default_factory=list)
+    # DIVERGED with no census evidence: the busy ranks that stayed inside one call of jax or
+    # torch past the patience, rank -> (its stack then, seconds seen in that call)
+    inside: dict[int, tuple[Stack, float]] = field(default_factory=dict)
 
     @classmethod
     def at(cls, reason: str, seconds: float | None, cells: dict[int, RankCell], **kw) -> Stall:
@@ -124,6 +147,18 @@ class Stall:
         raised = [r for r in finished if cells[r].error is not None]
         busy = sorted(r for r, c in cells.items() if not c.done and r not in dead)
         return cls(reason, seconds, busy, {}, finished, raised, **kw)
+
+    def title(self) -> str:
+        """The report's exception in one line (its ``str()``, the ``evalue`` that front ends
+        such as nbclient's errors and VS Code's show beside the report): other words than
+        the report's first sentence, which would otherwise be read twice in a row."""
+        if self.reason == DIED:
+            return f"The cell stopped: {rank_words([d.rank for d in self.deaths])} died."
+        if self.reason == DIVERGED:
+            return "The cell stopped: the ranks diverged."
+        if self.reason == TIMEOUT:
+            return f"The cell stopped: it ran past its timeout of {self.seconds:g} s."
+        return "The cell stopped: interrupted."
 
     def summary(self) -> list[str]:
         """The headline, the likely cause and the next step."""
@@ -136,6 +171,14 @@ class Stall:
             lines.append(
                 f"{rank_words(self.unresponsive).capitalize()} did not respond to the interrupt "
                 "(still inside C code); a restart ends them."
+            )
+        if self.inside:
+            ranks = sorted(self.inside)
+            lines.append(
+                f"If {rank_words(ranks)} {'was' if len(ranks) == 1 else 'were'} only computing "
+                "(on its own data, not waiting for the others), allow more time with %%spmd "
+                "--grace S: a rank that stays in one call of jax or torch is reported "
+                f"{INSIDE_PATIENCE:g} s after the grace."
             )
         if self.reason == DIED:
             lines.append(f"The other ranks were stopped. Next: {RESTART} starts a fresh cluster.")
@@ -170,8 +213,10 @@ class Stall:
             if waiting:
                 text += f" {rank_words(waiting).capitalize()} {_be(waiting)} waiting in a collective for it."
             return text
+        if self.reason == DIVERGED and self.inside:
+            return self._inside_headline(finished)
         if self.reason == DIVERGED:
-            grace = f"{self.seconds:g} s"
+            waiting = [r for r in waiting if r in (self.ahead or busy)]
             if waiting:
                 why = (
                     f"{rank_words(raised)} raised an error first"
@@ -183,10 +228,13 @@ class Stall:
                     f"The ranks diverged: {rank_words(waiting)} {_be(waiting)} waiting in a "
                     f"collective that {rank_words(finished)} never reached: {why}."
                 )
+            ahead = self.ahead or busy
             return (
-                f"The ranks diverged: {rank_words(busy)} {_be(busy)} still running {grace} after "
-                f"{rank_words(finished)} finished; the ranks took different paths through the "
-                "cell, or some have more work (allow more with %%spmd --grace S)."
+                f"The ranks diverged: {rank_words(ahead)} launched cross-process programs that "
+                f"{rank_words(finished)} never launched, and {_be(ahead)} still running "
+                f"{_seconds(self.seconds)} after {'it' if len(finished) == 1 else 'they'} "
+                "finished: the ranks cannot meet again (a different branch, loop count or "
+                "input shape)."
             )
         if self.reason == TIMEOUT:
             text = (
@@ -208,6 +256,39 @@ class Stall:
                 f"{rank_words(others)}, still in {'its' if len(others) == 1 else 'their'} own code"
             )
         return text + "."
+
+
+    def _inside_headline(self, finished: list[int]) -> str:
+        """A divergence told by the ranks' stacks, not the census: what is known."""
+        groups: dict[tuple, list[int]] = {}
+        for rank, (stack, seconds) in sorted(self.inside.items()):
+            groups.setdefault((*_inside_words(stack), _seconds(seconds)), []).append(rank)
+        said = "; ".join(
+            f"{rank_words(ranks)} {'has' if len(ranks) == 1 else 'have'} been inside {library} "
+            f"({where}) for {seconds}"
+            for (library, where, seconds), ranks in groups.items())
+        unseen = "; ".join(_UNSEEN.get(lib, _UNSEEN_JAX) for lib in sorted({g[0] for g in groups}))
+        them = rank_words(finished)
+        return (
+            f"The ranks diverged: {said}, and {them} finished the cell "
+            f"{_seconds(self.seconds)} ago: most likely "
+            f"{'it is' if len(self.inside) == 1 else 'they are'} waiting in a cross-process "
+            f"operation that {them} did not make ({unseen}, and the census of launches does "
+            "not see them)."
+        )
+
+
+def _inside_words(stack: Stack) -> tuple[str, str]:
+    """('jax', 'at cell line 2: print(x); now in _value, jax/_src/array.py line 623')."""
+    inside = stack.inside
+    library = "jax" if inside.library == "jaxlib" else inside.library
+    return library, f"{stack.at_cell_line or 'outside the cell code'}; in {inside.where}"
+
+
+def _seconds(seconds: float | None) -> str:
+    """'2 s', '0.5 s'."""
+    seconds = seconds or 0.0
+    return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.1f} s"
 
 
 def _be(ranks: list[int]) -> str:
@@ -261,6 +342,45 @@ def stack_section(ranks: list[int], stacks: dict[int, Stack | None],
     return lines
 
 
+def straggler_lines(stragglers: list[int], finished: list[int], seconds: float,
+                    inside: dict[int, Stack]) -> list[str]:
+    """What the live view says of the stragglers: the ranks in plain Python are slower
+    (``straggler_line``); of those inside a call of jax or torch (``inside``: their stacks at
+    the watchdog's last look), one that builds a program is working, and another may be
+    waiting in a collective the census does not see."""
+    plain = [r for r in stragglers if r not in inside]
+    lines = [straggler_line(plain, finished, seconds)] if plain else []
+    groups: dict[tuple, list[int]] = {}
+    for rank in stragglers:
+        if rank in inside:
+            stack = inside[rank]
+            groups.setdefault((stack.inside.building, *_inside_words(stack)), []).append(rank)
+    them = rank_words(finished)
+    for (building, library, where), ranks in groups.items():
+        head = (f"Waiting for {rank_words(ranks)}: still running {_seconds(seconds)} after "
+                f"{them} finished")
+        if building:
+            lines.append(f"{head}, tracing or compiling a {library} program ({where}): "
+                         "working, not waiting.")
+        else:
+            lines.append(
+                f"{head}, inside {library} ({where}): it may be waiting in a collective that "
+                f"{them} did not make; it is reported as diverged if it stays in that call."
+            )
+    return lines
+
+
+def straggler_line(stragglers: list[int], finished: list[int], seconds: float) -> str:
+    """What the live view says of ranks still busy past the grace that launched nothing the
+    finished ranks did not: they are slower, not diverged, and the cell waits for them."""
+    return (
+        f"Waiting for {rank_words(stragglers)}: still running {_seconds(seconds)} after "
+        f"{rank_words(finished)} finished, and behind {'it' if len(finished) == 1 else 'them'} "
+        f"(no cross-process launch that {rank_words(finished)} did not make): slower, not "
+        "diverged."
+    )
+
+
 def progress_lines(stacks: dict[int, Stack | None], seconds: float,
                    paused: Iterable[int] = ()) -> list[str]:
     """Where the busy ranks of a long cell are, a line per group of ranks on the same line
@@ -276,7 +396,10 @@ def progress_lines(stacks: dict[int, Stack | None], seconds: float,
             where = "(no stack)"
         else:
             where = stack.at_cell_line or "outside the cell's code"
-            if stack.waiting_in:
+            inside = stack.inside
+            if inside is not None and inside.building:
+                where += f"   (compiling in {inside.library})"
+            elif stack.waiting_in:
                 where += f"   (waiting inside {stack.waiting_in})"
         groups.setdefault(where, []).append(rank)
     lines = [f"Paused in the debugger after {seconds:.0f} s:" if paused >= set(stacks)

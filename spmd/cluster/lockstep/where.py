@@ -31,6 +31,14 @@ _CENSUS_FILE = os.path.join("spmd", "engine", "census.py")
 
 # The libraries whose frames mean "waiting on the other ranks" when a rank is stuck in them.
 COLLECTIVE_LIBRARIES = ("jax", "jaxlib", "torch", "flax", "optax", "equinox")
+# The rank's own machinery between the user's code and jax (the census's wrapper of jax.jit,
+# the printing of global arrays): looked through, neither the user's code nor a library's.
+_ENGINE = re.compile(r"[/\\]spmd[/\\]engine[/\\][^/\\]+\.py$")
+# Where jax and torch build a program (trace, lower, compile): a rank there works, not waits.
+_BUILDING = re.compile(
+    r"[/\\]jax[/\\]_src[/\\](?:interpreters[/\\](?:partial_eval|mlir)|compiler"
+    r"|compilation_cache)\.py$|[/\\]torch[/\\]_(?:dynamo|inductor)[/\\]"
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,23 @@ class Frame:
         return ""
 
 
+@dataclass(frozen=True)
+class Inside:
+    """A rank's main thread inside a call of jax or torch (``Stack.inside``)."""
+
+    library: str  # 'jax'
+    frame: Frame  # the library's innermost frame: where the call is now
+    building: bool  # tracing, lowering or compiling a program: working, not waiting
+    # (jax's compiler, its lowering to MLIR and its tracing; torch.compile's dynamo, inductor)
+
+    @property
+    def where(self) -> str:
+        """'_value, jax/_src/array.py line 623'."""
+        f = self.frame
+        m = _PACKAGES.search(f.file)
+        return f"{f.function}, {f.file[m.start(1):] if m else f.file} line {f.line}"
+
+
 @dataclass
 class Stack:
     """One rank's main-thread stack, outermost frame first, from the cell on."""
@@ -70,6 +95,22 @@ class Stack:
             if f.library in COLLECTIVE_LIBRARIES:
                 return f.library
         return ""
+
+    @property
+    def inside(self) -> Inside | None:
+        """The call into jax or torch (``COLLECTIVE_LIBRARIES``) the rank is in, where its
+        innermost frames are that library's; None where they are the user's own code (the
+        cell, a function of another file), another library's or the kernel's. The standard
+        library's frames and spmd's engine (the census, printing a global array) are looked
+        through: ``print(x)`` of a global array blocks in jax below them."""
+        for f in reversed(self.frames):
+            if f.library == "python" or _ENGINE.search(f.file):
+                continue
+            if f.library not in COLLECTIVE_LIBRARIES:  # (the user's code, another library)
+                return None
+            # (building anywhere on the stack: tracing runs the user's function inside jax)
+            return Inside(f.library, f, any(_BUILDING.search(g.file) for g in self.frames))
+        return None
 
     @property
     def cell_line(self) -> Frame | None:
