@@ -190,9 +190,6 @@ INTERNALS = [
              "where a jitted function was defined, for the census (engine/census.py)",
              required=False),
     # torch, on a rank that shows a DTensor's shards
-    Internal("torch", "torch", "Tensor._version", "rank",
-             "a DTensor changed in place since it was last printed is printed anew "
-             "(engine/printed.py)", required=False),
     Internal("torch", "torch.distributed.tensor._utils",
              "_compute_local_shape_and_global_offset", "rank",
              "which block of a DTensor each rank holds (engine/torch_shards.py)",

@@ -217,3 +217,33 @@ def test_generated_control_flows_never_show_a_wrong_value(two, seed):
             continue
         keys = [" ".join(line.split()[:2]), tag]
         assert any(line in reference.get(key, ()) for key in keys), (cell, line, out.stdout)
+
+
+def test_prints_inside_a_module_function_are_matched_by_their_own_line(two, tmp_path):
+    """Training code lives in modules: ``report()`` of a module, called from one cell line,
+    prints params on rank 0 only, then grads on every rank. Each line of the function is a
+    place of its own, so grads is put together from grads alone, and params stays a
+    placeholder."""
+    (tmp_path / "trainlib_printed.py").write_text(
+        "import jax\n\ndef report(params, grads):\n    if jax.process_index() == 0:\n"
+        "        print('params', params)\n    print('grads', grads)\n")
+    out = run(two, f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
+                   "import trainlib_printed\ntrainlib_printed.report(params, grads)")
+    assert out.error is None, report(out)
+    expected = one_process(["print('grads', grads)"])[0][0]
+    assert out.stdout == ("[rank 0]\nparams Array(shape=(8,), dtype=float32)\n"
+                          f"{expected}[rank 1] {expected}"), out.stdout
+
+
+def test_prints_from_a_pool_or_an_old_str_are_never_put_together_wrongly(two):
+    """A pool runs whichever task comes next on each rank, so its workers' prints keep jax's
+    placeholder; so does a placeholder written beside a str(x) kept from before, where which
+    one is the print's cannot be told. Never a value of another array."""
+    out = run(two, "from concurrent.futures import ThreadPoolExecutor\n"
+                   "with ThreadPoolExecutor(2) as pool:\n"
+                   "    list(pool.map(lambda i: print('task', params * i), range(4)))")
+    assert out.error is None, report(out)
+    assert out.stdout.count("Array(shape=(8,), dtype=float32)") == 8, out.stdout
+    out = run(two, "before = str(grads)\nprint(f'now {params} before {before}')")
+    assert out.stdout == ("[ranks 0-1] now Array(shape=(8,), dtype=float32) before "
+                          "Array(shape=(8,), dtype=float32)\n"), out.stdout

@@ -433,3 +433,18 @@ def test_a_dtensor_printed_in_the_cell_that_imports_it_is_the_whole_tensor(clust
         "w = distribute_tensor(torch.arange(4.), init_device_mesh('cpu', (2,)), [Shard(0)])\n"
         "print(w)")
     assert out == f"[ranks 0-1] {torch.arange(4.)!r}\n", out
+
+
+def test_a_dtensor_changed_through_its_local_shard_prints_anew(cluster):
+    """Not every change of a DTensor moves its version counter (its local shard changed in
+    place, a checkpoint's load): each print shows it as it is then, never an earlier copy."""
+    import torch
+
+    setup = ("from torch.distributed.device_mesh import init_device_mesh\n"
+             "from torch.distributed.tensor import distribute_tensor, Shard\n"
+             "w = distribute_tensor(torch.arange(4.), init_device_mesh('cpu', (2,)), [Shard(0)])")
+    assert run(cluster, setup).error is None
+    out = run(cluster, "print(w)\nw.to_local().add_(10)\nprint(w)")
+    assert out.error is None, report(out)
+    assert out.stdout == f"[ranks 0-1]\n{torch.arange(4.)!r}\n{torch.arange(4.) + 10!r}\n", \
+        out.stdout

@@ -40,7 +40,9 @@ thread imports jax or torch's DTensor first.
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.abc
+import json
 import linecache
 import os
 import sys
@@ -58,10 +60,23 @@ class _Parts:
     """The parts of one array's printed form this rank holds, taken at one repr (None: no
     printed form can be made of it)."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "_digest")
 
     def __init__(self, parts: dict | None) -> None:
         self.parts = parts
+        self._digest = None
+
+    @property
+    def digest(self) -> bytes:
+        """What the parts hold, in a few bytes: the same parts are sent once a cell, whichever
+        repr took them."""
+        if self._digest is None:
+            said = json.dumps(self.parts, sort_keys=True).encode()
+            self._digest = hashlib.blake2b(said, digest_size=16).digest()
+        return self._digest
+
+
+_NONE = _Parts(None)
 
 # .pending: [(placeholder, its parts taken, form, line)] made since this thread's last write;
 # .form: "s" while str() or format() runs (numpy's form), "-" for a format spec of its own,
@@ -73,7 +88,7 @@ _lock = threading.Lock()
 _taken: dict[int, tuple[weakref.ref, tuple, _Parts]] = {}
 # this cell's, under _lock:
 _parts: list[dict] = []  # the parts its marks name
-_indexes: dict[int, tuple[_Parts, int]] = {}  # id(parts taken) -> (them, index in _parts)
+_indexes: dict[bytes, int] = {}  # the digest of parts in _parts -> their index there
 _marks: dict[str, int] = {}  # mark -> its index in _parts
 _places: dict[str, int] = {}  # a print's place -> how many placeholders it marked
 _left_out = 0  # placeholders of this cell past MAX_ARRAYS or MAX_MARKS
@@ -141,7 +156,10 @@ def _note(text: str, array) -> None:
         pending = _noted.pending = []
     # (str() and format() of such an array are its repr: which one asked decides the form one
     # process prints, numpy's str or jax's Array(...))
-    pending.append((text, _parts_of(array), getattr(_noted, "form", "r"), _cell_line()))
+    line = _cell_line()
+    # (outside a cell, a variable inspector's or the debugger's repr: nothing is taken)
+    taken = _parts_of(array) if line is not None else _NONE
+    pending.append((text, taken, getattr(_noted, "form", "r"), line))
     del pending[:-64]  # (a repr no output shows is forgotten soon)
 
 
@@ -200,7 +218,8 @@ def display_text(array) -> str | None:
     _, taken, _, line = pending.pop()
     if line is None:  # (not a cell's display: a variable inspector's, the debugger's)
         return None
-    mark = _mark_of(taken, _place())
+    place = _place()
+    mark = _mark_of(taken, place) if place is not None else None
     if mark is None:
         return None
     return wire.PRINTED_BEGIN + text + wire.PRINTED_MARK.format(f"{mark}r")
@@ -216,20 +235,26 @@ def marked(text: str) -> str:
     end = len(text)
     found = []
     here = _cell_line()
-    for placeholder, array, form, line in reversed(pending):
-        if line != here:  # (made on another line of the cell: str(x) for the program's own use)
+    # (a repr made on another line is str(x) for the program's own use, written later)
+    made = [note for note in pending if note[3] == here]
+    for placeholder, taken, form, _ in reversed(made):
+        if text.count(placeholder) > sum(note[0] == placeholder for note in made):
+            # (the same words from elsewhere too, str(x) kept from before: which one is this
+            # print's cannot be told, so none is marked)
             continue
         at = text.rfind(placeholder, 0, end)
         if at < 0:
             continue
         end = at
-        found.append((at, placeholder, array, form))
-    if not found:
+        found.append((at, placeholder, taken, form))
+    place = _place() if found else None
+    if place is None:
         return text
-    place = _place()
-    # (numbered left to right: the order the same print writes them on every rank)
-    for at, placeholder, taken, form in sorted(found, key=lambda f: f[0], reverse=True):
-        mark = _mark_of(taken, place) if form != "-" else None
+    # (numbered left to right, the order the same print writes them on every rank; put in
+    # from the right, so that each one's position still holds)
+    found.sort(key=lambda f: f[0])
+    marks = [_mark_of(taken, place) if form != "-" else None for _, _, taken, form in found]
+    for (at, placeholder, _, form), mark in reversed(list(zip(found, marks))):
         if mark is not None:
             where = at + len(placeholder)
             text = (text[:at] + wire.PRINTED_BEGIN + text[at:where]
@@ -254,35 +279,57 @@ def _cell_line() -> tuple[int, int] | None:
     return None
 
 
-def _place() -> str:
+# Pools run whichever task comes next on whichever worker is free: a print's place there
+# says nothing of which task made it, which differs from rank to rank.
+_POOLS = (os.path.join("concurrent", "futures", "thread.py"),
+          os.path.join("multiprocessing", "pool.py"))
+# Frames whose ``for`` loops are not the program's: Python's, the libraries', spmd's own.
+_LIBRARIES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix,
+                    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+
+
+def _place() -> str | None:
     """Where the print is, the same words on every rank that runs the same cells: the thread
-    that prints (for one of its own), and each cell frame's file and line, outermost first,
-    with the values of the ``for`` loops around that line (a rank that skips a step of a loop
-    does not pair its next print with another rank's print of that step). A cell's file is
-    named by its code's hash (ipykernel), never by the rank's pid."""
-    lines = []
+    that prints (for one of its own), and every frame from the outermost cell frame down to
+    the print (its file, function and line: a function of the user's module called from two
+    lines is two places, and so is each line of that function), with the values of the
+    ``for`` loops around each line of the program's own code (a rank that skips a step of a
+    loop does not pair its next print with another rank's print of that step). A cell's file
+    is named by its code's hash (ipykernel), never by the rank's pid. None where no place can
+    be told alike: a pool's worker, or a thread whose name another thread has."""
+    frames, outermost = [], None
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
+        if name.endswith(_POOLS):
+            return None
+        frames.append(frame)
         if _is_cell(name):
-            steps = [_step(frame, loop) for loop in _loops_around(name, frame.f_lineno)]
-            lines.append(f"{os.path.basename(name)}:{frame.f_lineno}:{','.join(steps)}")
+            outermost = len(frames)
         frame = frame.f_back
     thread = threading.current_thread()
-    who = "" if thread is threading.main_thread() else thread.name
-    return f"{zlib.crc32('|'.join([who, *reversed(lines)]).encode()):08x}"
+    who = ""
+    if thread is not threading.main_thread():
+        if sum(other.name == thread.name for other in threading.enumerate()) > 1:
+            return None
+        who = thread.name
+    words = [who]
+    for frame in reversed(frames[:outermost]):
+        name, line = frame.f_code.co_filename, frame.f_lineno
+        steps = "" if name.startswith(_LIBRARIES) and not _is_cell(name) else ",".join(
+            _step(frame, loop) for loop in _loops_around(name, line))
+        words.append(f"{os.path.basename(name)}:{frame.f_code.co_name}:{line}:{steps}")
+    return f"{zlib.crc32('|'.join(words).encode()):08x}"
 
 
-_loops: dict[str, dict[int, list[str]]] = {}  # a cell's file -> line -> its loops' names
+_loops: dict[str, dict[int, list[str]]] = {}  # a file -> line -> its loops' names
 
 
 def _loops_around(filename: str, line: int) -> list[str]:
-    """The names each ``for`` loop of the cell around ``line`` assigns (read once a cell)."""
+    """The names each ``for`` loop around ``line`` assigns (a file is read once)."""
     table = _loops.get(filename)
     if table is None:
-        if len(_loops) > 256:
-            _loops.clear()
-        table = _loops[filename] = {}
+        table = {}  # (filled here, then published whole: any writer's thread reads it)
         try:
             tree = ast.parse("".join(linecache.getlines(filename)))
         except (SyntaxError, ValueError):
@@ -294,6 +341,9 @@ def _loops_around(filename: str, line: int) -> list[str]:
                 for at in range(where.lineno, (getattr(node, "end_lineno", None)
                                                or where.end_lineno) + 1):
                     table.setdefault(at, []).extend(names)
+        if len(_loops) > 256:
+            _loops.clear()
+        _loops[filename] = table
     return table.get(line, [])
 
 
@@ -312,7 +362,9 @@ def _state(array) -> tuple:
     if type(array).__module__.startswith("torch"):
         from torch._tensor_str import PRINT_OPTS
 
-        return ("torch", array._version, tuple(vars(PRINT_OPTS).items()))
+        # (a DTensor changes in place, and not every change moves its version counter:
+        # ``w.to_local().add_(1)``, a checkpoint's load; its parts are taken at every repr)
+        return ("torch", object(), tuple(vars(PRINT_OPTS).items()))
     import numpy as np
 
     return ("jax", tuple(sorted(np.get_printoptions().items(), key=lambda kv: kv[0])))
@@ -351,17 +403,19 @@ def _mark_of(taken: _Parts, place: str) -> str | None:
     with _lock:
         count = _places.get(place, 0)
         _places[place] = count + 1  # (counted even when left out: the numbers stay aligned)
-        if taken.parts is None:
-            return None
-        known = _indexes.get(id(taken))
-        if len(_marks) >= MAX_MARKS or (known is None and len(_parts) >= MAX_ARRAYS):
+    if taken.parts is None:
+        return None
+    digest = taken.digest  # (outside the lock: once per parts taken)
+    with _lock:
+        index = _indexes.get(digest)
+        if len(_marks) >= MAX_MARKS or (index is None and len(_parts) >= MAX_ARRAYS):
             _left_out += 1
             return None
-        if known is None:
+        if index is None:
             _parts.append(taken.parts)
-            known = _indexes[id(taken)] = (taken, len(_parts) - 1)
+            index = _indexes[digest] = len(_parts) - 1
         mark = f"{place}-{count}"
-        _marks[mark] = known[1]
+        _marks[mark] = index
     return mark
 
 

@@ -33,7 +33,13 @@ class OutStream(iostream.OutStream):
 
     def write(self, string: str):
         # (jax's placeholder of an array over several processes gets its mark: engine/printed)
-        written = super().write(printed.marked(string) if isinstance(string, str) else string)
+        shown = string
+        if isinstance(string, str):
+            try:
+                shown = printed.marked(string)
+            except Exception:  # (never the user's print's error: the text as it is)
+                shown = string
+        written = super().write(shown)
         with self._writes_lock:  # (after: a write counted is in the buffer a flush takes)
             self._writes += 1
         return len(string) if written is not None else written

@@ -51,9 +51,12 @@ def rebuild(ran) -> str:
             holders = {tuple(p.get("holders", ())) for p in sent}
             if sent and not all(parts) and len(holders) == 1 and not any(
                     p["pieces"] for p in sent):  # (one that some processes hold whole)
-                where = ", ".join(str(h) for h in next(iter(holders)))
+                held = next(iter(holders))
+                where = ", ".join(str(h) for h in held)
                 texts[mark, form] = (f"{placeholder} (it lives on the devices of process "
-                                     f"{where} only, which prints it)"), ""
+                                     f"{where} only, which prints it)" if len(held) == 1 else
+                                     f"{placeholder} (it lives on the devices of processes "
+                                     f"{where} only)"), ""
             elif all(parts) and len({_identity(p) for p in parts}) != 1:
                 texts[mark, form] = None, DIFFERENT
             elif all(parts):
@@ -84,7 +87,8 @@ def rebuild(ran) -> str:
     whys = [why for per_rank in kept.values() for why in per_rank]
     counted = {why: max(per.get(why, 0) for per in kept.values()) for why in whys}
     if left_out:
-        counted[f"the cell printed more than {values_cap()} such arrays"] = left_out
+        counted[f"the cell printed more than {values_cap()} such arrays, or more than "
+                f"{marks_cap():,} prints of them"] = left_out
     if not counted:
         return ""
     lines = []
@@ -105,6 +109,12 @@ def _identity(part: dict) -> tuple:
     """What must be the same in every rank's part of one array."""
     return (tuple(part["shape"]), part["dtype"], part["sharding"], tuple(part["compact"]),
             part["summarized"], repr(sorted(part["options"].items())), part.get("library"))
+
+
+def marks_cap() -> int:
+    from spmd.engine.printed import MAX_MARKS
+
+    return MAX_MARKS
 
 
 def values_cap() -> int:
