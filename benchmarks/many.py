@@ -45,6 +45,7 @@ def fits(bench, n: int, backend: str, what: str) -> bool:
         processes.check_room(n, backend, forked=True)
     except processes.StartRefused as exc:
         bench.left_out[what] = str(exc)
+        bench.left_out_ranks.add(n)
         print(f"left out, {what}: {exc}", file=sys.stderr, flush=True)
         return False
     return True

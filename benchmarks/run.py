@@ -71,6 +71,7 @@ class Bench:
         self.samples: dict[str, list[float]] = defaultdict(list)
         self.facts: dict[str, object] = {}
         self.left_out: dict[str, str] = {}  # a part not measured here -> why (many.fits)
+        self.left_out_ranks: set[int] = set()  # the numbers of ranks of those parts
 
     def cell(self, code: str) -> str:
         with capture_output() as cap:
@@ -559,9 +560,12 @@ def median_text(name: str, s: dict) -> str:
 def figure_text(name: str, s: dict) -> str:
     """A figure as the table's columns of figures show it: the median and (min-max)."""
     if "_mb/" in name:
-        return f"{median_text(name, s)} ({s['min']:.0f}-{s['max']:.0f})"
-    k = 1000 if s["median"] < 0.5 else 1
-    return f"{median_text(name, s)} ({s['min'] * k:.3g}-{s['max'] * k:.3g})"
+        said = f"{median_text(name, s)} ({s['min']:.0f}-{s['max']:.0f})"
+    else:
+        k = 1000 if s["median"] < 0.5 else 1
+        said = f"{median_text(name, s)} ({s['min'] * k:.3g}-{s['max'] * k:.3g})"
+    # (a part this run left out: the earlier run's figure, carry_over)
+    return said + (f", from the run of {s['carried_over']}" if s.get("carried_over") else "")
 
 
 def ratio_text(fig: str, anchor: str, stats: dict[str, dict]) -> str:
@@ -683,14 +687,17 @@ def main(argv: list[str] | None = None) -> int:
         # Two SSH hosts in network namespaces, where this machine can make them (root).
         hosts = None if why_not() else stack.enter_context(Hosts(2))
         run_all(bench, rounds, args.quick, hosts)
+    figures = summarize(bench.samples)
+    carried = carry_over(figures, bench.left_out_ranks, RESULTS)
     RESULTS.write_text(
         json.dumps(
             {
                 "machine": machine(),
+                "date": time.strftime("%Y-%m-%d"),
                 "quick": args.quick,
                 "rounds": rounds,
                 "seconds": round(time.perf_counter() - started, 1),
-                "figures": summarize(bench.samples),
+                "figures": figures,
                 "facts": bench.facts,
                 "left_out": bench.left_out,
             },
@@ -698,8 +705,31 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(summary(bench))
+    if carried:
+        print(f"\ncarried over from the earlier run, for the parts left out: {', '.join(carried)}")
     print(f"\nwritten to {RESULTS} in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def carry_over(figures: dict[str, dict], left_out_ranks: set[int], previous: Path) -> list[str]:
+    """Add to ``figures`` the earlier run's (``previous``, the results.json it wrote) of the
+    parts this run left out for want of room (those of ``left_out_ranks`` ranks: ``_n64`` in
+    their names), each marked ``carried_over`` with that run's date, so that the pages that
+    quote them still build; their names."""
+    try:
+        earlier = json.loads(previous.read_text())
+        date = earlier.get("date") or time.strftime(
+            "%Y-%m-%d", time.localtime(previous.stat().st_mtime))
+        old = dict(earlier["figures"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    names = re.compile("|".join(rf"_n{n}(?![0-9])" for n in sorted(left_out_ranks)) or "(?!)")
+    carried = []
+    for name, s in old.items():
+        if name not in figures and names.search(name) and isinstance(s, dict):
+            figures[name] = {**s, "carried_over": s.get("carried_over") or date}
+            carried.append(name)
+    return carried
 
 
 def machine() -> str:

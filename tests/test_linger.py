@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -409,10 +410,9 @@ def test_an_attach_as_the_linger_ends_keeps_the_cluster(runtime):
     """A process whose linger is over ends holding the cluster folder's lock, which an attach
     holds while it writes the owner file: one that found the linger over while an attach held
     it reads the new owner, and stays (before: it read the old one, and ended)."""
-    import fcntl
-
     from spmd.cluster import linger
     from spmd.cluster.launchers import profiles
+    from spmd.engine.orphans import folder_lock
 
     km, kc = kernel(runtime)
     try:
@@ -421,8 +421,8 @@ def test_an_attach_as_the_linger_ends_keeps_the_cluster(runtime):
         pid = kill(km, kc)
     started = spmd_processes(pid)
     record = linger.choose()
-    lock = os.open(record.profile_dir, os.O_RDONLY)  # (an attach under way: linger.take)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = folder_lock(record.profile_dir)  # (an attach under way: linger.take)
+    assert lock is not None
     try:
         time.sleep(3 + 4)  # (the linger is over for every process: each waits for the lock)
         assert all(p.is_running() for p in started)
@@ -541,3 +541,177 @@ def test_a_kernel_shut_down_while_its_attach_fails_starts_no_cluster(monkeypatch
     early.cancel()  # (what the kernel's shutdown does with it)
     assert early.done and started == []
     assert early.error is not None and "cancelled" in str(early.error)
+
+
+def test_the_folder_lock_is_not_inherited_by_a_fork_and_an_attach_waits_for_it_a_while(
+        tmp_path, monkeypatch):
+    """A rank that forks (DataLoader workers) while it holds the cluster folder's lock does
+    not pass it on: once the rank lets go, an attach takes it (before: flock, whose lock the
+    child kept, so the attach waited for ever). A lock held for good makes the attach fail in
+    one sentence after a bounded wait."""
+    import multiprocessing
+
+    from spmd.cluster import linger
+    from spmd.cluster.launchers import profiles
+    from spmd.engine.orphans import folder_lock, started_at
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the folder made in it)
+    folder = profiles.owned_folder("spmd-test-")
+    held, go, child_done = (multiprocessing.get_context("fork").Event() for _ in range(3))
+
+    def rank() -> None:  # (holds the lock, forks a worker that lives on, lets go)
+        fd = folder_lock(folder)
+        worker = multiprocessing.get_context("fork").Process(target=go.wait, args=(30,))
+        worker.start()
+        os.close(fd)
+        held.set()
+        worker.join()
+        child_done.set()
+
+    process = multiprocessing.get_context("fork").Process(target=rank)
+    process.start()
+    try:
+        assert held.wait(30)
+        fd = folder_lock(folder, wait=5)  # (the worker runs on, and holds nothing)
+        assert fd is not None
+        assert not child_done.is_set()
+    finally:
+        go.set()
+        process.join(30)
+    monkeypatch.setattr(linger, "LOCK_SECONDS", 0.3)
+    monkeypatch.setattr(linger, "check", lambda record: None)
+    record = linger.Record(
+        id="locked", pid=os.getpid(), notebook="", started=time.time(), linger=60.0,
+        settings={}, profile_dir=folder, cache_dir=None, cluster_id="locked",
+        controller={"pid": os.getpid()}, controller_started=started_at(os.getpid()),
+        engine_set="", engines={}, rank_server=0)
+    here = multiprocessing.get_context("fork")
+
+    def other_process_takes() -> None:
+        try:
+            linger.take(record)
+        except linger.AttachError as exc:
+            os._exit(0 if "stayed locked for 0.3 s" in str(exc) else 2)
+        os._exit(1)
+
+    other = here.Process(target=other_process_takes)  # (POSIX locks: per process)
+    other.start()
+    other.join(30)
+    assert other.exitcode == 0
+    os.close(fd)
+
+
+def test_an_attach_that_finds_a_process_ended_leaves_the_owner_file_as_it_was(
+        tmp_path, monkeypatch):
+    """``still_there`` is asked under the lock before the owner file names the new notebook
+    (before: after, so the cluster's other processes had reset their linger, and lingered a
+    whole linger more once the attach gave the cluster back)."""
+    from spmd.cluster import linger
+    from spmd.cluster.launchers import profiles
+    from spmd.engine.orphans import read_owner, started_at
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the folder made in it)
+    folder = profiles.owned_folder("spmd-test-")
+    dead = {"pid": 1, "started": -1.0, "keeper": {"pid": os.getpid()}}
+    profiles.write_owner(folder, dead)
+    monkeypatch.setattr(linger, "check", lambda record: None)
+    record = linger.Record(
+        id="broken", pid=os.getpid(), notebook="", started=time.time(), linger=60.0,
+        settings={}, profile_dir=folder, cache_dir=None, cluster_id="broken",
+        controller={"pid": os.getpid()}, controller_started=started_at(os.getpid()),
+        engine_set="", engines={}, rank_server=0)
+    seen = []
+
+    def still_there() -> None:
+        seen.append(read_owner(os.path.join(folder, profiles.OWNER_FILE)))
+        raise linger.AttachError("Cluster broken's linger ended as it was attached.")
+
+    with pytest.raises(linger.AttachError, match="linger ended as it was attached"):
+        linger.take(record, still_there=still_there)
+    assert seen == [dead]
+    assert read_owner(os.path.join(folder, profiles.OWNER_FILE)) == dead
+
+
+class _Client:
+    def __init__(self) -> None:
+        import collections
+
+        self.late = collections.deque(maxlen=5)
+        self.late_dropped = 0
+
+
+def test_streams_heard_after_a_ranks_log_was_read_reach_the_notebook_in_order():
+    """Held streams of a rank whose log was read go only where they came before the read
+    began; those after it are kept (before: every held stream of that rank was dropped), in
+    the order heard, and what does not fit is counted."""
+    from spmd.cluster.adopted import Adopted
+
+    adopted = Adopted({"m": 10}, {10: 0, 11: 1})
+    client = _Client()
+
+    def line(engine: int, text: str) -> None:
+        adopted.heard(engine, "stream", {"name": "stdout", "text": text}, "m", client.late)
+
+    line(10, "in the log\n")
+    adopted.reading(0)
+    line(10, "after the read\n")
+    line(11, "rank 1, unread\n")
+    adopted.release({0}, client.late)
+    line(10, "after the release\n")
+    assert [item[2]["text"] for item in client.late] == [
+        "after the read\n", "rank 1, unread\n", "after the release\n"]
+    for i in range(4):
+        line(11, f"{i}\n")
+    assert len(client.late) == 5 and adopted.take_dropped() == 2
+
+
+def test_the_attach_reads_only_what_follows_this_deaths_mark(monkeypatch):
+    """A rank whose log's last mark is an earlier death's, or whose long log has no mark in
+    its tail while the death is new, has not noticed the death yet: none of its lines are said
+    to be printed while no notebook was attached (before: they were)."""
+    import types
+
+    from spmd.cluster.adopted import Adopted
+    from spmd.engine.unattended import GONE_LINE, GONE_STAMP
+    from spmd.magics import away
+
+    now = time.time()
+
+    def mark(at: float) -> str:
+        return f"{GONE_LINE}{time.strftime(GONE_STAMP, time.localtime(at))}; follows ---\n"
+
+    monkeypatch.setattr(away, "ATTACH_TAIL", 100)
+    logs = {0: mark(now - 3600) + "an earlier death's line\n",
+            1: "x" * 200,
+            2: mark(now - 3600) + "old\n" + mark(now) + "printed while away\n"}
+    written = {}
+    adopted = Adopted({}, {0: 0, 1: 1, 2: 2})
+    adopted.gone_at = now
+    session = types.SimpleNamespace(
+        ranks=[0, 1, 2], gen=types.SimpleNamespace(adopted=adopted),
+        cluster=types.SimpleNamespace(output_of=lambda rank, tail: logs[rank]),
+        client=_Client(),
+        logs=types.SimpleNamespace(begin_cell=lambda title: None, flush=lambda: None,
+                                   write=lambda rank, text: written.update({rank: text})))
+    printed, ended = away._read_logs(session)
+    assert printed == {2: 1} and written == {2: "printed while away\n"}
+    adopted.gone_at = now - 60  # (long ago: every rank noticed; rank 1 printed more)
+    printed, _ = away._read_logs(session)
+    assert set(printed) == {1, 2}
+
+
+def test_a_question_to_a_controller_that_does_not_answer_is_given_up(monkeypatch):
+    """``queue_status``, asked at every cell while the cell from before an attach runs,
+    waited for ever on a controller that died; now a few seconds, then nothing is known."""
+    import types
+
+    from spmd.cluster import adopted
+    from spmd.cluster.channel.client import SpmdClient
+
+    never = types.SimpleNamespace(wait=lambda timeout=None: False)
+    client = types.SimpleNamespace(_send=lambda *a, **k: never, _query_stream=None)
+    t0 = time.monotonic()
+    assert SpmdClient.queue_status_within(client, timeout=0.2) is None
+    client.queue_status_within = lambda **k: SpmdClient.queue_status_within(client, 0.2)
+    assert adopted._pending(client) is None
+    assert time.monotonic() - t0 < 5

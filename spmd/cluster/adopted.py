@@ -11,7 +11,9 @@ one has ended when its ``status: idle`` came, or when the hub no longer lists it
 What a rank printed before the attach read its log (magics/away.py) is in that log: a rank
 copies the output of the cell that ran when its notebook died to its log until that cell ends
 (engine/unattended.py). So streams are held until the attach has read the logs (``release``);
-those of a rank whose log it read are dropped there, the others kept. Later streams, the
+there a held stream goes that reached this client before the read of its rank's log began
+(``reading``: a rank writes its log before it sends), and the others are kept: a line twice is
+better than one lost. Later streams, the
 cell's error and its displays join the client's late outputs, which the next cell shows,
 labelled as this cell's (late.py, magics/cell.py), and the ranks' logs keep.
 
@@ -20,7 +22,8 @@ session and the magics ask of it: which ranks still run it, an interrupt of it, 
 printed since the last look and how it ended.
 
 Threads: the main thread makes it at the attach and asks it (``busy_ranks``, ``news`` and the
-functions below); the client's IO thread calls ``heard``. ``_lock`` guards what both touch.
+functions below); the client's IO thread calls ``heard``. ``_lock`` guards what both touch,
+and every addition to the client's late outputs (so that they stay in the order heard).
 """
 
 from __future__ import annotations
@@ -53,8 +56,16 @@ class Adopted:
         self._idle: set[str] = set()  # (its idle came)
         self._told: set[str] = set()  # requests whose end was said (at the attach, or since)
         self._errors: dict[int, str] = {}  # rank -> "ValueError: why" (its cell's error)
-        self._held: collections.deque = collections.deque(maxlen=HELD)
+        # (the number each stream was heard as, the stream), until ``release``
+        self._held: collections.deque = collections.deque()
         self._holding = True
+        self._heard = 0  # how many streams and outputs were heard so far
+        self._read_from: dict[int, int] = {}  # rank -> ``_heard`` as its log's read began
+        self._dropped_unread: dict[int, int] = {}  # engine id -> held ones dropped, in its log
+        self._dropped = 0  # outputs lost (too many to keep), for the late outputs to say
+        # When the controller found the notebook gone (gone.json, read by the attach before it
+        # took the cluster; None: not yet): magics/away.py reads only the ranks' logs since.
+        self.gone_at: float | None = None
 
     @classmethod
     def find(cls, client, engine_ids: list[int]) -> Adopted:
@@ -86,21 +97,57 @@ class Adopted:
                 self._errors[self.rank_of.get(engine_id, -1)] = said.rstrip(": ")
         item = (engine_id, kind, {**content, FROM_BEFORE: True})
         with self._lock:
-            if self._holding and kind == "stream":
-                self._held.append(item)
+            self._heard += 1
+            if not (self._holding and kind == "stream"):
+                self._to_late(late, item)
                 return
+            if len(self._held) == HELD:  # (the oldest goes: in its rank's log if read after)
+                number, (old_engine, _, _) = self._held.popleft()
+                began = self._read_from.get(self.rank_of.get(old_engine, -1))
+                if began is None or number <= began:
+                    self._dropped_unread[old_engine] = self._dropped_unread.get(old_engine, 0) + 1
+                else:
+                    self._dropped += 1
+            self._held.append((self._heard, item))
+
+    def _to_late(self, late: collections.deque, item: tuple) -> None:
+        """(under ``_lock``) One output to the client's late outputs; one that pushes out the
+        oldest is counted."""
+        if late.maxlen is not None and len(late) >= late.maxlen:
+            self._dropped += 1
         late.append(item)
 
     # -- the main thread ---------------------------------------------------------------------
 
+    def reading(self, rank: int) -> None:
+        """The attach begins to read ``rank``'s log: what of it this client heard so far is
+        in what it reads."""
+        with self._lock:
+            self._read_from[rank] = self._heard
+
     def release(self, read: set[int], late: collections.deque) -> None:
-        """The attach has read the logs of the ranks ``read``: their streams held so far are
-        in what it read, and go; the other ranks' go to the late outputs, and from now on
-        every stream does."""
+        """The attach has read the logs of the ranks ``read``: their streams held that came
+        before the read began are in what it read, and go; every other held stream goes to
+        the late outputs, in order, and from now on every stream does."""
         with self._lock:
             self._holding = False
-            held, self._held = list(self._held), collections.deque()
-        late.extend(item for item in held if self.rank_of.get(item[0]) not in read)
+            held, self._held = self._held, collections.deque()
+            for number, item in held:
+                rank = self.rank_of.get(item[0])
+                if rank not in read or number > self._read_from.get(rank, 0):
+                    self._to_late(late, item)
+            self._dropped += sum(n for engine_id, n in self._dropped_unread.items()
+                                 if self.rank_of.get(engine_id) not in read)
+            self._dropped_unread.clear()
+
+    def has_dropped(self) -> bool:
+        return self._dropped > 0  # (a read of one int: the count is taken under the lock)
+
+    def take_dropped(self) -> int:
+        """How many of its outputs were too many to keep since the last call."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+            return dropped
 
     def busy_ranks(self, client) -> list[int]:
         """The ranks still running one of these requests (the hub is asked about those whose
@@ -192,8 +239,10 @@ def _pending(client) -> dict[str, int] | None:
     """Every request the hub lists as running or queued on an engine: msg id -> engine id
     (None: the hub did not answer)."""
     try:
-        status = client.queue_status(verbose=True)
+        status = client.queue_status_within(verbose=True)
     except Exception:  # (a controller that ended: nothing is known)
+        return None
+    if status is None:  # (no answer within a few seconds: nothing is known)
         return None
     return {msg_id: engine_id for engine_id, queued in status.items()
             if isinstance(engine_id, int) and isinstance(queued, dict)

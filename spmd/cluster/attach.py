@@ -113,9 +113,11 @@ def attach(session, record: Record):
             try:
                 engine_ids = adopt(session.launch, record)
                 adopted = Adopted.find(session.launch.client, engine_ids)
+                adopted.gone_at = linger.gone_at(record)  # (gone once this process holds it)
                 session.launch.client.adopted = adopted
-                before = take(record)
-                _still_there(record)  # (a process whose linger ended as this one took it)
+                # (a process whose linger ended as this one took it: looked for before the
+                # owner files name this process, or the others would linger anew)
+                before = take(record, still_there=lambda: _still_there(record))
             except BaseException as exc:
                 running = session.launch.hand_over()
                 if running.client is not None:

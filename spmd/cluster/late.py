@@ -32,7 +32,8 @@ class LateOutputs:
         """Take what the client kept of the ranks' late outputs: streams into the logs now,
         everything kept for the next cell to show."""
         late = getattr(client, "late", None)
-        if not late:
+        adopted = getattr(client, "adopted", None)
+        if late is None or (not late and not (adopted is not None and adopted.has_dropped())):
             return
         while True:
             try:
@@ -49,6 +50,8 @@ class LateOutputs:
                 out.data = {**out.data, "text/plain": unmarked(out.data["text/plain"])}
             (self.before if content.get(FROM_BEFORE) else self.taken).append((rank, out))
         dropped, client.late_dropped = client.late_dropped, 0
+        if adopted is not None:  # (what the cell from before an attach printed, too)
+            dropped += adopted.take_dropped()
         if dropped:
             self.taken.append((0, Output("stderr", f"... {dropped:,} outputs printed after "
                                          "their cell ended were too many to keep ...\n")))

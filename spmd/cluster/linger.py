@@ -41,6 +41,9 @@ from spmd.engine.orphans import GONE_FILE, folder_lock, read_owner, runs, starte
 
 RECORD_PREFIX = "spmd-cluster-"
 DEFAULT_LINGER = Settings.linger  # seconds (10m)
+# How long an attach waits for the cluster folder's lock, which a process whose linger ended
+# holds while it ends (a moment).
+LOCK_SECONDS = 15.0
 # The notebook's path, as Jupyter gives it to the kernel of that notebook.
 NOTEBOOK_ENV = "JPY_SESSION_NAME"
 
@@ -260,11 +263,17 @@ def ends_in(record: Record) -> str:
     when it found that). Before the controller has looked (a second), the whole linger."""
     if record.held_by():
         return "held"
-    gone = time.time()
+    gone = min(time.time(), gone_at(record) or time.time())
+    return words(max(0.0, gone + record.linger - time.time()))
+
+
+def gone_at(record: Record) -> float | None:
+    """When the cluster's controller found its notebook gone (time.time(); orphans.note_gone),
+    or None: it has not (or a notebook holds it)."""
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         with open(os.path.join(record.profile_dir, GONE_FILE)) as f:
-            gone = min(gone, float(json.load(f)["at"]))
-    return words(max(0.0, gone + record.linger - time.time()))
+            return float(json.load(f)["at"])
+    return None
 
 
 def table(records: list[Record]) -> str:
@@ -342,20 +351,29 @@ def check(record: Record) -> None:
         )
 
 
-def take(record: Record) -> dict:
+def take(record: Record, still_there=None) -> dict:
     """Make this notebook process the cluster's holder (with ``taken`` held): what its owner
-    files said before, for ``give_back``. AttachError as ``check``'s."""
+    files said before, for ``give_back``. AttachError as ``check``'s, and where
+    ``still_there()`` raises it: it is asked under the folder's lock, before the owner files
+    name this process (once they do, the cluster's processes stop counting their linger)."""
     check(record)
     ended = AttachError(f"Cluster {record.id} has ended: start one with %spmd start.")
     # (with the lock its processes end under: one whose linger is over has ended, or it
     # reads this notebook as the holder and stays: orphans.Linger.confirm_over)
-    lock = folder_lock(record.profile_dir)
+    try:
+        lock = folder_lock(record.profile_dir, wait=LOCK_SECONDS)
+    except TimeoutError:
+        raise AttachError(
+            f"Cluster {record.id}'s folder stayed locked for {LOCK_SECONDS:g} s by another "
+            f"process: try again, or end it with python -m spmd stop {record.id}.") from None
     if lock is None:  # (its linger ended meanwhile: the controller removed its folder)
         raise ended
     before = {}
     try:
         if not record.alive():
             raise ended
+        if still_there is not None:
+            still_there()
         for folder in (record.profile_dir, record.cache_dir):
             if not folder:  # (no cache: a cluster without jax)
                 continue
@@ -366,7 +384,9 @@ def take(record: Record) -> dict:
                 profiles.mark_owner(folder)
     except BaseException as exc:  # (whatever failed, the cluster is not left held by nobody)
         give_back(record, before)
-        if isinstance(exc, (OSError, AttachError)):  # (the controller removed its folder)
+        if isinstance(exc, AttachError):
+            raise
+        if isinstance(exc, OSError):  # (the controller removed its folder)
             raise ended from None
         raise
     finally:

@@ -11,7 +11,10 @@ names the notebook process that holds the cluster now (``%spmd attach`` in a new
 its own there), and end once no live process has held it for the whole linger. A forked rank
 still ends with its rank server, which lingers in its stead.
 
-A process whose linger is over ends holding a lock on the cluster's folder (``folder_lock``),
+A process whose linger is over ends holding a lock on the cluster's folder (``folder_lock``, a
+POSIX lock on its ``LOCK_FILE``: a process's own, which a child it forks, a DataLoader worker,
+does not inherit and so cannot keep after it; it goes when the process closes any descriptor
+of that file, so nothing else opens it),
 and an attach writes the owner file holding the same lock: a process that read the old owner
 just before an attach reads the new one before it ends (and stays), or has ended before the
 attach looks whether the cluster's processes still run (and the attach is refused).
@@ -43,6 +46,9 @@ REMOVE_ENV = "SPMD_LINGER_REMOVE"
 # In the cluster's folder, beside the owner file: when the controller found the notebook gone
 # ({"at": time.time()}), while no notebook holds the cluster.
 GONE_FILE = "gone.json"
+# In the cluster's folder, made with it (launchers/profiles.owned_folder): what ``folder_lock``
+# locks.
+LOCK_FILE = "folder.lock"
 
 
 def end_children() -> None:
@@ -205,21 +211,45 @@ class Linger:
         return True
 
 
-def folder_lock(folder: str) -> int | None:
-    """An exclusive lock on the cluster's folder, waited for: its descriptor (closing it, or
-    the process's end, lets go), or None where the folder is gone (nothing to attach to)."""
+def folder_lock(folder: str, wait: float | None = None) -> int | None:
+    """An exclusive lock on the cluster's folder, waited for (``wait``: that many seconds at
+    most, then TimeoutError): its descriptor (closing it, or the process's end, lets go), or
+    None where the folder is gone (nothing to attach to)."""
     import fcntl
 
+    path = os.path.join(folder, LOCK_FILE)
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:  # (a folder made before it had one; never one being removed)
+        if not os.path.isfile(os.path.join(folder, "owner.json")):
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
     except OSError:
         return None
+    until = None if wait is None else time.monotonic() + wait
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | (0 if until is None else fcntl.LOCK_NB))
+                return fd
+            except (BlockingIOError, PermissionError):  # (held: EAGAIN or EACCES)
+                if until is None:
+                    raise
+                if time.monotonic() >= until:
+                    raise TimeoutError(f"{folder} stayed locked for {wait:g} s") from None
+                time.sleep(0.05)
+    except TimeoutError:
+        os.close(fd)
+        raise
     except OSError:
         os.close(fd)
         return None
-    return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def note_gone(linger: Linger | None) -> None:

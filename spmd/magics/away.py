@@ -7,14 +7,24 @@ cell that still runs prints from then on, and how it ends, the next cells show
 (cluster/adopted.py).
 
 A log is read from its end, ``ATTACH_TAIL`` bytes at most: a rank that printed more while no
-notebook was there has its first lines left out, and the copy says so."""
+notebook was there has its first lines left out, and the copy says so. Only what follows a
+rank's mark of this death counts (one from an earlier death, or no mark in a long log, is
+not, while the rank may not have noticed the death yet: the controller's gone.json, read by the
+attach before it took the cluster, says when the death was found)."""
 
 from __future__ import annotations
 
+import time
+
 from spmd.cluster.lockstep.run import rank_words
-from spmd.engine.unattended import CELL_ENDED, GONE_LINE
+from spmd.engine.unattended import CELL_ENDED, GONE_LINE, GONE_STAMP
 
 ATTACH_TAIL = 4 << 20
+# A rank's mark may be this much older than the controller's note of the same death (each
+# process looks every second, on its own clock); and this long after that note every rank has
+# noticed the death (a long log without a mark in its tail printed more than the tail since).
+SLACK_SECONDS = 10.0
+NOTICED_SECONDS = 5.0
 
 
 def what_happened(session) -> list[str]:
@@ -48,8 +58,10 @@ def _busy(session) -> list[int]:
     if adopted is not None:
         return adopted.busy_ranks(session.client)
     try:
-        status = session.client.queue_status()
+        status = session.client.queue_status_within()
     except Exception:
+        return []
+    if status is None:  # (no answer within a few seconds: nothing is known)
         return []
     by_engine = {r.engine_id: r.rank for r in session.ranks}
     return sorted(by_engine[e] for e, s in status.items()
@@ -61,14 +73,21 @@ def _read_logs(session) -> tuple[dict[int, int], dict[int, tuple[str, str]]]:
     logs; their count by rank), and how its last cell ended ((how, its first line) by rank)."""
     printed, ended = {}, {}
     read: set[int] = set()  # the ranks whose log was read
+    adopted = session.gen.adopted
+    died = getattr(adopted, "gone_at", None) or time.time()  # (None: found gone just now)
     session.logs.begin_cell("(while no notebook was attached)")
     for rank in range(len(session.ranks)):
+        if adopted is not None:
+            adopted.reading(rank)
         try:
             text = session.cluster.output_of(rank, tail=ATTACH_TAIL)
         except Exception:
             continue
         at = text.rfind(GONE_LINE)
-        if at < 0 and len(text.encode()) < ATTACH_TAIL:  # (none: it printed nothing)
+        if at >= 0 and not _after(text[at + len(GONE_LINE):], died - SLACK_SECONDS):
+            continue  # (an earlier death's mark is its last: it has not noticed this one yet)
+        if at < 0 and (len(text.encode()) < ATTACH_TAIL  # (none: it printed nothing)
+                       or time.time() - died < NOTICED_SECONDS):  # (it may not know yet)
             continue
         read.add(rank)
         if at < 0:  # (more than the tail: its first lines are left out)
@@ -88,8 +107,15 @@ def _read_logs(session) -> tuple[dict[int, int], dict[int, tuple[str, str]]]:
             printed[rank] = len(kept)
     if printed:
         session.logs.flush()
-    adopted = session.gen.adopted
     if adopted is not None:  # (what it held of these ranks is in what was read)
         adopted.release(read, session.client.late)
         adopted.told(set(ended))
     return printed, ended
+
+
+def _after(stamped: str, earliest: float) -> bool:
+    """Whether a mark's time (the text after ``GONE_LINE``) is ``earliest`` or later."""
+    try:
+        return time.mktime(time.strptime(stamped[:19], GONE_STAMP)) >= earliest
+    except (ValueError, OverflowError):
+        return False

@@ -51,6 +51,9 @@ RECENT_REQUESTS = 50_000
 # are counted) when a thread prints faster than the notebook drains them.
 LATE_KEPT = 100_000
 
+# How long a question to the controller the notebook asks at each cell waits for its answer.
+QUERY_SECONDS = 3.0
+
 # ipyparallel's own handler, undecorated: this class adds to it, it does not replace it
 # (spmd/internals.py checks that it is there before a cluster starts).
 _dispatch_iopub = getattr(ipyparallel.Client._dispatch_iopub, "__wrapped__", None)
@@ -237,6 +240,22 @@ class SpmdClient(ipyparallel.Client):
 
         self._io_loop.add_callback(update)
         updated.wait(timeout)
+
+    def queue_status_within(self, timeout: float = QUERY_SECONDS,
+                            verbose: bool = False) -> dict | None:
+        """ipyparallel's ``queue_status()`` of every engine, waited for ``timeout`` seconds at
+        most: None where the controller did not answer (ipyparallel's waits for ever, and a
+        controller that died would hang the notebook's cell)."""
+        from ipyparallel import util
+
+        future = self._send(self._query_stream, "queue_request",
+                            content={"targets": None, "verbose": verbose})
+        if not future.wait(timeout):
+            return None
+        content = dict(future.result()["content"])
+        if content.pop("status", None) != "ok":
+            return None
+        return util.int_keys(content)
 
     def _engine(self, uuid: str | None) -> int | None:
         try:
