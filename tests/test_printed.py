@@ -247,3 +247,16 @@ def test_prints_from_a_pool_or_an_old_str_are_never_put_together_wrongly(two):
     out = run(two, "before = str(grads)\nprint(f'now {params} before {before}')")
     assert out.stdout == ("[ranks 0-1] now Array(shape=(8,), dtype=float32) before "
                           "Array(shape=(8,), dtype=float32)\n"), out.stdout
+
+
+def test_two_placeholders_made_before_either_is_written_are_never_swapped(two):
+    """print(f'params {params}', f'grads {grads}') makes both texts before the first is
+    written: which repr is which placeholder cannot be told from the first write alone, so
+    neither is put together from the other's parts."""
+    out = run(two, "print(f'params {params}', f'grads {grads}')")
+    assert out.error is None, report(out)
+    expected = one_process(["print(f'params {params}', f'grads {grads}')"])[0][0]
+    text = out.stdout.removeprefix("[ranks 0-1] ")
+    assert text in (expected, "params Array(shape=(8,), dtype=float32) grads "
+                              "Array(shape=(8,), dtype=float32)\n"), out.stdout
+    assert "-0. -1." not in text.split("grads")[0], out.stdout  # (grads' value as params)

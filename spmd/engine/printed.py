@@ -42,6 +42,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.abc
+import inspect
 import json
 import linecache
 import os
@@ -227,26 +228,35 @@ def display_text(array) -> str | None:
 
 def marked(text: str) -> str:
     """(the writer's thread) ``text`` with a mark after each placeholder of an array this
-    thread's ``repr`` made since its last write, the latest matched last."""
+    thread's ``repr`` made on the line that writes it. Each placeholder is paired with the
+    repr that made it only where that cannot be wrong: as many reprs as the text has
+    placeholders of those words (paired in the order made, which is the order written), or
+    reprs of one array only; else none of those is marked (``print(f'a {a}', f'b {b}')``
+    makes both before the first is written; ``str(x)`` kept from an earlier line)."""
     pending = getattr(_noted, "pending", None)
     if not pending:
         return text
-    _noted.pending = []
-    end = len(text)
-    found = []
     here = _cell_line()
     # (a repr made on another line is str(x) for the program's own use, written later)
     made = [note for note in pending if note[3] == here]
-    for placeholder, taken, form, _ in reversed(made):
-        if text.count(placeholder) > sum(note[0] == placeholder for note in made):
-            # (the same words from elsewhere too, str(x) kept from before: which one is this
-            # print's cannot be told, so none is marked)
+    words = {note[0] for note in made}
+    if not any(placeholder in text for placeholder in words):
+        _noted.pending = made  # (print('x:', str(x)) writes 'x:' first)
+        return text
+    _noted.pending = []
+    found = []
+    for placeholder in words:
+        notes = [note for note in made if note[0] == placeholder]
+        spots = [at for at in _spots(text, placeholder)]
+        if not spots or len(spots) > len(notes):
             continue
-        at = text.rfind(placeholder, 0, end)
-        if at < 0:
-            continue
-        end = at
-        found.append((at, placeholder, taken, form))
+        if len(spots) < len(notes):  # (pprint makes a repr twice: one array, or none marked)
+            if len({id(note[1]) for note in notes}) > 1 and len(
+                    {note[1].digest for note in notes if note[1].parts is not None}) > 1:
+                continue
+            notes = notes[-len(spots):]
+        found += [(at, placeholder, taken, form)
+                  for at, (_, taken, form, _) in zip(spots, notes)]
     place = _place() if found else None
     if place is None:
         return text
@@ -260,6 +270,14 @@ def marked(text: str) -> str:
             text = (text[:at] + wire.PRINTED_BEGIN + text[at:where]
                     + wire.PRINTED_MARK.format(f"{mark}{form}") + text[where:])
     return text
+
+
+def _spots(text: str, placeholder: str):
+    """Where ``placeholder`` starts in ``text``, left to right."""
+    at = text.find(placeholder)
+    while at >= 0:
+        yield at
+        at = text.find(placeholder, at + len(placeholder))
 
 
 def _is_cell(name: str) -> bool:
@@ -283,6 +301,7 @@ def _cell_line() -> tuple[int, int] | None:
 # says nothing of which task made it, which differs from rank to rank.
 _POOLS = (os.path.join("concurrent", "futures", "thread.py"),
           os.path.join("multiprocessing", "pool.py"))
+_EVENT_LOOP = os.path.join("asyncio", "events.py")
 # Frames whose ``for`` loops are not the program's: Python's, the libraries', spmd's own.
 _LIBRARIES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix,
                     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
@@ -296,17 +315,21 @@ def _place() -> str | None:
     ``for`` loops around each line of the program's own code (a rank that skips a step of a
     loop does not pair its next print with another rank's print of that step). A cell's file
     is named by its code's hash (ipykernel), never by the rank's pid. None where no place can
-    be told alike: a pool's worker, or a thread whose name another thread has."""
-    frames, outermost = [], None
+    be told alike: a pool's worker, an asyncio task, or a thread whose name another thread
+    has."""
+    frames, outermost, loop = [], None, False
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.endswith(_POOLS):
             return None
+        loop = loop or name.endswith(_EVENT_LOOP)
         frames.append(frame)
         if _is_cell(name):
             outermost = len(frames)
         frame = frame.f_back
+    if loop and outermost is not None and frames[outermost - 1].f_code.co_name != "<module>":
+        return None  # (an asyncio task of the cell's: tasks run in the order I/O allows)
     thread = threading.current_thread()
     who = ""
     if thread is not threading.main_thread():
@@ -348,7 +371,12 @@ def _loops_around(filename: str, line: int) -> list[str]:
 
 
 def _step(frame, name: str) -> str:
-    """A loop variable's value, where it is a plain one (a count, a name); else '?'."""
+    """A loop variable's value, where it is a plain one (a count, a name); else '?'. Read
+    from a cell's or a module's namespace only: before Python 3.13 reading a function's
+    ``f_locals`` keeps a copy of all its locals on the frame (the step's arrays, alive after
+    ``del x``), so a function's loops count by their line alone there."""
+    if frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.version_info < (3, 13):
+        return "?"
     value = frame.f_locals.get(name)
     if isinstance(value, (bool, int, float, str)) and len(repr(value)) < 100:
         return repr(value)
@@ -386,6 +414,8 @@ def _parts_of(array) -> _Parts:
     except Exception:  # (a kind of array this does not know: jax's placeholder stays)
         parts = None
     taken = _Parts(parts[results.MIME] if parts else None)
+    if torch:  # (taken anew at every repr: nothing to keep)
+        return taken
     with _lock:
         if len(_taken) >= 256:  # (keep those of arrays still alive)
             for key in [k for k, (alive, _, _) in _taken.items() if alive() is None]:
@@ -400,13 +430,12 @@ def _mark_of(taken: _Parts, place: str) -> str | None:
     """The mark of this placeholder (its place and its number there), its parts put in the
     cell's table (None: past the caps, or no parts to send)."""
     global _left_out
-    with _lock:
+    digest = taken.digest if taken.parts is not None else None  # (outside the lock)
+    with _lock:  # (one section: the count and the table are of one cell)
         count = _places.get(place, 0)
         _places[place] = count + 1  # (counted even when left out: the numbers stay aligned)
-    if taken.parts is None:
-        return None
-    digest = taken.digest  # (outside the lock: once per parts taken)
-    with _lock:
+        if digest is None:
+            return None
         index = _indexes.get(digest)
         if len(_marks) >= MAX_MARKS or (index is None and len(_parts) >= MAX_ARRAYS):
             _left_out += 1
