@@ -678,7 +678,7 @@ def test_the_attach_reads_only_what_follows_this_deaths_mark(monkeypatch):
     now = time.time()
 
     def mark(at: float) -> str:
-        return f"{GONE_LINE}{time.strftime(GONE_STAMP, time.localtime(at))}; follows ---\n"
+        return f"{GONE_LINE}{time.strftime(GONE_STAMP, time.gmtime(at))}; follows ---\n"
 
     monkeypatch.setattr(away, "ATTACH_TAIL", 100)
     logs = {0: mark(now - 3600) + "an earlier death's line\n",

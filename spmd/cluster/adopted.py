@@ -98,13 +98,13 @@ class Adopted:
         item = (engine_id, kind, {**content, FROM_BEFORE: True})
         with self._lock:
             self._heard += 1
-            if not (self._holding and kind == "stream"):
+            if not self._holding:  # (while held, every kind: released in the order heard)
                 self._to_late(late, item)
                 return
             if len(self._held) == HELD:  # (the oldest goes: in its rank's log if read after)
-                number, (old_engine, _, _) = self._held.popleft()
+                number, (old_engine, old_kind, _) = self._held.popleft()
                 began = self._read_from.get(self.rank_of.get(old_engine, -1))
-                if began is None or number <= began:
+                if old_kind == "stream" and (began is None or number <= began):
                     self._dropped_unread[old_engine] = self._dropped_unread.get(old_engine, 0) + 1
                 else:
                     self._dropped += 1
@@ -134,7 +134,8 @@ class Adopted:
             held, self._held = self._held, collections.deque()
             for number, item in held:
                 rank = self.rank_of.get(item[0])
-                if rank not in read or number > self._read_from.get(rank, 0):
+                if item[1] != "stream" or rank not in read or number > self._read_from.get(
+                        rank, 0):  # (a display or an error is in no log: always shown)
                     self._to_late(late, item)
             self._dropped += sum(n for engine_id, n in self._dropped_unread.items()
                                  if self.rank_of.get(engine_id) not in read)

@@ -220,15 +220,8 @@ def folder_lock(folder: str, wait: float | None = None) -> int | None:
     path = os.path.join(folder, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:  # (a folder made before it had one; never one being removed)
-        if not os.path.isfile(os.path.join(folder, "owner.json")):
-            return None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
-    except OSError:
-        return None
+    except OSError:  # (gone, or being removed: never made again here, which would lock a
+        return None  # file the ending controller does not hold)
     until = None if wait is None else time.monotonic() + wait
     try:
         while True:

@@ -27,9 +27,10 @@ import time
 from spmd import wire
 
 # The line a rank writes to its log when its notebook is gone (its output follows; then the
-# local time, as ``GONE_STAMP``), and the start of the line it writes when a cell ends meanwhile.
+# time in UTC, as ``GONE_STAMP``, read back on the notebook's machine whatever either's zone),
+# and the start of the line it writes when a cell ends meanwhile.
 GONE_LINE = "--- the notebook process ended at "
-GONE_STAMP = "%Y-%m-%d %H:%M:%S"
+GONE_STAMP = "%Y-%m-%d %H:%M:%S UTC"
 CELL_ENDED = "--- the cell ended: "
 
 _lock = threading.Lock()
@@ -66,7 +67,7 @@ def notebook_gone() -> None:
     global _gone, _copying
     with _lock:
         _gone = _copying = True
-        stamp = time.strftime(GONE_STAMP)
+        stamp = time.strftime(GONE_STAMP, time.gmtime())
         os.write(1, f"{GONE_LINE}{stamp}; the rank's output follows ---\n".encode())
         _copy(True)
 

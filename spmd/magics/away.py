@@ -14,6 +14,7 @@ attach before it took the cluster, says when the death was found)."""
 
 from __future__ import annotations
 
+import calendar
 import time
 
 from spmd.cluster.lockstep.run import rank_words
@@ -116,6 +117,6 @@ def _read_logs(session) -> tuple[dict[int, int], dict[int, tuple[str, str]]]:
 def _after(stamped: str, earliest: float) -> bool:
     """Whether a mark's time (the text after ``GONE_LINE``) is ``earliest`` or later."""
     try:
-        return time.mktime(time.strptime(stamped[:19], GONE_STAMP)) >= earliest
+        return calendar.timegm(time.strptime(stamped[:23], GONE_STAMP)) >= earliest
     except (ValueError, OverflowError):
         return False
