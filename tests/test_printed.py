@@ -76,7 +76,8 @@ def unlabelled(text: str, n: int) -> str:
     label = f"[ranks 0-{n - 1}]"
     if not text:
         return text
-    assert text.startswith(label), text
+    if not text.startswith(label):
+        return None  # (not once for every rank: check_corpus names the cell)
     return text[len(label) + 1:]
 
 
@@ -87,8 +88,9 @@ def check_corpus(shell, n: int) -> None:
         out = run(shell, cell)
         assert out.error is None, (name, report(out))
         shown = (unlabelled(out.stdout, n), unlabelled(out.stderr, n))
-        if shown != (stdout, stderr):
-            wrong.append(f"{name}:\n  notebook: {shown!r}\n  one process: {(stdout, stderr)!r}")
+        if shown != (stdout, stderr) or None in shown:
+            wrong.append(f"{name}:\n  notebook: {(out.stdout, out.stderr)!r}\n  one process: "
+                         f"{(stdout, stderr)!r}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -243,7 +245,9 @@ def test_prints_from_a_pool_or_an_old_str_are_never_put_together_wrongly(two):
                    "with ThreadPoolExecutor(2) as pool:\n"
                    "    list(pool.map(lambda i: print('task', params * i), range(4)))")
     assert out.error is None, report(out)
-    assert out.stdout.count("Array(shape=(8,), dtype=float32)") == 8, out.stdout
+    tasks = [line for line in out.stdout.splitlines() if "task" in line]
+    assert tasks and all(line.endswith("task Array(shape=(8,), dtype=float32)")
+                         for line in tasks), out.stdout
     out = run(two, "before = str(grads)\nprint(f'now {params} before {before}')")
     assert out.stdout == ("[ranks 0-1] now Array(shape=(8,), dtype=float32) before "
                           "Array(shape=(8,), dtype=float32)\n"), out.stdout

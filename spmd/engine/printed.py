@@ -46,6 +46,7 @@ import inspect
 import json
 import linecache
 import os
+import re
 import sys
 import threading
 import weakref
@@ -302,6 +303,7 @@ def _cell_line() -> tuple[int, int] | None:
 _POOLS = (os.path.join("concurrent", "futures", "thread.py"),
           os.path.join("multiprocessing", "pool.py"))
 _EVENT_LOOP = os.path.join("asyncio", "events.py")
+_THREAD_COUNT = re.compile(r"^Thread-\d+")
 # Frames whose ``for`` loops are not the program's: Python's, the libraries', spmd's own.
 _LIBRARIES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix,
                     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
@@ -333,9 +335,12 @@ def _place() -> str | None:
     thread = threading.current_thread()
     who = ""
     if thread is not threading.main_thread():
-        if sum(other.name == thread.name for other in threading.enumerate()) > 1:
+        # (a thread's name without the process's count of threads made so far, which the
+        # ranks need not share: "Thread-7 (worker)" is "Thread (worker)")
+        who = _THREAD_COUNT.sub("Thread", thread.name)
+        if sum(_THREAD_COUNT.sub("Thread", other.name) == who
+               for other in threading.enumerate()) > 1:
             return None
-        who = thread.name
     words = [who]
     for frame in reversed(frames[:outermost]):
         name, line = frame.f_code.co_filename, frame.f_lineno
