@@ -5,7 +5,7 @@ writers of one entry), expecting the other processes to find the same keys. Here
 a computation's key differs from process to process (seen for cells on local arrays and for
 a jit across all 8 devices of 4 processes alike: each process has its own key). So after a
 restart, rank 0 read every cell from the cache while the others compiled it again, a second
-or more behind, which the watchdog's grace could take for a divergence.
+or more behind: time lost on every cell (the watchdog waits for a rank that is compiling).
 
 So here every process writes its own entries too. Keys are per process, so no two processes
 write one entry; the folder is on this machine or one the user named. Where jax's internals
