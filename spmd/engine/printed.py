@@ -79,6 +79,7 @@ class _Parts:
 
 
 _NONE = _Parts(None)
+_OVER = _Parts(None)  # (taken past MAX_ARRAYS: left out, and the notebook says so)
 
 # .pending: [(placeholder, its parts taken, form, line)] made since this thread's last write;
 # .form: "s" while str() or format() runs (numpy's form), "-" for a format spec of its own,
@@ -411,6 +412,8 @@ def _parts_of(array) -> _Parts:
         known = _taken.get(id(array))
         if known is not None and known[0]() is array and known[1] == state:
             return known[2]
+        if len(_parts) >= MAX_ARRAYS:  # (the cell's table is full: no corners copied)
+            return _OVER
     from spmd.engine import results
 
     try:  # (outside the lock: it copies from the devices)
@@ -440,6 +443,7 @@ def _mark_of(taken: _Parts, place: str) -> str | None:
         count = _places.get(place, 0)
         _places[place] = count + 1  # (counted even when left out: the numbers stay aligned)
         if digest is None:
+            _left_out += taken is _OVER
             return None
         index = _indexes.get(digest)
         if len(_marks) >= MAX_MARKS or (index is None and len(_parts) >= MAX_ARRAYS):
