@@ -16,25 +16,27 @@ no output shows.
 
 How the notebook knows which parts of each rank belong together: by where the print is, not by
 the order the rank printed in (ranks take their own branches). A mark names the print's place
-(the thread; the cell lines down to the print, so a function called from two lines is two
-places; the values of the ``for`` loops around each of those lines) and how many placeholders
-that place marked before in this cell. So ``if rank == 0: print(a)`` then ``print(b)`` marks b
-alike on every rank, a rank that skips a step of a loop pairs no print with another step's, and
-the n-th print of a DTensor changed in place is matched with the n-th print of the others.
+(the thread; every frame from the cell down to the print, so a function called from two lines
+is two places; the values of the ``for`` loops around those lines, read from a cell's or a
+module's namespace) and how many placeholders that place marked before in this cell. So ``if
+rank == 0: print(a)`` then ``print(b)`` marks b alike on every rank, a rank that skips a step
+of a loop pairs no print with another step's, and the n-th print of a DTensor changed in place
+is matched with the n-th print of the others. Where no place can be told alike (a pool's
+worker, an asyncio task, threads sharing a name), nothing is marked.
 
 The parts are taken when ``repr`` makes the placeholder (the print that writes it comes next,
 and an f-string's array, ``f'{x * 2}'``, is gone by then), so an array changed in place prints
-as it is at that print, and an unchanged array printed again reuses its parts (a jax.Array
-never changes; a DTensor is looked at through its version counter): a loop printing one array
+as it is at that print. A jax.Array never changes, so its parts are reused while it lives; a
+DTensor's are taken at every repr (its version counter misses changes through its local
+shard). The same parts are sent once a cell, found by their digest: a loop printing one array
 sends it once. At most ``MAX_ARRAYS`` different parts a cell and ``MAX_MARKS`` marks (the rest
 stay placeholders, and the notebook says so). Nothing here keeps an array alive (only its
 parts, a few corners, and a weak reference), so ``del x`` frees its memory as in plain jax.
 
 Threads: ``repr`` notes on the thread that calls it (thread-local); the streams' ``write``
 runs on the writer's thread and takes the cell's table (and ``repr``, the parts taken lately)
-under ``_lock``; the main thread takes
-the table at the cell's reply (``into``). The import hook (``_Installer``) runs on whichever
-thread imports jax or torch's DTensor first.
+under ``_lock``; the main thread takes the table at the cell's reply (``into``). The import
+hook (``_Installer``) runs on whichever thread imports jax or torch's DTensor first.
 """
 
 from __future__ import annotations
