@@ -611,6 +611,17 @@ def _running(launch: str, cwd: str):
         _end(job)
 
 
+def _named(proc, word: str) -> bool:
+    """Whether ``proc``'s name holds ``word``; False for a child gone since it was listed
+    (the launch's shell forks short-lived children, such as a command substitution's)."""
+    import psutil
+
+    try:
+        return word in proc.name()
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _end(job: subprocess.Popen, procs: list = ()) -> None:
     """Kill the launch ``job``, every process under it and ``procs`` (each rank runs in a
     session of its own: the launch's process group does not hold it)."""
@@ -667,7 +678,7 @@ def test_ctrl_c_ends_every_process_of_a_jax_job(presses, launcher, tmp_path):
         pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
     launch = write_job(str(tmp_path), READY, launcher=launcher)
     with _running(launch, str(tmp_path)) as (job, procs):
-        assert len([p for p in procs if "python" in p.name()]) == 2
+        assert len([p for p in procs if _named(p, "python")]) == 2
         time.sleep(1)
         for _ in range(presses):
             os.killpg(job.pid, signal.SIGINT)
@@ -687,7 +698,7 @@ def test_ctrl_c_while_the_processes_start_ends_those_started(tmp_path):
     job = _start(launch, str(tmp_path))
     try:
         shell, deadline = psutil.Process(job.pid), time.monotonic() + 30
-        while not (procs := [p for p in shell.children() if "python" in p.name()]):
+        while not (procs := [p for p in shell.children() if _named(p, "python")]):
             assert time.monotonic() < deadline
         os.killpg(job.pid, signal.SIGINT)
         assert job.wait(timeout=10) == 130
