@@ -59,8 +59,9 @@ KEPT_METADATA = (IOPUB_COUNT, CENSUS_DIGEST, ENV_CHANGED, PRINTED_ARRAYS)
 # several processes (jax's ``Array(shape=..., dtype=...)``, a DTensor's repr of its own
 # shard), in stdout, stderr and a display's text/plain: PRINTED_BEGIN before it, PRINTED_MARK
 # after it ({} is the array's number in the cell, then "s" where str() or format() printed it,
-# "r" where repr() did). The notebook replaces the placeholder and its marks with the array as
-# one process prints it, or drops the marks.
+# "r" where repr() did, "f" where a format spec did, of an array some processes hold whole).
+# The notebook replaces the placeholder and its marks with the array as one process prints it,
+# or drops the marks.
 PRINTED_BEGIN = "\x00spmd-printed\x00"
 PRINTED_MARK = "\x00spmd-array:{}\x00"
 

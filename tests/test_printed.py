@@ -8,6 +8,7 @@ put together from two arrays."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,14 @@ params = jax.device_put(jnp.arange(8.0), NamedSharding(mesh8, P('x')))
 grads = jax.device_put(-jnp.arange(8.0), NamedSharding(mesh8, P('x')))
 wide = jax.device_put(jnp.arange(16.0).reshape(2, 8), NamedSharding(mesh, P('x', 'y')))
 big = jax.device_put(jnp.arange(1000.0 * 1000).reshape(1000, 1000), NamedSharding(mesh8, P('x')))
+# meshes over some processes' devices (as JAX's tutorials make them: the first devices):
+# first2 is process 0's on 2 x 4 and on 4 x 2; first4, process 0's on 2 x 4, 0-1's on 4 x 2
+first2 = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('x',))
+first4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('x',))
+on_first2 = jax.device_put(jnp.arange(4.0), NamedSharding(first2, P('x')))
+copied = jax.device_put(jnp.arange(3.0) + 0.5, NamedSharding(first4, P()))
+split = jax.device_put(jnp.arange(8.0), NamedSharding(first4, P('x')))
+double = jax.jit(lambda a: a * 2 + 1)
 """
 
 # Cells that print the same on every rank: the notebook shows them once, as one process does.
@@ -56,6 +65,21 @@ CORPUS = {
 }
 
 
+# Cells that print arrays some processes hold (a mesh of the first devices): the ranks that
+# hold none print jax's placeholder, shown as the holders print the array, with one line
+# (on stderr) that names them.
+HELD = {
+    "a check on a mesh of some processes": "print(jnp.allclose(double(split), split * 2 + 1))",
+    "every form": "print(f'{copied!r} {copied} {copied.sum():.2f} {on_first2}')",
+    "two in one print": "print(on_first2, double(copied))",
+    "a loop": "for i in range(2):\n    print(i, on_first2 * i, copied + i)",
+    "a function": "def show(a):\n    print('shown', a)\nshow(copied)\nshow(on_first2)",
+    "a container": "print([copied, on_first2], {'c': copied})",
+}
+HELD_LINE = re.compile(r"^(\(The arrays? printed here lives? on the devices of process(es)? "
+                       r"[0-9-]+ only; the other ranks hold none of (it|them)\.\)\n)+")
+
+
 def one_process(cells: list[str]) -> list[str]:
     """What each cell prints (stdout + stderr) in one process with all 8 devices."""
     marker = "\x01cell\x01"
@@ -82,12 +106,17 @@ def unlabelled(text: str, n: int) -> str:
 
 
 def check_corpus(shell, n: int) -> None:
-    reference = one_process(list(CORPUS.values()))
+    corpus = {**CORPUS, **HELD}
+    reference = one_process(list(corpus.values()))
     wrong = []
-    for (name, cell), (stdout, stderr) in zip(CORPUS.items(), reference):
+    for (name, cell), (stdout, stderr) in zip(corpus.items(), reference):
         out = run(shell, cell)
         assert out.error is None, (name, report(out))
-        shown = (unlabelled(out.stdout, n), unlabelled(out.stderr, n))
+        said = HELD_LINE.match(out.stderr) if name in HELD else None
+        if name in HELD and not said:
+            wrong.append(f"{name}: no line names the processes that hold it: {out.stderr!r}")
+        errors = out.stderr[said.end():] if said else out.stderr
+        shown = (unlabelled(out.stdout, n), unlabelled(errors, n))
         if shown != (stdout, stderr) or None in shown:
             wrong.append(f"{name}:\n  notebook: {(out.stdout, out.stderr)!r}\n  one process: "
                          f"{(stdout, stderr)!r}")
@@ -106,6 +135,38 @@ def test_the_corpus_on_two_processes_prints_what_one_process_prints(two):
 @pytest.mark.slow
 def test_the_corpus_on_four_processes_prints_what_one_process_prints(module_shell):
     check_corpus(ready_cluster(module_shell, "start -n 4 -d 2", SETUP), 4)
+
+
+@pytest.mark.slow
+def test_a_value_some_processes_hold_is_shown_once_as_they_show_it(module_shell):
+    """On 4 x 2, a cell's value (or display) that lives on process 0's devices, or is copied on
+    processes 0-1's, is shown once as one process shows it, under one line naming the
+    processes that hold it (before: the holders' text, then the others' placeholders). No
+    warning of launches that differ: rank 0 computing on its own devices while the others
+    hold none is one program on every rank."""
+    shell = ready_cluster(module_shell, "start -n 4 -d 2", SETUP)
+    cells = {"double(on_first2)": "process 0", "copied": "processes 0-1",
+             "double(copied)": "processes 0-1", "display(on_first2 + 1)": None}
+    reference = one_process([f"print(repr({cell.removeprefix('display')}))"
+                             for cell in cells])
+    for (cell, holders), (expected, _) in zip(cells.items(), reference):
+        out = run(shell, cell)
+        assert out.error is None, (cell, report(out))
+        assert [o["text/plain"] for o in out.outputs] == [expected.rstrip("\n")], (cell, out)
+        if holders is None:  # (a display: said as a print is)
+            assert HELD_LINE.fullmatch(out.stderr), out
+        else:
+            assert out.stderr == "", (cell, out)
+            assert out.stdout.startswith(f"(one array on the 2 devices of {holders} only: "
+                                         if holders == "process 0" else
+                                         f"(one array on the 4 devices of {holders} only: "), out
+    # numpy of it fails on the ranks that hold none: the hint names those that do (before: "no
+    # single process can print it")
+    out = run(shell, "np.asarray(copied)")
+    text = "\n".join(out.error._render_traceback_())
+    assert "copied lives on the devices of processes 0-1 only: the other ranks hold none" in \
+        text, text
+    assert "no single process" not in text, text
 
 
 def test_arrays_printed_in_an_order_that_differs_by_rank_are_never_mixed(two):
@@ -200,7 +261,6 @@ def test_generated_control_flows_never_show_a_wrong_value(two, seed):
     """Every printed line is the value one process prints at that print, or jax's
     placeholder where not every rank printed it there; a print every rank made is never a
     placeholder."""
-    import re
 
     cell, everywhere = generated_program(seed, 2)
     out = run(two, cell)

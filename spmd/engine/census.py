@@ -5,9 +5,10 @@ different sequences (other shapes, another count, another program at the same pl
 always on, so it must cost next to nothing:
 
 - jax: ``jax.jit`` and ``jax.pmap`` hand out a thin wrapper of jax's own jitted function. A
-  call goes through jax's C++ fast path as before; afterwards, if its result lives on other
-  processes' devices too (pmap: whenever there are several processes), the wrapper records the
-  program and its arguments' shapes and dtypes. (Recording where jax dispatches, in its Python
+  call goes through jax's C++ fast path as before; afterwards, if its result lives on the
+  devices of several processes (the same answer on every rank, whichever of them it holds;
+  pmap: whenever there are several processes), the wrapper records the program and its
+  arguments' shapes and dtypes. (Recording where jax dispatches, in its Python
   path, would take every cross-process program off the C++ fast path: measured 3x the time
   of a small cross-process jit here.) jax's own eager operations (``jnp.sum`` of a global
   array outside any jit) are not recorded.
@@ -220,8 +221,7 @@ class Launched:
         else:
             leaves = _leaves((args, kwargs))
             spans = self._spanning[1] or any(
-                type(leaf) is _Array and not leaf.sharding.is_fully_addressable
-                for leaf in leaves)
+                type(leaf) is _Array and _spans(leaf.sharding) for leaf in leaves)
         if not spans:
             return None
         arrays = not kwargs and all(type(arg) is _Array for arg in args)
@@ -241,7 +241,7 @@ class Launched:
             sharding = first.sharding
             known, spans = self._spanning  # (one tuple: another thread sees a whole pair)
             if sharding is not known:
-                spans = not sharding.is_fully_addressable
+                spans = _spans(sharding)
                 self._spanning = (sharding, spans)
         if spans:
             arrays = not kwargs and all(type(arg) is _Array for arg in args)
@@ -261,6 +261,14 @@ class Launched:
 
     def __repr__(self) -> str:
         return repr(self._jitted)
+
+
+def _spans(sharding) -> bool:
+    """Whether a program with this sharding runs on several processes' devices: the same
+    answer on every rank. (Not ``is_fully_addressable``: a mesh of process 0's devices is
+    fully addressable on rank 0 only, so rank 0 would count no launch where the others count
+    one, and the notebook would warn of launches that differ.)"""
+    return len({device.process_index for device in sharding.device_set}) > 1
 
 
 def _first_leaf(out):

@@ -24,6 +24,13 @@ of a loop pairs no print with another step's, and the n-th print of a DTensor ch
 is matched with the n-th print of the others. Where no place can be told alike (a pool's
 worker, an asyncio task, threads sharing a name), nothing is marked.
 
+An array on the devices of some processes only (a mesh of ``jax.devices()[:4]``), which those
+processes print whole (on one process's devices, or copied on each of its devices): the ranks
+that hold it print its value, the others jax's placeholder. A holder notes its own text as a
+placeholder is noted (``_note_own``), counted at the print's place as the others count their
+placeholder, and sends it in the table instead of parts; its output is left as it is. The
+notebook shows the others' placeholder as that text.
+
 The parts are taken when ``repr`` makes the placeholder (the print that writes it comes next,
 and an f-string's array, ``f'{x * 2}'``, is gone by then), so an array changed in place prints
 as it is at that print. A jax.Array never changes, so its parts are reused while it lives; a
@@ -58,6 +65,7 @@ from spmd import wire
 
 MAX_ARRAYS = 100  # different parts per cell (each one's corners are copied from its devices)
 MAX_MARKS = 10_000  # marked placeholders per cell (a loop printing one array: one part)
+MAX_OWN_TEXT = 1 << 16  # characters of a holder's own text of an array, sent for the others
 
 
 class _Parts:
@@ -164,8 +172,58 @@ def _note(text: str, array) -> None:
     line = _cell_line()
     # (outside a cell, a variable inspector's or the debugger's repr: nothing is taken)
     taken = _parts_of(array) if line is not None else _NONE
-    pending.append((text, taken, getattr(_noted, "form", "r"), line))
+    form = getattr(_noted, "form", "r")
+    if form == "-" and _held_whole_by_some(array):  # (its holders' formatted text: shown)
+        form = "f"
+    pending.append((text, taken, form, line))
     del pending[:-64]  # (a repr no output shows is forgotten soon)
+
+
+def _note_own(text: str, array, form: str) -> None:
+    """(the thread calling repr, str or format) ``text`` is what this process prints of an
+    array that lives on some processes' devices only, whole here (``_held_whole_by_some``):
+    the others print jax's placeholder, which the notebook replaces by this text. Noted as a
+    placeholder is, so that its print counts at its place as theirs does; never marked in
+    this rank's own output, which is the value already."""
+    line = _cell_line()
+    if line is None or len(text) > MAX_OWN_TEXT:
+        return
+    form = "F" if form == "-" else form.upper()  # (as the others' placeholder: "f", "s", "r")
+    sharding = array.sharding
+    taken = _Parts({"own": text, "form": form, "shape": list(array.shape),
+                    "dtype": array.dtype.name, "sharding": repr(sharding),
+                    "holders": sorted({d.process_index for d in sharding.device_set})})
+    pending = getattr(_noted, "pending", None)
+    if pending is None:
+        pending = _noted.pending = []
+    pending.append((text, taken, form, line))
+    del pending[:-64]
+
+
+def _printable_here(array) -> bool:
+    """Whether jax prints the array's value in this process (else its placeholder)."""
+    return array.is_fully_addressable or (array.is_fully_replicated
+                                          and array.sharding.has_addressable_devices)
+
+
+_process_count: list[int] = []  # (jax.process_count(), once it is known)
+
+
+def _held_whole_by_some(array) -> bool:
+    """Whether the array lives on the devices of some processes only, and those that hold it
+    print it whole (it is on one process's devices, or the same on each of its devices): the
+    same answer on every rank, from its sharding. An array a process made on its own device
+    (uncommitted, like ``jnp.arange(3)``) is each rank's own: no."""
+    if not array.committed:
+        return False
+    if not _process_count:
+        import jax
+
+        _process_count.append(jax.process_count())
+    sharding = array.sharding
+    holders = {device.process_index for device in sharding.device_set}
+    return len(holders) < _process_count[0] and (len(holders) == 1
+                                                  or sharding.is_fully_replicated)
 
 
 def _install_jax(impl) -> None:
@@ -174,9 +232,10 @@ def _install_jax(impl) -> None:
     def __repr__(self):
         text = original_repr(self)
         try:
-            if text.startswith("Array(shape=") and not (
-                    self.is_fully_addressable or self.is_fully_replicated):
+            if text.startswith("Array(shape=") and not _printable_here(self):
                 _note(text, self)
+            elif _held_whole_by_some(self):  # (this process prints it: its text, for the others)
+                _note_own(text, self, getattr(_noted, "form", "r"))
         except Exception:  # (an array being deleted: jax's text, unmarked)
             pass
         return text
@@ -184,12 +243,19 @@ def _install_jax(impl) -> None:
     def as_str(call):
         def wrapped(self, *args):
             before = getattr(_noted, "form", "r")
-            # (a format spec of its own: numpy's would refuse it, so it is left as it is)
-            _noted.form = "s" if not args or not args[0] else "-"
+            # (a format spec of its own: numpy's would refuse it, so it is left as it is,
+            # unless a process prints the array whole: its text is the one to show)
+            form = _noted.form = "s" if not args or not args[0] else "-"
             try:
-                return call(self, *args)
+                text = call(self, *args)
             finally:
                 _noted.form = before
+            try:  # (this process prints it without a repr: numpy's str, or the format's)
+                if _held_whole_by_some(self) and _printable_here(self):
+                    _note_own(text, self, form)
+            except Exception:  # (an array being deleted: jax's text, unmarked)
+                pass
+            return text
         return wrapped
 
     impl.__repr__ = __repr__
@@ -220,11 +286,13 @@ def display_text(array) -> str | None:
     pending = getattr(_noted, "pending", None)
     if not pending or pending[-1][0] is not text:
         return None
-    _, taken, _, line = pending.pop()
+    _, taken, form, line = pending.pop()
     if line is None:  # (not a cell's display: a variable inspector's, the debugger's)
         return None
     place = _place()
     mark = _mark_of(taken, place) if place is not None else None
+    if form.isupper():  # (a holder's own text: the value, shown as it is; None would make
+        return text  # jax's formatter repr it again, a note no display consumes)
     if mark is None:
         return None
     return wire.PRINTED_BEGIN + text + wire.PRINTED_MARK.format(f"{mark}r")
@@ -252,6 +320,10 @@ def marked(text: str) -> str:
     for placeholder in words:
         notes = [note for note in made if note[0] == placeholder]
         spots = [at for at in _spots(text, placeholder)]
+        if spots and len(spots) > len(notes) and notes[0][2].isupper():
+            # (a holder's own text, which other words may hold too, like "1" in "step 1":
+            # counted as the others count their placeholders, which they find once)
+            spots = spots[:len(notes)]
         if not spots or len(spots) > len(notes):
             continue
         if len(spots) < len(notes):  # (pprint makes a repr twice: one array, or none marked)
@@ -269,7 +341,7 @@ def marked(text: str) -> str:
     found.sort(key=lambda f: f[0])
     marks = [_mark_of(taken, place) if form != "-" else None for _, _, taken, form in found]
     for (at, placeholder, _, form), mark in reversed(list(zip(found, marks))):
-        if mark is not None:
+        if mark is not None and form.islower():  # (a holder's own text: in the table only)
             where = at + len(placeholder)
             text = (text[:at] + wire.PRINTED_BEGIN + text[at:where]
                     + wire.PRINTED_MARK.format(f"{mark}{form}") + text[where:])
@@ -449,7 +521,8 @@ def _mark_of(taken: _Parts, place: str) -> str | None:
             return None
         index = _indexes.get(digest)
         if len(_marks) >= MAX_MARKS or (index is None and len(_parts) >= MAX_ARRAYS):
-            _left_out += 1
+            # (a holder's own text left out is no placeholder here: the others say it)
+            _left_out += "own" not in taken.parts
             return None
         if index is None:
             _parts.append(taken.parts)

@@ -108,8 +108,10 @@ def _parts(x) -> dict | None:
     import numpy as np
     from IPython import get_ipython
 
-    if x.is_fully_addressable or x.is_fully_replicated or x.size == 0:
-        return None  # (jax prints these itself)
+    if x.is_fully_addressable or x.size == 0 or (
+            x.is_fully_replicated and x.sharding.has_addressable_devices):
+        return None  # (jax prints these itself; a process that holds none of a replicated
+        # array sends its part, which is nothing: the notebook shows its holders' text)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
         return None  # (PRNG keys and the like: no numpy form)
     options = {k: v for k, v in np.get_printoptions().items() if k in _OPTIONS}

@@ -175,13 +175,24 @@ def fetch_shown(label: str, shown: dict[int, tuple[int, int]], max_bytes: int) -
     return fetch(f"Out[{count}]", max_bytes)
 
 
-def spanning(names: list[str]) -> list[str]:
-    """Which of ``names`` are jax.Arrays with shards on other processes' devices (arrays this
-    process cannot print or turn into numpy on its own)."""
+def spanning(names: list[str]) -> list[list]:
+    """Which of ``names`` are jax.Arrays that some process cannot print or turn into numpy on
+    its own, each as [name, the processes whose devices hold it, whether those print it whole
+    (a mesh of some processes' devices: on one process's, or copied on each)]."""
+    import jax
     from IPython import get_ipython
 
     ns = get_ipython().user_ns
-    return [n for n in names if _is_jax_array(ns.get(n)) and not ns[n].is_fully_addressable]
+    found = []
+    for name in names:
+        x = ns.get(name)
+        if not _is_jax_array(x) or not x.committed:  # (uncommitted: this process's own)
+            continue
+        holders = sorted({device.process_index for device in x.sharding.device_set})
+        whole = len(holders) == 1 or x.sharding.is_fully_replicated
+        if len(holders) < jax.process_count() or not whole:
+            found.append([name, holders, whole and len(holders) < jax.process_count()])
+    return found
 
 
 def receive(name: str, value: Any) -> None:

@@ -193,20 +193,29 @@ def gather_hint(session: Session, cell: str, errors: list) -> str:
         m = _CELL_LINE.match(_ANSI.sub("", text))
         if m and 0 < int(m.group(1)) <= len(lines):
             names = _names_in(lines[int(m.group(1)) - 1])
+    return _ways_out(*_spanning(session, names))
+
+
+def _spanning(session: Session, names: list[str]) -> list:
+    """The first of ``names`` that is an array some process cannot print, as
+    ``shards.spanning`` says it ("NAME" where none is, or rank 0 cannot tell)."""
     try:
         found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
-    except Exception:  # only a hint: without it, the generic sentence below
+    except Exception:  # only a hint: without it, the generic sentence
         found = []
-    return _ways_out(found[0] if found else "NAME")
+    return found[0] if found else ["NAME", [], False]
 
 
-def _ways_out(what: str) -> str:
-    return (
-        f"The array lives on the devices of several processes, so no single process can print it "
-        f"or turn it into numpy: end a cell with {what} to see its value here, or %spmd gather "
-        f"{what} puts it together in the notebook as numpy (%spmd sharding {what} shows who "
-        "holds what)."
-    )
+def _ways_out(what: str, holders: list[int], whole: bool) -> str:
+    ways = (f"end a cell with {what} to see its value here, or %spmd gather {what} puts it "
+            f"together in the notebook as numpy (%spmd sharding {what} shows who holds what)")
+    if whole:  # (a mesh of some processes' devices: they print it, the others hold none)
+        who = (f"process {holders[0]}" if len(holders) == 1
+               else f"processes {rank_words(holders).removeprefix('ranks ')}")
+        return (f"{what} lives on the devices of {who} only: the other ranks hold none of it "
+                f"and cannot print it or turn it into numpy; {ways}.")
+    return (f"The array lives on the devices of several processes, so no single process can "
+            f"print it or turn it into numpy: {ways}.")
 
 
 # What jax prints for an array no process holds whole (print(x), str(x), f"{x}")
@@ -218,12 +227,7 @@ def placeholder_hint(session: Session, cell: str, printed: list[str]) -> str:
     with the ways to see its value ('' when none printed one)."""
     if not any(_PLACEHOLDER.search(text) for text in printed):
         return ""
-    names = _names_in(cell)
-    try:
-        found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
-    except Exception:  # only a hint: without it, the generic sentence
-        found = []
-    return _ways_out(found[0] if found else "NAME")
+    return _ways_out(*_spanning(session, _names_in(cell)))
 
 
 def _names_in(code: str) -> list[str]:

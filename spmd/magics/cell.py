@@ -180,10 +180,10 @@ def cell_value(
     """The value of a cell that failed nowhere: an array one rank holds (said once), a global
     array (printed once), or the ranks' results grouped (a label where not every rank
     returned it). ``label``: the cell's ``Out[n]``."""
-    held = values.held_by_one(ran.cells)
-    if held is not None:  # (shown once, as the process that holds it prints it)
-        holder, out, part = held
-        write("stdout", values.about_held(holder, part) + "\n")
+    held = values.held_by_some(ran.cells)
+    if held is not None:  # (shown once, as the processes that hold it print it)
+        holders, out, part = held
+        write("stdout", values.about_held(holders, part) + "\n")
         return RankResults.of([(sorted(ran.cells), out)], n)
     spanning = values.payloads(ran.cells)
     if spanning:
@@ -201,7 +201,7 @@ def global_value(session: Session, parts: dict[int, dict], label: str) -> values
     shown = {rank: (part["count"], part["token"]) for rank, part in parts.items()}
     first = next(iter(parts.values()))
     text = values.text(list(parts.values()))  # (raises values.Incomplete)
-    write("stdout", values.about(first) + "\n")
+    write("stdout", values.about(first, len(parts)) + "\n")
     return values.GlobalValue(
         text,
         first["shape"],

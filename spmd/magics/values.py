@@ -18,6 +18,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from spmd.cluster.lockstep.outputs import RankCell
+from spmd.cluster.lockstep.run import rank_words
 from spmd.engine.results import MIME
 
 
@@ -35,27 +36,33 @@ def payloads(cells: dict[int, RankCell]) -> dict[int, dict]:
     return found if len(identity) == 1 else {}
 
 
-def held_by_one(cells: dict[int, RankCell]):
-    """(the rank, its result) where the cell's result is one jax.Array on that one rank's
-    devices only (a mesh of ``jax.devices()[:2]``): that rank prints it whole, as jax does,
-    and every other rank sent its part of it, which is nothing; else None."""
+def held_by_some(cells: dict[int, RankCell]):
+    """(the ranks, one of their results, a part) where the cell's result is one jax.Array on
+    the devices of some processes only, each of which prints it whole (a mesh of
+    ``jax.devices()[:2]``; one replicated over processes 0-1): they print it as jax does, the
+    same text, and every other rank sent its part of it, which is nothing; else None."""
     parts, plain = {}, {}
     for rank, cell in cells.items():
         for out in cell.outputs:
             if out.kind == "result":
                 (parts if MIME in out.data else plain)[rank] = out
-    if not parts or len(plain) != 1 or len(parts) + 1 != len(cells):
+    if not parts or not plain or len(parts) + len(plain) != len(cells):
         return None  # (one rank, or --ranks 0: its own value, as it is)
-    ((holder, out),) = plain.items()
-    first = [out.data[MIME] for out in parts.values()]
-    if any(p.get("holders") != [holder] or p["pieces"] or p.get("library") for p in first):
+    holders = sorted(plain)
+    sent = [out.data[MIME] for out in parts.values()]
+    if any(p.get("holders") != holders or p["pieces"] or p.get("library") for p in sent):
         return None
-    return holder, out, first[0]
+    if len({(tuple(p["shape"]), p["dtype"], p["sharding"]) for p in sent}) != 1 or len(
+            {out.data.get("text/plain") for out in plain.values()}) != 1:
+        return None
+    return holders, plain[holders[0]], sent[0]
 
 
-def about_held(holder: int, part: dict) -> str:
-    """One line: the array lives on one process's devices only."""
-    return (f"(one array on the {part['devices']} devices of process {holder} only: "
+def about_held(holders: list[int], part: dict) -> str:
+    """One line: the array lives on some processes' devices only."""
+    who = (f"process {holders[0]}" if len(holders) == 1
+           else f"processes {rank_words(holders).removeprefix('ranks ')}")
+    return (f"(one array on the {part['devices']} devices of {who} only: "
             f"{part.get('layout') or part['sharding']})")
 
 
@@ -144,10 +151,13 @@ def _torch_text(parts: list[dict]) -> str:
     return shown
 
 
-def about(part: dict) -> str:
-    """One line: what the array is, beside its value."""
+def about(part: dict, ranks: int = 0) -> str:
+    """One line: what the array is, beside its value (``ranks``: how many ranks sent a part;
+    an array on fewer processes' devices than that says which hold it)."""
     if part.get("library") == "torch":  # (a DTensor: one device per process)
         return f"(one DTensor over {part['processes']} processes: {part['layout']})"
+    if len(part.get("holders") or ()) < ranks:
+        return about_held(part["holders"], part)
     return (f"(one array over {part['processes']} processes, {part['devices']} devices: "
             f"{part.get('layout') or part['sharding']})")
 

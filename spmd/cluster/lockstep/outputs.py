@@ -20,9 +20,9 @@ _GLOO_CHATTER = re.compile(
 # A printed array's placeholder between its marks (wire.PRINTED_BEGIN, wire.PRINTED_MARK):
 # the placeholder, the print's mark (its place in the cell and its number there), its form.
 PRINTED = re.compile(re.escape(wire.PRINTED_BEGIN) + "(.*?)" + re.escape(wire.PRINTED_MARK)
-                     .replace(r"\{\}", "{}").format(r"([0-9a-f]+-\d+)([sr])"), re.S)
+                     .replace(r"\{\}", "{}").format(r"([0-9a-f]+-\d+)([srf])"), re.S)
 _MARKS = re.compile(re.escape(wire.PRINTED_BEGIN) + "|" + re.escape(wire.PRINTED_MARK)
-                    .replace(r"\{\}", "{}").format(r"[0-9a-f]+-\d+[sr]"))
+                    .replace(r"\{\}", "{}").format(r"[0-9a-f]+-\d+[srf]"))
 
 
 def unmarked(text: str) -> str:
