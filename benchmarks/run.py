@@ -301,7 +301,8 @@ class Bench:
 
     def printed_loops(self, rounds: int) -> None:
         """A loop that prints an array over 4 processes 1,000 times (the same one, and a new
-        one each step: past the 100 a cell rebuilds), and one that displays it 1,000 times,
+        one each step: past the 100 a cell rebuilds), one that prints an array processes 0-1
+        hold (the others print its holders' text), and one that displays it 1,000 times,
         beside the same loops with an array each process holds whole."""
         self.cell("%spmd start -n 4 -d 2")
         self.cell(
@@ -309,7 +310,10 @@ class Bench:
             "from jax.sharding import NamedSharding, PartitionSpec as P\n"
             "mesh = jax.make_mesh((8,), ('x',))\n"
             "spread = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P('x')))\n"
-            "local = jnp.arange(8.0)"
+            "local = jnp.arange(8.0)\n"
+            "import numpy as np\n"  # (copied on processes 0-1's devices: the others hold none)
+            "first4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('x',))\n"
+            "held = jax.device_put(jnp.arange(8.0), NamedSharding(first4, P()))"
         )
         try:
             for _ in range(rounds):
@@ -317,6 +321,7 @@ class Bench:
                                    ("global_same", "for i in range(1000):\n    print(spread)"),
                                    ("global_new", "for i in range(1000):\n    print(spread + i)"),
                                    ("local_new", "for i in range(1000):\n    print(local + i)"),
+                                   ("held_same", "for i in range(1000):\n    print(held)"),
                                    ("display_local", "for i in range(1000):\n    display(local)"),
                                    ("display_global", "for i in range(1000):\n    display(spread)")):
                     t0 = time.perf_counter()
@@ -500,6 +505,7 @@ TARGETS = [
     ("output/spmd", "output/px", 1.0, "≤ 1.0 × %px"),
     ("print_loop_1000/global_same", "print_loop_1000/local", None, ""),
     ("print_loop_1000/global_new", "print_loop_1000/local_new", None, ""),
+    ("print_loop_1000/held_same", "print_loop_1000/local", None, ""),
     ("print_loop_1000/display_global", "print_loop_1000/display_local", None, ""),
     ("print_loop_1000/dtensor", "print_loop_1000/tensor", None, ""),
     ("restart_after_fault/spmd", "start_to_ready/spmd", 1.5, "≤ 1.5 × a fresh start"),
