@@ -189,6 +189,12 @@ INTERNALS = [
     Internal("jax", "jax._src.pjit", "_fun", "rank",
              "where a jitted function was defined, for the census (engine/census.py)",
              required=False),
+    *[Internal("jax", module, path, "rank",
+               "device_put of a float64 numpy value the same on every process, which jax's "
+               "check calls different with x64 off (jax 0.6-0.10; engine/device_put.py)",
+               required=False)
+      for module, path in (("jax._src.dispatch", "_device_put_sharding_impl"),
+                           ("jax.experimental.multihost_utils", "assert_equal"))],
     # torch, on a rank that shows a DTensor's shards
     Internal("torch", "torch.distributed.tensor._utils",
              "_compute_local_shape_and_global_offset", "rank",

@@ -42,6 +42,7 @@ from spmd.engine import (
     census,
     commands,
     control,
+    device_put,
     import_env,
     printed,
     prompts,
@@ -110,6 +111,7 @@ class RankKernel(IPythonParallelKernel):
         self._env = import_env.watch(shell)  # (a cell that sets JAX_*: kept for the restart)
         if "jax" in backends:
             census.install_jax()
+            device_put.install()  # (a float64 value the same on every rank: as one process)
             printed.install()  # (print(x) of an array over several processes, shown once)
         if "torch" in backends:
             census.install_torch()

@@ -228,7 +228,8 @@ def cell_failure(
         if stall.deaths:
             details = ["", *stall.deaths[0].describe(headline=False), *details]
     else:
-        hints = [h for h in [arrays.gather_hint(session, cell, errors)] if h]
+        hints = [h for h in [arrays.gather_hint(session, cell, errors)
+                             or arrays.mesh_hint(session, errors)] if h]
     dead = [d.rank for d in stall.deaths] if stall is not None else []
     return RankErrors(errors, sorted(ran.cells), notes, details, hints, dead, title)
 

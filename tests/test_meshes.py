@@ -1,0 +1,84 @@
+"""Two cells of JAX's tutorials that one process runs and several processes did not: a float64
+numpy value put on a mesh of every device (jax's check calls it different on each process),
+and a mesh of the first devices, which are one process's only. Each is checked against one
+process of all 8 devices running the same cells."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ready_cluster, report, run
+from spmd.magics.render import RankErrors
+
+pytestmark = pytest.mark.timeout(240)
+
+SETUP = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+rank = jax.process_index()
+"""
+
+PUT = ("x = np.random.default_rng(0).normal(size=(8,))\n"
+       "y = jax.device_put(x, NamedSharding(jax.make_mesh((8,), ('x',)), P('x')))\n"
+       "print(y, y.dtype)")
+FIRST_TWO = ("m2 = jax.make_mesh((2,), ('i',), axis_types=(jax.sharding.AxisType.Auto,))\n"
+             "h = jax.shard_map(lambda a: a * 2, mesh=m2, in_specs=P('i'), "
+             "out_specs=P('i'))(jnp.arange(4.0))\n"
+             "print(h)\n"
+             "rows = list(h)")
+
+
+def one_process(cell: str) -> str:
+    """What ``cell`` prints in one process with all 8 devices."""
+    program = "\n".join(["import jax", "jax.config.update('jax_num_cpu_devices', 8)", SETUP,
+                         cell])
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture
+def two(module_shell):
+    return ready_cluster(module_shell, "start -n 2 -d 4", SETUP)
+
+
+def test_a_float64_value_the_same_on_every_process_is_put_as_one_process_puts_it(two):
+    """jax's device_put check gathers the value as float32 (x64 off) and compares it with the
+    float64 input: every rank raised "not the same on each process". Here the cell prints
+    what one process prints."""
+    out = run(two, PUT)
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1]\n" + one_process(PUT), out.stdout
+
+
+def test_a_value_that_differs_by_process_still_raises_jaxs_error(two):
+    out = run(two, "z = jax.device_put(np.arange(8.0) + rank, "
+                   "NamedSharding(jax.make_mesh((8,), ('x',)), P('x')))")
+    assert isinstance(out.error, RankErrors), out
+    assert "passed to device_put is not the same on each process" in str(out.error)
+    # and a program's own assert_equal is jax's, float64 and all
+    out = run(two, "from jax.experimental import multihost_utils\n"
+                   "multihost_utils.assert_equal(np.float64(0.1))")
+    assert isinstance(out.error, RankErrors), out
+    assert "AssertionError" in str(out.error)
+
+
+def test_a_mesh_of_one_processs_devices_is_said_above_jaxs_error(two):
+    """jax.make_mesh((2,), ...) takes the first 2 of 8 devices, process 0's: print(h) shows
+    the value as one process does; list(h) fails on rank 1 with jax's bare assertion, and one
+    sentence above it says that rank 1 holds none of the mesh's devices and what to make
+    instead."""
+    reference = one_process(FIRST_TWO)
+    out = run(two, FIRST_TWO)
+    assert isinstance(out.error, RankErrors), out
+    lines = "\n".join(out.error._render_traceback_())
+    said = lines.find("Rank 1 holds none of the 2 devices of the mesh this fails on, which "
+                      "are process 0's only, so its arrays on it hold nothing: make the mesh "
+                      "of all 8 devices, as jax.make_mesh((8,), ...) does")
+    assert 0 <= said < lines.find("AssertionError"), lines
+    assert "[rank 1] AssertionError" in lines, lines
+    assert out.stdout.startswith("[ranks 0-1] " + reference), out.stdout
+
