@@ -448,3 +448,118 @@ def test_a_dtensor_changed_through_its_local_shard_prints_anew(cluster):
     assert out.error is None, report(out)
     assert out.stdout == f"[ranks 0-1]\n{torch.arange(4.)!r}\n{torch.arange(4.) + 10!r}\n", \
         out.stdout
+
+
+ALREADY = ("torch.distributed is already initialized: %spmd start joined the 2 processes in "
+           "one group, backend gloo: carrying on.")
+
+
+def test_init_process_group_in_a_cell_says_the_group_exists_and_carries_on(cluster):
+    """The first line of a torchrun script, in a cell of ranks the start joined: one line,
+    the same on every rank, torch's return value (None), and the cells after it work (before:
+    "trying to initialize the default process group twice!" on every rank)."""
+    out = run(cluster, 'dist.init_process_group("gloo")\n' + ALL_REDUCE)
+    assert out.error is None, report(out)
+    assert out.stdout == f"[ranks 0-1]\n{ALREADY}\n3.0\n", out.stdout
+    # every way a script names the same group: none given, env://, rank and size as they are
+    out = run(cluster, "from torch.distributed import init_process_group\n"
+                       "print(init_process_group())\n"
+                       "init_process_group(backend=dist.Backend.GLOO, init_method='env://', "
+                       "world_size=int(os.environ['WORLD_SIZE']), rank=rank)")
+    assert out.error is None, report(out)
+    assert out.stdout == f"[ranks 0-1]\n{ALREADY}\nNone\n{ALREADY}\n", out.stdout
+    # (torch's own signature and help, as a notebook shows them)
+    out = run(cluster, "import inspect\nfrom torch.distributed import distributed_c10d\n"
+                       "print(inspect.signature(dist.init_process_group) == "
+                       "inspect.signature(distributed_c10d.init_process_group), "
+                       "dist.init_process_group.__doc__ == distributed_c10d.init_process_group"
+                       ".__doc__, dist.init_process_group.__name__)")
+    assert out.stdout == "[ranks 0-1] True True init_process_group\n", out.stdout
+
+
+def test_init_process_group_with_another_backend_or_size_names_the_start_that_gives_it(cluster):
+    """Another backend or world size: one sentence with the %spmd start that gives it, no
+    traceback; another rank: where the rank comes from. The group is left as it was."""
+    said = "[ranks 0-1] AlreadyStarted: torch.distributed is already initialized: %spmd start " \
+           "joined the 2 processes in one group, backend gloo (this asks for "
+    for cell, asked, line in [
+        ('dist.init_process_group("nccl")', "backend nccl", "-n 2 --backend torch "
+         "--torch-backend nccl"),
+        ('dist.init_process_group("gloo", world_size=4, rank=rank)', "4 processes",
+         "-n 4 --backend torch --torch-backend gloo"),
+        ("dist.init_process_group('mpi', 'tcp://127.0.0.1:1?world_size=3')",
+         "3 processes, backend mpi", "-n 3 --backend torch --torch-backend mpi"),
+    ]:
+        out = run(cluster, cell + "\nprint('not reached')")
+        text = report(out)
+        assert f"{said}{asked}): %spmd stop, then %spmd start {line} gives it." in text, text
+        assert "Traceback" not in text and "ValueError" not in text, text
+        assert len(text.splitlines()) < 5 and "not reached" not in out.stdout, text
+    out = run(cluster, "dist.init_process_group('gloo', rank=0, world_size=2)")
+    text = report(out)
+    assert ("[rank 1] AlreadyStarted: torch.distributed is already initialized: %spmd start made "
+            "this process rank 1 of 2 (this asks for rank 0): leave rank out (torch reads the "
+            "RANK variable), or pass rank=dist.get_rank().") in text, text
+    assert run(cluster, ALL_REDUCE).stdout == "[ranks 0-1] 3.0\n"
+
+
+def test_destroy_process_group_then_init_joins_again_as_under_torchrun(cluster):
+    """destroy_process_group() and a new init_process_group("gloo") (env://, from the
+    variables torchrun sets, rank 0's kept store found again): all_reduce gives the sum, the
+    census records it, a second init says a cell made the group, and a restart and a stop
+    after a destroy end every rank."""
+    # (rank 1 comes late, as a rank may: rank 0 must not read rank 1's address of the old group)
+    out = run(cluster, 'dist.destroy_process_group()\nprint(dist.is_initialized())\n'
+                       'time.sleep(rank)\ndist.init_process_group("gloo")\n' + ALL_REDUCE)
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1]\nFalse\n3.0\n", out.stdout
+    out = run(cluster, "t = torch.arange(4.) * (rank + 1)\ndist.all_reduce(t)\n"
+                       "print(t.tolist(), dist.get_world_size(), dist.get_backend())")
+    assert out.stdout == "[ranks 0-1] [0.0, 3.0, 6.0, 9.0] 2 gloo\n", out.stdout
+    listed = run(cluster, "%spmd census").stdout
+    assert "Ranks 0-1: 1 cross-process launch\n" in listed and "all_reduce float32[4]" \
+        in listed, listed
+    out = run(cluster, "dist.init_process_group('gloo')")
+    assert out.stdout == ("[ranks 0-1] torch.distributed is already initialized: a cell joined "
+                          "the 2 processes in one group, backend gloo: carrying on.\n"), out.stdout
+    # twice more, each on a fresh group (torch names it anew: the kept store's keys are reused)
+    out = run(cluster, "for _ in range(2):\n    dist.destroy_process_group()\n"
+                       "    dist.init_process_group('gloo')\n" + ALL_REDUCE)
+    assert out.stdout == "[ranks 0-1] 3.0\n", report(out) if out.error else out.stdout
+    old = [r.pid for r in session(cluster).ranks]
+    assert run(cluster, "dist.destroy_process_group()").error is None
+    restart_and_all_reduce(cluster)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status()
+                   != psutil.STATUS_ZOMBIE for pid in old)
+    assert run(cluster, "dist.destroy_process_group()").error is None
+    out = run(cluster, "%spmd stop")
+    assert out.error is None and "Warning" not in out.stderr, out.stdout + out.stderr
+    assert not spmd_processes()
+
+
+
+@pytest.mark.parametrize("backend, init, line", [
+    ("torch", "env", "-n 3 --backend torch --torch-backend gloo --init-method env"),
+    ("torch", "file", "-n 3 --backend torch --torch-backend gloo"),
+    ("jax,torch", "tcp", "-n 3 --backend jax,torch --torch-backend gloo"),
+], ids=["env", "file", "beside-jax"])
+def test_init_process_group_again_after_the_other_starts(fresh, backend, init, line):
+    """The same after a start with env:// or a file, and beside jax: the one line, the start
+    that gives another size (as this one was asked), and a destroy and init that joins again
+    (with a file, rank 0's rendezvous makes the store: there was none on MASTER_PORT)."""
+    shell = fresh
+    out = run(shell, f"%spmd start -n 2 --backend {backend} --init-method {init}")
+    assert out.error is None, out.stderr
+    assert run(shell, SETUP).error is None
+    out = run(shell, 'dist.init_process_group("gloo")\n' + ALL_REDUCE)
+    assert out.stdout == f"[ranks 0-1]\n{ALREADY}\n3.0\n", report(out) if out.error else out.stdout
+    text = report(run(shell, 'dist.init_process_group("gloo", world_size=3)'))
+    assert f"(this asks for 3 processes): %spmd stop, then %spmd start {line} gives it." in text
+    out = run(shell, 'dist.destroy_process_group()\ntime.sleep(rank)\n'
+                     'dist.init_process_group("gloo")\n' + ALL_REDUCE)
+    assert out.stdout == "[ranks 0-1] 3.0\n", report(out) if out.error else out.stdout
+    # (rank 0's new store listens on the master address only, as the start's does)
+    pids = [r.pid for r in session(shell).ranks]
+    assert listening(pids) <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening(pids)
+    assert run(shell, "%spmd stop").error is None
+    assert not spmd_processes()

@@ -18,7 +18,7 @@ What a rank adds:
 - its replies' metadata, made in one place (``finish_metadata``);
 - once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
   requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
-  (census.py), the watch on the JAX_* variables (import_env.py), jax's setup said in a line
+  (census.py), the watch on the JAX_* variables (import_env.py), jax's or torch's setup said in a line
   (started.py), breakpoints asked in the notebook (prompts.py). Until then a rank answers
   none of these control requests: the notebook reads no answer as a rank it cannot reach
   that way.
@@ -106,7 +106,7 @@ class RankKernel(IPythonParallelKernel):
         backends imported, and the requests only a joined rank answers."""
         shell = self.shell
         results.show_global_arrays(shell)  # (a cell's value that spans processes, shown once)
-        started.install()  # (a cell that sets up jax again is told what the rank has)
+        started.install()  # (a cell that sets up jax or torch again: told what it has)
         census.record_cells(shell, self._request_id)  # (each cell's cross-process launches)
         self._env = import_env.watch(shell)  # (a cell that sets JAX_*: kept for the restart)
         if "jax" in backends:

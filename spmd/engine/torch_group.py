@@ -122,6 +122,16 @@ def _check_backend(torch, dist, backend, rank, local_rank, gpus_given, host):
     return torch.device("cpu")
 
 
+def keep_store(timeout: float) -> None:
+    """(rank 0, before a cell's env:// rendezvous) Make rank 0's store on the master address
+    only, where none is kept (a cluster started with ``--init-method file``): torch's own would
+    listen on every interface."""
+    if _KEEP or os.environ.get("RANK") != "0" or "MASTER_PORT" not in os.environ:
+        return
+    _KEEP.append(_store_on(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           timeout))
+
+
 def _store_on(addr: str, port: int, timeout: float):
     """Rank 0's TCPStore, listening on ``addr`` only (torch's own binds every interface)."""
     import torch.distributed as dist
