@@ -28,14 +28,14 @@ from spmd.engine.address import address_toward, coordinator_addresses, wait_list
 from spmd.engine.orphans import exit_now, watch_parent
 from spmd.engine.stacks import listen_for_where
 
-BACKEND_ENV = "SPMD_BACKEND"
-CPU_DEVICES_ENV = "SPMD_CPU_DEVICES"
+BACKEND_ENV = placement.BACKEND_ENV
+CPU_DEVICES_ENV = placement.CPU_DEVICES_ENV
 RANK_ENV = placement.RANK_ENV
 NUM_PROCESSES_ENV = "SPMD_NUM_PROCESSES"
 COORDINATOR_ENV = "SPMD_COORDINATOR"  # jax's coordinator, host:port
 TORCH_MASTER_ENV = "SPMD_TORCH_MASTER"  # torch's MASTER_ADDR:MASTER_PORT
 TORCH_BACKEND_ENV = "SPMD_TORCH_BACKEND"  # gloo, nccl or mpi
-TORCH_INIT_ENV = "SPMD_TORCH_INIT"  # tcp, env or file:///path
+TORCH_INIT_ENV = placement.TORCH_INIT_ENV
 INIT_TIMEOUT_ENV = "SPMD_INIT_TIMEOUT"
 # Engine ids of a later engine set start here (the controller lives across restarts, and
 # an id is never given twice); the rank still comes from SPMD_RANK.

@@ -16,6 +16,9 @@ RANK_ENV = "SPMD_RANK"
 LOCAL_RANK_ENV = "SPMD_LOCAL_RANK"  # this rank's position among the ranks of its host
 LOCAL_SIZE_ENV = "SPMD_LOCAL_SIZE"  # how many ranks its host has
 GPUS_PER_PROCESS_ENV = "SPMD_GPUS_PER_PROCESS"
+BACKEND_ENV = "SPMD_BACKEND"  # jax, torch, "jax,torch" or none
+CPU_DEVICES_ENV = "SPMD_CPU_DEVICES"  # jax's CPU devices per process (-d)
+TORCH_INIT_ENV = "SPMD_TORCH_INIT"  # tcp, env or file:///path
 
 # (rank, local rank, local size), as each launcher names them.
 _LAUNCHER_VARS = (

@@ -16,10 +16,10 @@ no output shows.
 
 How the notebook knows which parts of each rank belong together: by where the print is, not by
 the order the rank printed in (ranks take their own branches). A mark names the print's place
-(the thread; every frame from the cell down to the print, so a function called from two lines
-is two places; the values of the ``for`` loops around those lines, read from a cell's or a
-module's namespace) and how many placeholders that place marked before in this cell. So ``if
-rank == 0: print(a)`` then ``print(b)`` marks b alike on every rank, a rank that skips a step
+(engine/print_place.py: the thread; every frame from the cell down to the print, so a
+function called from two lines is two places; the values of the ``for`` loops around those
+lines, read from a cell's or a module's namespace) and how many placeholders that place marked
+before in this cell. So ``if rank == 0: print(a)`` then ``print(b)`` marks b alike on every rank, a rank that skips a step
 of a loop pairs no print with another step's, and the n-th print of a DTensor changed in place
 is matched with the n-th print of the others. Where no place can be told alike (a pool's
 worker, an asyncio task, threads sharing a name), nothing is marked.
@@ -48,20 +48,15 @@ hook (``_Installer``) runs on whichever thread imports jax or torch's DTensor fi
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import importlib.abc
-import inspect
 import json
-import linecache
-import os
-import re
 import sys
 import threading
 import weakref
-import zlib
 
 from spmd import wire
+from spmd.engine import print_place
 
 MAX_ARRAYS = 100  # different parts per cell (each one's corners are copied from its devices)
 MAX_MARKS = 10_000  # marked placeholders per cell (a loop printing one array: one part)
@@ -169,7 +164,7 @@ def _note(text: str, array) -> None:
         pending = _noted.pending = []
     # (str() and format() of such an array are its repr: which one asked decides the form one
     # process prints, numpy's str or jax's Array(...))
-    line = _cell_line()
+    line = print_place.cell_line()
     # (outside a cell, a variable inspector's or the debugger's repr: nothing is taken)
     taken = _parts_of(array) if line is not None else _NONE
     form = getattr(_noted, "form", "r")
@@ -185,7 +180,7 @@ def _note_own(text: str, array, form: str) -> None:
     the others print jax's placeholder, which the notebook replaces by this text. Noted as a
     placeholder is, so that its print counts at its place as theirs does; never marked in
     this rank's own output, which is the value already."""
-    line = _cell_line()
+    line = print_place.cell_line()
     if line is None or len(text) > MAX_OWN_TEXT:
         return
     form = "F" if form == "-" else form.upper()  # (as the others' placeholder: "f", "s", "r")
@@ -289,7 +284,7 @@ def display_text(array) -> str | None:
     _, taken, form, line = pending.pop()
     if line is None:  # (not a cell's display: a variable inspector's, the debugger's)
         return None
-    place = _place()
+    place = print_place.place()
     mark = _mark_of(taken, place) if place is not None else None
     if form.isupper():  # (a holder's own text: the value, shown as it is; None would make
         return text  # jax's formatter repr it again, a note no display consumes)
@@ -308,7 +303,7 @@ def marked(text: str) -> str:
     pending = getattr(_noted, "pending", None)
     if not pending:
         return text
-    here = _cell_line()
+    here = print_place.cell_line()
     # (a repr made on another line is str(x) for the program's own use, written later)
     made = [note for note in pending if note[3] == here]
     words = {note[0] for note in made}
@@ -333,7 +328,7 @@ def marked(text: str) -> str:
             notes = notes[-len(spots):]
         found += [(at, placeholder, taken, form)
                   for at, (_, taken, form, _) in zip(spots, notes)]
-    place = _place() if found else None
+    place = print_place.place() if found else None
     if place is None:
         return text
     # (numbered left to right, the order the same print writes them on every rank; put in
@@ -354,113 +349,6 @@ def _spots(text: str, placeholder: str):
     while at >= 0:
         yield at
         at = text.find(placeholder, at + len(placeholder))
-
-
-def _is_cell(name: str) -> bool:
-    return "ipykernel_" in name or name.startswith("<ipython-input")
-
-
-def _cell_line() -> tuple[int, int] | None:
-    """The cell's frame and the line it is on now (None outside a cell): a placeholder is
-    marked only in what is written from the line that made it (``print(x)``, an f-string,
-    ``pprint``), never in text written later that holds the same words (``str(x)`` written
-    to a file, then the file printed)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if _is_cell(frame.f_code.co_filename):
-            return id(frame), frame.f_lineno
-        frame = frame.f_back
-    return None
-
-
-# Pools run whichever task comes next on whichever worker is free: a print's place there
-# says nothing of which task made it, which differs from rank to rank.
-_POOLS = (os.path.join("concurrent", "futures", "thread.py"),
-          os.path.join("multiprocessing", "pool.py"))
-_EVENT_LOOP = os.path.join("asyncio", "events.py")
-_THREAD_COUNT = re.compile(r"^Thread-\d+")
-# Frames whose ``for`` loops are not the program's: Python's, the libraries', spmd's own.
-_LIBRARIES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix,
-                    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
-
-
-def _place() -> str | None:
-    """Where the print is, the same words on every rank that runs the same cells: the thread
-    that prints (for one of its own), and every frame from the outermost cell frame down to
-    the print (its file, function and line: a function of the user's module called from two
-    lines is two places, and so is each line of that function), with the values of the
-    ``for`` loops around each line of the program's own code (a rank that skips a step of a
-    loop does not pair its next print with another rank's print of that step). A cell's file
-    is named by its code's hash (ipykernel), never by the rank's pid. None where no place can
-    be told alike: a pool's worker, an asyncio task, or a thread whose name another thread
-    has."""
-    frames, outermost, loop = [], None, False
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.endswith(_POOLS):
-            return None
-        loop = loop or name.endswith(_EVENT_LOOP)
-        frames.append(frame)
-        if _is_cell(name):
-            outermost = len(frames)
-        frame = frame.f_back
-    if loop and outermost is not None and frames[outermost - 1].f_code.co_name != "<module>":
-        return None  # (an asyncio task of the cell's: tasks run in the order I/O allows)
-    thread = threading.current_thread()
-    who = ""
-    if thread is not threading.main_thread():
-        # (a thread's name without the process's count of threads made so far, which the
-        # ranks need not share: "Thread-7 (worker)" is "Thread (worker)")
-        who = _THREAD_COUNT.sub("Thread", thread.name)
-        if sum(_THREAD_COUNT.sub("Thread", other.name) == who
-               for other in threading.enumerate()) > 1:
-            return None
-    words = [who]
-    for frame in reversed(frames[:outermost]):
-        name, line = frame.f_code.co_filename, frame.f_lineno
-        steps = "" if name.startswith(_LIBRARIES) and not _is_cell(name) else ",".join(
-            _step(frame, loop) for loop in _loops_around(name, line))
-        words.append(f"{os.path.basename(name)}:{frame.f_code.co_name}:{line}:{steps}")
-    return f"{zlib.crc32('|'.join(words).encode()):08x}"
-
-
-_loops: dict[str, dict[int, list[str]]] = {}  # a file -> line -> its loops' names
-
-
-def _loops_around(filename: str, line: int) -> list[str]:
-    """The names each ``for`` loop around ``line`` assigns (a file is read once)."""
-    table = _loops.get(filename)
-    if table is None:
-        table = {}  # (filled here, then published whole: any writer's thread reads it)
-        try:
-            tree = ast.parse("".join(linecache.getlines(filename)))
-        except (SyntaxError, ValueError):
-            tree = None
-        for node in ast.walk(tree) if tree is not None else ():
-            if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-                names = [n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)]
-                where = node if not isinstance(node, ast.comprehension) else node.target
-                for at in range(where.lineno, (getattr(node, "end_lineno", None)
-                                               or where.end_lineno) + 1):
-                    table.setdefault(at, []).extend(names)
-        if len(_loops) > 256:
-            _loops.clear()
-        _loops[filename] = table
-    return table.get(line, [])
-
-
-def _step(frame, name: str) -> str:
-    """A loop variable's value, where it is a plain one (a count, a name); else '?'. Read
-    from a cell's or a module's namespace only: before Python 3.13 reading a function's
-    ``f_locals`` keeps a copy of all its locals on the frame (the step's arrays, alive after
-    ``del x``), so a function's loops count by their line alone there."""
-    if frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.version_info < (3, 13):
-        return "?"
-    value = frame.f_locals.get(name)
-    if isinstance(value, (bool, int, float, str)) and len(repr(value)) < 100:
-        return repr(value)
-    return "?"
 
 
 def _state(array) -> tuple:

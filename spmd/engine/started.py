@@ -165,12 +165,15 @@ def group_asked(asked: dict, have: str, n: int, rank: int, made_by: str = "%spmd
 
 def start_line(n: int, torch_backend: str) -> str:
     """The ``%spmd start`` of this rank's cluster with ``n`` processes and ``torch_backend``
-    (the options a rank knows of; the notebook's --hosts and the like are not among them)."""
-    from spmd import options
-    from spmd.engine.bootstrap import BACKEND_ENV, CPU_DEVICES_ENV, TORCH_INIT_ENV
+    (the options a rank knows of; the notebook's --hosts and the like are not among them),
+    in the words of options.start_args (which a rank does not import)."""
+    from spmd.engine.placement import BACKEND_ENV, CPU_DEVICES_ENV, TORCH_INIT_ENV
 
-    args = options.start_args(n, os.environ.get(CPU_DEVICES_ENV), os.environ.get(
-        BACKEND_ENV, "torch"), torch_backend, "")
+    backend = os.environ.get(BACKEND_ENV, "torch")
+    args = ["-n", str(n), "--backend", backend]
+    if int(os.environ.get(CPU_DEVICES_ENV) or 0):
+        args += ["-d", os.environ[CPU_DEVICES_ENV]]
+    args += ["--torch-backend", torch_backend]
     if os.environ.get(TORCH_INIT_ENV) == "env":
         args += ["--init-method", "env"]
     return " ".join(["%spmd start", *args])
