@@ -754,6 +754,26 @@ def test_a_jax_job_that_ends_normally_exits_0(tmp_path):
         _none_left(procs)
 
 
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_cell_that_sets_up_the_job_again_carries_on_in_the_script(tmp_path, backend):
+    """A cell's own ``dist.init_process_group("gloo")`` (or ``jax.distributed.initialize()``),
+    as scripts written for torchrun begin: in the notebook the ranks were told they had it and
+    carried on; the exported script does the same (before: torch's "trying to initialize the
+    default process group twice!", jax's "should only be called once")."""
+    again = ('import torch.distributed as dist\ndist.init_process_group("gloo")\n'
+             "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nprint('" + TAG +
+             " sum', t.item(), flush=True)" if backend == "torch" else
+             "jax.distributed.initialize()\nfrom jax.experimental import multihost_utils\n"
+             "total = multihost_utils.process_allgather(jax.numpy.array([rank + 1.0])).sum()\n"
+             "print('" + TAG + " sum', float(total), flush=True)")
+    job = _start(write_job(str(tmp_path), [again], backend=backend), str(tmp_path))
+    try:
+        out = _wait_for_lines(job, f"{TAG} sum 3.0", 2)
+        assert job.wait(timeout=60) == 0, out
+    finally:
+        _end(job)
+
+
 def test_the_ssh_launch_quotes_paths_with_quotes_dollars_and_backticks(tmp_path):
     """A script and a Python in a folder named with ', $ and a backtick, launched over ssh (an
     ssh that runs the command as sshd does, with the login shell, here): each path reaches

@@ -87,6 +87,8 @@ class Job:
     master: str = ""  # rank 0's address as the others reached it ('': unknown)
     labels: bool = True  # each line of the job's output begins with its rank
     hash_seed: str = ""  # the ranks' one string-hash secret ('': each rank had its own)
+    # what a cell sets up again ("init_process_group", "distributed.initialize"): script()
+    joined_again: set[str] = field(default_factory=set)
     # names the script has defined so far (a shell command's $name expands only for these)
     known: set[str] = field(default_factory=lambda: {"os", "rank", "world_size", "local_rank",
                                                      "jax", "torch", "dist"})
@@ -120,6 +122,10 @@ class Job:
 
     def script(self, ran: list[Ran]) -> str:
         body = [self._cell(i, r) for i, r in enumerate(ran, 1)]
+        # (a cell that sets up the job again, as scripts written for torchrun begin: in the
+        # notebook it was told the ranks had it and carried on; the script does the same)
+        self.joined_again = {name for name in ("init_process_group", "distributed.initialize")
+                             if any(name in r.code for r in ran if r.where != "notebook")}
         # (an MPI library in the processes is mpiexec's PMI client itself: no hello of ours)
         self.pmi = self.launcher == "mpi" and not (
             self.settings.torch_backend == "mpi" and "torch" in self.backends
@@ -221,6 +227,8 @@ class Job:
                           "folder of their own):",
                           '# jax.config.update("jax_compilation_cache_dir", "/shared/jax-cache")']
             lines += self._jax_initialize(both)
+            if "distributed.initialize" in self.joined_again:
+                lines += _once("jax.distributed", "initialize", "jax.distributed")
         if "jax" in self.backends or self.pmi:  # (after jax's: its atexit runs first)
             lines += _fail_fast("jax" in self.backends, self.pmi)
             self.imports |= {"atexit", "builtins", "sys"} | ({"signal"} if self.pmi else set())
@@ -233,6 +241,8 @@ class Job:
                           'os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")']
             lines += ["", "import torch", "import torch.distributed as dist", ""]
             lines += self._torch_init()
+            if "init_process_group" in self.joined_again:
+                lines += _once("dist", "init_process_group", "dist")
         return lines + [""]
 
     def _jax_initialize(self, beside_torch: bool) -> list[str]:
@@ -337,6 +347,25 @@ class Job:
 # first: this one, before jax's.) Under MPICH's mpiexec the process says its status (PMI's
 # abort): mpiexec then exits with it, where otherwise it may give the signal it killed a
 # peer with (9), seen in 1 run of 3.
+def _once(module: str, name: str, library: str) -> list[str]:
+    """Lines that make a cell's own ``module.name(...)`` (the job's set-up, done above) carry
+    on, as it did in the notebook."""
+    return [
+        f"# A cell calls {module}.{name} too, as the notebook's ranks were told they had it: "
+        "here too",
+        "# it carries on (the job is set up above).",
+        f"_{name} = {module}.{name}",
+        "",
+        "",
+        f"def {name}(*args, **kwargs):",
+        f"    if not {library}.is_initialized():",
+        f"        return _{name}(*args, **kwargs)",
+        "",
+        "",
+        f"{module}.{name} = {name}",
+    ]
+
+
 def _fail_fast(jax: bool, pmi: bool) -> list[str]:
     why = (["# status, and the launch ends the others: jax's own exit would wait for them at a",
             "# barrier, and they wait for this one in their next collective. (Undone at the end.)"]
