@@ -37,6 +37,8 @@ on_first2 = jax.device_put(jnp.arange(4.0), NamedSharding(first2, P('x')))
 copied = jax.device_put(jnp.arange(3.0) + 0.5, NamedSharding(first4, P()))
 split = jax.device_put(jnp.arange(8.0), NamedSharding(first4, P('x')))
 double = jax.jit(lambda a: a * 2 + 1)
+def held(value):  # (a value copied on process 0's devices only)
+    return jax.device_put(np.asarray(value), NamedSharding(first2, P()))
 """
 
 # Cells that print the same on every rank: the notebook shows them once, as one process does.
@@ -75,6 +77,10 @@ HELD = {
     "a loop": "for i in range(2):\n    print(i, on_first2 * i, copied + i)",
     "a function": "def show(a):\n    print('shown', a)\nshow(copied)\nshow(on_first2)",
     "a container": "print([copied, on_first2], {'c': copied})",
+    "a value's text in the print's words": "c, t = held(7), held(3)\n"
+                                           "print(f'batch 3: correct {c} of {t}')",
+    "one value's text starting another's": "for a, b in [(held(42), held(4)), "
+                                           "(held(53), held(5))]:\n    print(f'{a} {b}')",
 }
 HELD_LINE = re.compile(r"^(\(The arrays? printed here lives? on the devices of process(es)? "
                        r"[0-9-]+ only; the other ranks hold none of (it|them)\.\)\n)+")
@@ -167,6 +173,55 @@ def test_a_value_some_processes_hold_is_shown_once_as_they_show_it(module_shell)
     assert "copied lives on the devices of processes 0-1 only: the other ranks hold none" in \
         text, text
     assert "no single process" not in text, text
+
+
+def test_arrays_some_processes_hold_are_never_shown_with_another_arrays_value(two):
+    """Prints whose holders' text cannot be found where the others' placeholder is (pprint's
+    second repr, a transformed text, a text past what a rank sends): each line is what one
+    process prints, or keeps jax's placeholder; never another array's value (before: rank 1
+    showed the next array's value in each)."""
+    cells = [
+        "from pprint import pprint\n"
+        "pprint({'a': held([[0., 1.], [2., 3.]]), 'b': held([[100., 101.], [102., 103.]]), "
+        "'c': held([[7., 8.], [9., 10.]])})",
+        "import textwrap\nr1 = held(np.random.default_rng(0).normal(size=(1, 12)))\n"
+        "z1 = held(np.zeros((1, 12)))\nfor w in [r1, z1]:\n"
+        "    print(textwrap.indent(str(w), '> '))",
+        # (a text past what a holder sends: one line of 5,000 numbers, ~80,000 characters)
+        "big1 = held(np.random.default_rng(1).normal(size=5000))\nsmall1 = held(np.zeros(5000))\n"
+        "with np.printoptions(threshold=10**7, linewidth=10**6):\n"
+        "    for w in [big1, small1]:\n        print(w)",
+    ]
+    for cell, (expected, _) in zip(cells, one_process(cells)):
+        out = run(two, cell)
+        assert out.error is None, report(out)
+        for rank in (0, 1):
+            shown = ranks_text(out.stdout, rank, 2)
+            if "Array(shape=" in shown:  # (kept: each line a placeholder or the value)
+                lines = [line for line in shown.splitlines() if "Array(shape=" not in line]
+                assert set(lines) <= set(expected.splitlines()), (cell, shown)
+            else:  # (the values, in order; an indent's "> " is on the placeholder's one line)
+                words = [w for w in shown.split() if w != ">"]
+                assert words == [w for w in expected.split() if w != ">"], (
+                    cell, rank, shown[:2000], expected[:2000])
+
+
+def ranks_text(stdout: str, rank: int, n: int) -> str:
+    """What ``rank`` printed, from the grouped output (its labels removed)."""
+    label = re.compile(r"^\[ranks? ([0-9, -]+)\] ?(.*)$")
+    mine, keep = [], False
+    for line in stdout.splitlines(keepends=True):
+        found = label.match(line)
+        if found:
+            who = set()
+            for part in found.group(1).split(","):
+                lo, _, hi = part.strip().partition("-")
+                who |= set(range(int(lo), int(hi or lo) + 1))
+            keep = rank in who
+            line = found.group(2) + ("\n" if found.group(2) else "")
+        if keep and line:
+            mine.append(line)
+    return "".join(mine)
 
 
 def test_arrays_printed_in_an_order_that_differs_by_rank_are_never_mixed(two):

@@ -26,10 +26,12 @@ worker, an asyncio task, threads sharing a name), nothing is marked.
 
 An array on the devices of some processes only (a mesh of ``jax.devices()[:4]``), which those
 processes print whole (on one process's devices, or copied on each of its devices): the ranks
-that hold it print its value, the others jax's placeholder. A holder notes its own text as a
-placeholder is noted (``_note_own``), counted at the print's place as the others count their
-placeholder, and sends it in the table instead of parts; its output is left as it is. The
-notebook shows the others' placeholder as that text.
+that hold it print its value, the others jax's placeholder. A holder notes its own text
+(``_note_own``) and sends it in the table instead of parts; its output is left as it is. No
+search of the written text finds a value and a placeholder alike, so such notes, on every
+rank, are taken by the first write on their line after they were made and numbered in the
+order made, at a place of their own (``marked``). The notebook shows the others' placeholder
+as the holders' text.
 
 The parts are taken when ``repr`` makes the placeholder (the print that writes it comes next,
 and an f-string's array, ``f'{x * 2}'``, is gone by then), so an array changed in place prints
@@ -61,6 +63,7 @@ from spmd.engine import print_place
 MAX_ARRAYS = 100  # different parts per cell (each one's corners are copied from its devices)
 MAX_MARKS = 10_000  # marked placeholders per cell (a loop printing one array: one part)
 MAX_OWN_TEXT = 1 << 16  # characters of a holder's own text of an array, sent for the others
+MAX_OWN_BYTES = 1 << 20  # characters of holders' own texts per cell (apart from MAX_ARRAYS)
 
 
 class _Parts:
@@ -86,7 +89,8 @@ class _Parts:
 _NONE = _Parts(None)
 _OVER = _Parts(None)  # (taken past MAX_ARRAYS: left out, and the notebook says so)
 
-# .pending: [(placeholder, its parts taken, form, line)] made since this thread's last write;
+# .pending: [(placeholder, its parts taken, form, line, held)] made since this thread's last
+# write (held: an array some processes hold whole, ``_held_whole_by_some``);
 # .form: "s" while str() or format() runs (numpy's form), "-" for a format spec of its own,
 # else "r"
 _noted = threading.local()
@@ -100,6 +104,8 @@ _indexes: dict[bytes, int] = {}  # the digest of parts in _parts -> their index 
 _marks: dict[str, int] = {}  # mark -> its index in _parts
 _places: dict[str, int] = {}  # a print's place -> how many placeholders it marked
 _left_out = 0  # placeholders of this cell past MAX_ARRAYS or MAX_MARKS
+_own_entries = 0  # entries of _parts that are a holder's own text
+_own_bytes = 0  # their characters
 _installed: set[str] = set()  # the libraries whose arrays are noted: "jax", "torch"
 _MODULES = {"jax": "jax._src.array", "torch": "torch.distributed.tensor"}
 
@@ -168,9 +174,10 @@ def _note(text: str, array) -> None:
     # (outside a cell, a variable inspector's or the debugger's repr: nothing is taken)
     taken = _parts_of(array) if line is not None else _NONE
     form = getattr(_noted, "form", "r")
-    if form == "-" and _held_whole_by_some(array):  # (its holders' formatted text: shown)
+    held = _held_whole_by_some(array)
+    if form == "-" and held:  # (its holders' formatted text: shown)
         form = "f"
-    pending.append((text, taken, form, line))
+    pending.append((text, taken, form, line, held))
     del pending[:-64]  # (a repr no output shows is forgotten soon)
 
 
@@ -181,17 +188,18 @@ def _note_own(text: str, array, form: str) -> None:
     placeholder is, so that its print counts at its place as theirs does; never marked in
     this rank's own output, which is the value already."""
     line = print_place.cell_line()
-    if line is None or len(text) > MAX_OWN_TEXT:
-        return
     form = "F" if form == "-" else form.upper()  # (as the others' placeholder: "f", "s", "r")
-    sharding = array.sharding
-    taken = _Parts({"own": text, "form": form, "shape": list(array.shape),
-                    "dtype": array.dtype.name, "sharding": repr(sharding),
-                    "holders": sorted({d.process_index for d in sharding.device_set})})
+    if line is None or len(text) > MAX_OWN_TEXT:
+        taken = _NONE  # (counted as the others' placeholder is, never sent)
+    else:
+        sharding = array.sharding
+        taken = _Parts({"own": text, "form": form, "shape": list(array.shape),
+                        "dtype": array.dtype.name, "sharding": repr(sharding),
+                        "holders": sorted({d.process_index for d in sharding.device_set})})
     pending = getattr(_noted, "pending", None)
     if pending is None:
         pending = _noted.pending = []
-    pending.append((text, taken, form, line))
+    pending.append((text, taken, form, line, True))
     del pending[:-64]
 
 
@@ -281,10 +289,12 @@ def display_text(array) -> str | None:
     pending = getattr(_noted, "pending", None)
     if not pending or pending[-1][0] is not text:
         return None
-    _, taken, form, line = pending.pop()
+    _, taken, form, line, held = pending.pop()
     if line is None:  # (not a cell's display: a variable inspector's, the debugger's)
         return None
     place = print_place.place()
+    if place is not None and held:
+        place = _held_place(place)
     mark = _mark_of(taken, place) if place is not None else None
     if form.isupper():  # (a holder's own text: the value, shown as it is; None would make
         return text  # jax's formatter repr it again, a note no display consumes)
@@ -299,26 +309,34 @@ def marked(text: str) -> str:
     repr that made it only where that cannot be wrong: as many reprs as the text has
     placeholders of those words (paired in the order made, which is the order written), or
     reprs of one array only; else none of those is marked (``print(f'a {a}', f'b {b}')``
-    makes both before the first is written; ``str(x)`` kept from an earlier line)."""
+    makes both before the first is written; ``str(x)`` kept from an earlier line).
+
+    An array some processes hold whole (``held``) is counted otherwise: its holders write its
+    value where the others write a placeholder, and no search finds the two alike (a value's
+    text in the print's own words, ``textwrap.indent``, pprint's second repr). So its notes are
+    taken by the first write on their line after they were made, whatever it holds, and
+    numbered in the order made, at a place of their own: the same on every rank."""
     pending = getattr(_noted, "pending", None)
     if not pending:
         return text
     here = print_place.cell_line()
     # (a repr made on another line is str(x) for the program's own use, written later)
     made = [note for note in pending if note[3] == here]
+    held = [note for note in made if note[4]]
+    made = [note for note in made if not note[4]]
     words = {note[0] for note in made}
     if not any(placeholder in text for placeholder in words):
         _noted.pending = made  # (print('x:', str(x)) writes 'x:' first)
-        return text
-    _noted.pending = []
+        if not held:
+            return text
+        made, words = [], set()
+    else:
+        _noted.pending = []
     found = []
-    for placeholder in words:
+    shared = words & {note[0] for note in held if note[2].islower()}
+    for placeholder in words - shared:  # (a placeholder of both kinds: neither is marked)
         notes = [note for note in made if note[0] == placeholder]
         spots = [at for at in _spots(text, placeholder)]
-        if spots and len(spots) > len(notes) and notes[0][2].isupper():
-            # (a holder's own text, which other words may hold too, like "1" in "step 1":
-            # counted as the others count their placeholders, which they find once)
-            spots = spots[:len(notes)]
         if not spots or len(spots) > len(notes):
             continue
         if len(spots) < len(notes):  # (pprint makes a repr twice: one array, or none marked)
@@ -326,21 +344,43 @@ def marked(text: str) -> str:
                     {note[1].digest for note in notes if note[1].parts is not None}) > 1:
                 continue
             notes = notes[-len(spots):]
-        found += [(at, placeholder, taken, form)
-                  for at, (_, taken, form, _) in zip(spots, notes)]
-    place = print_place.place() if found else None
+        found += [(at, placeholder, taken, form) for at, (_, taken, form, _, _) in zip(spots, notes)]
+    place = print_place.place() if found or held else None
     if place is None:
         return text
     # (numbered left to right, the order the same print writes them on every rank; put in
     # from the right, so that each one's position still holds)
     found.sort(key=lambda f: f[0])
-    marks = [_mark_of(taken, place) if form != "-" else None for _, _, taken, form in found]
-    for (at, placeholder, _, form), mark in reversed(list(zip(found, marks))):
+    marks = [(at, placeholder, _mark_of(taken, place) if form != "-" else None, form)
+             for at, placeholder, taken, form in found]
+    marks += _held_marks(text, held, _held_place(place), shared)
+    marks.sort(key=lambda m: m[0])
+    for at, placeholder, mark, form in reversed(marks):
         if mark is not None and form.islower():  # (a holder's own text: in the table only)
             where = at + len(placeholder)
             text = (text[:at] + wire.PRINTED_BEGIN + text[at:where]
                     + wire.PRINTED_MARK.format(f"{mark}{form}") + text[where:])
     return text
+
+
+def _held_place(place: str) -> str:
+    """The place of a print's held arrays, counted apart from its other placeholders (one
+    more hex digit: no place of the others has it)."""
+    return place + "0"
+
+
+def _held_marks(text: str, held: list, place: str, shared: set) -> list[tuple]:
+    """The held notes taken by this write, each counted in the order made; a placeholder
+    among them is marked where the text holds as many of its words as it has notes (else
+    it stays jax's)."""
+    counted = [(note, _mark_of(note[1], place) if note[2] != "-" else None) for note in held]
+    marks = []
+    for placeholder in {note[0] for note in held if note[2].islower()} - shared:
+        mine = [(note, mark) for note, mark in counted if note[0] == placeholder]
+        spots = list(_spots(text, placeholder))
+        if len(spots) == len(mine):
+            marks += [(at, placeholder, mark, note[2]) for at, (note, mark) in zip(spots, mine)]
+    return marks
 
 
 def _spots(text: str, placeholder: str):
@@ -374,7 +414,7 @@ def _parts_of(array) -> _Parts:
         known = _taken.get(id(array))
         if known is not None and known[0]() is array and known[1] == state:
             return known[2]
-        if len(_parts) >= MAX_ARRAYS:  # (the cell's table is full: no corners copied)
+        if len(_parts) - _own_entries >= MAX_ARRAYS:  # (the table is full: nothing copied)
             return _OVER
     from spmd.engine import results
 
@@ -399,7 +439,7 @@ def _parts_of(array) -> _Parts:
 def _mark_of(taken: _Parts, place: str) -> str | None:
     """The mark of this placeholder (its place and its number there), its parts put in the
     cell's table (None: past the caps, or no parts to send)."""
-    global _left_out
+    global _left_out, _own_entries, _own_bytes
     digest = taken.digest if taken.parts is not None else None  # (outside the lock)
     with _lock:  # (one section: the count and the table are of one cell)
         count = _places.get(place, 0)
@@ -408,13 +448,20 @@ def _mark_of(taken: _Parts, place: str) -> str | None:
             _left_out += taken is _OVER
             return None
         index = _indexes.get(digest)
-        if len(_marks) >= MAX_MARKS or (index is None and len(_parts) >= MAX_ARRAYS):
+        own = len(taken.parts["own"]) if "own" in taken.parts else None
+        # (a holder's own texts have their cap apart: a rank's own arrays, which it prints
+        # itself, leave the table's room to the arrays over several processes)
+        full = (_own_bytes + own > MAX_OWN_BYTES) if own is not None else (
+            len(_parts) - _own_entries >= MAX_ARRAYS)
+        if len(_marks) >= MAX_MARKS or (index is None and full):
             # (a holder's own text left out is no placeholder here: the others say it)
-            _left_out += "own" not in taken.parts
+            _left_out += own is None
             return None
         if index is None:
             _parts.append(taken.parts)
             index = _indexes[digest] = len(_parts) - 1
+            if own is not None:
+                _own_entries, _own_bytes = _own_entries + 1, _own_bytes + own
         mark = f"{place}-{count}"
         _marks[mark] = index
     return mark
@@ -423,7 +470,7 @@ def _mark_of(taken: _Parts, place: str) -> str | None:
 def into(metadata: dict) -> None:
     """(the main thread, at the cell's reply) The cell's printed arrays into its reply's
     metadata; the table starts again for the next cell."""
-    global _left_out
+    global _left_out, _own_entries, _own_bytes
     with _lock:
         if _marks or _left_out:
             metadata[wire.PRINTED_ARRAYS] = {
@@ -435,4 +482,4 @@ def into(metadata: dict) -> None:
         _indexes.clear()
         _marks.clear()
         _places.clear()
-        _left_out = 0
+        _left_out = _own_entries = _own_bytes = 0
