@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from conftest import ready_cluster, report, run
+
 from spmd.magics.render import RankErrors
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,3 +83,24 @@ def test_a_mesh_of_one_processs_devices_is_said_above_jaxs_error(two):
     assert "[rank 1] AssertionError" in lines, lines
     assert out.stdout.startswith("[ranks 0-1] " + reference), out.stdout
 
+
+
+def test_an_error_that_meets_no_mesh_gets_no_sentence_about_one(two):
+    """A mesh of one process's devices defined in the notebook plays no part in an error jax
+    did not raise: no sentence about it (the cell's frame holds every name of the notebook)."""
+    out = run(two, "last = jax.sharding.Mesh(np.array(jax.devices()[-2:]), ('x',))\n"
+                   "if rank == 0:\n    raise ValueError('boom')")
+    text = "\n".join(out.error._render_traceback_())
+    assert "ValueError: boom" in text and "holds none of" not in text, text
+
+
+def test_the_hint_names_the_array_the_failing_rank_could_not_print(two):
+    """Each rank's own array on its own device (committed) beside an array over both
+    processes: np.asarray fails on the second, and the hint names it, not the rank's own."""
+    out = run(two, "mine = jax.device_put(jnp.arange(3.0) + rank, jax.local_devices()[0])\n"
+                   "spread = jax.device_put(jnp.arange(8.0), "
+                   "NamedSharding(jax.make_mesh((8,), ('x',)), P('x')))\n"
+                   "np.asarray(mine) + np.asarray(spread)")
+    text = "\n".join(out.error._render_traceback_())
+    assert "%spmd gather spread puts it together" in text, text
+    assert "mine lives on" not in text, text

@@ -176,8 +176,8 @@ def fetch_shown(label: str, shown: dict[int, tuple[int, int]], max_bytes: int) -
 
 
 def spanning(names: list[str]) -> list[list]:
-    """Which of ``names`` are jax.Arrays that some process cannot print or turn into numpy on
-    its own, each as [name, the processes whose devices hold it, whether those print it whole
+    """Which of ``names`` are jax.Arrays that this process cannot print or turn into numpy on
+    its own (asked of a rank that could not), each as [name, the processes whose devices hold it, whether those print it whole
     (a mesh of some processes' devices: on one process's, or copied on each)]."""
     import jax
     from IPython import get_ipython
@@ -188,6 +188,9 @@ def spanning(names: list[str]) -> list[list]:
         x = ns.get(name)
         if not _is_jax_array(x) or not x.committed:  # (uncommitted: this process's own)
             continue
+        if x.is_fully_addressable or (x.is_fully_replicated
+                                      and x.sharding.has_addressable_devices):
+            continue  # (this process prints it: not the one the others could not)
         holders = sorted({device.process_index for device in x.sharding.device_set})
         whole = len(holders) == 1 or x.sharding.is_fully_replicated
         if len(holders) < jax.process_count() or not whole:

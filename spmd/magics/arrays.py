@@ -184,16 +184,16 @@ _CELL_LINE = re.compile(r"^Cell In\[\d+\], line (\d+)")
 def gather_hint(session: Session, cell: str, errors: list) -> str:
     """For jax's "Fetching value for `jax.Array` that spans non-addressable ... devices": one
     line with the notebook's way out, naming the array when the failing line names one."""
-    errs = [out for _, out in errors if _NOT_ADDRESSABLE in out.evalue]
+    errs = [(ranks, out) for ranks, out in errors if _NOT_ADDRESSABLE in out.evalue]
     if not errs:
         return ""
     names: list[str] = []
     lines = cell.splitlines()
-    for text in errs[0].traceback:
+    for text in errs[0][1].traceback:
         m = _CELL_LINE.match(_ANSI.sub("", text))
         if m and 0 < int(m.group(1)) <= len(lines):
             names = _names_in(lines[int(m.group(1)) - 1])
-    return _ways_out(*_spanning(session, names))
+    return _ways_out(*_spanning(session, errs[0][0][0], names))
 
 
 def mesh_hint(session: Session, errors: list) -> str:
@@ -220,11 +220,11 @@ def mesh_hint(session: Session, errors: list) -> str:
             "process holds a part.")
 
 
-def _spanning(session: Session, names: list[str]) -> list:
-    """The first of ``names`` that is an array some process cannot print, as
-    ``shards.spanning`` says it ("NAME" where none is, or rank 0 cannot tell)."""
+def _spanning(session: Session, rank: int, names: list[str]) -> list:
+    """The first of ``names`` that is an array ``rank`` cannot print, as ``shards.spanning``
+    says it there ("NAME" where none is, or the rank cannot tell)."""
     try:
-        found = session.call(0, shards.spanning, names, timeout=5.0) if names else []
+        found = session.call(rank, shards.spanning, names, timeout=5.0) if names else []
     except Exception:  # only a hint: without it, the generic sentence
         found = []
     return found[0] if found else ["NAME", [], False]
@@ -246,12 +246,14 @@ def _ways_out(what: str, holders: list[int], whole: bool) -> str:
 _PLACEHOLDER = re.compile(r"Array\(shape=\([\d, ]*\), dtype=\w+(?:, weak_type=True)?\)")
 
 
-def placeholder_hint(session: Session, cell: str, printed: list[str]) -> str:
-    """For a cell whose ranks printed jax's placeholder of a process-spanning array: one line
-    with the ways to see its value ('' when none printed one)."""
-    if not any(_PLACEHOLDER.search(text) for text in printed):
+def placeholder_hint(session: Session, cell: str, printed: list[tuple[int, str]]) -> str:
+    """For a cell whose ranks printed jax's placeholder of a process-spanning array
+    (``printed``: each rank's texts): one line with the ways to see its value ('' when none
+    printed one). The names are looked up on a rank that printed one."""
+    ranks = [rank for rank, text in printed if _PLACEHOLDER.search(text)]
+    if not ranks:
         return ""
-    return _ways_out(*_spanning(session, _names_in(cell)))
+    return _ways_out(*_spanning(session, ranks[0], _names_in(cell)))
 
 
 def _names_in(code: str) -> list[str]:

@@ -168,7 +168,8 @@ def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> 
 
 def hint_placeholders(session: Session, cell: str, ran: CellResult) -> None:
     """A hint when the ranks printed jax's placeholder for a global array."""
-    printed = [o.text for c in ran.cells.values() for o in c.outputs if o.kind == "stdout"]
+    printed = [(rank, o.text) for rank, c in ran.cells.items() for o in c.outputs
+               if o.kind == "stdout"]
     hint = arrays.placeholder_hint(session, cell, printed)
     if hint:
         write("stderr", hint + "\n")
