@@ -217,7 +217,7 @@ def _held_whole_by_some(array) -> bool:
     print it whole (it is on one process's devices, or the same on each of its devices): the
     same answer on every rank, from its sharding. An array a process made on its own device
     (uncommitted, like ``jnp.arange(3)``) is each rank's own: no."""
-    if not array.committed:
+    if not getattr(array, "committed", False):  # (a DTensor has no such thing: no)
         return False
     if not _process_count:
         import jax
