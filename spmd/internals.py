@@ -27,10 +27,46 @@ class Internal:
     path: str  # attribute path inside the module ("Client._send")
     side: str  # "notebook" or "rank": which process uses it
     why: str
-    # False: without it a feature steps aside and says so where it is used (jit_cache.py),
-    # and the start goes on.
+    # False: not looked for by ``check`` (its project may not be imported on that side): the
+    # module that uses it looks, and its feature steps aside and says so (jit_cache.py), or
+    # the start fails in the same sentence (device_put.py, where jax is a backend).
     required: bool = True
+    # The project's minor versions the part is used in, first and last ("0.6-0.10"; "": every
+    # one): a workaround of a fault those versions have. Outside them it is neither looked for
+    # nor used, and the text of ``why`` says them too.
+    versions: str = ""
+    # For such a workaround: the lines that show the fault in a plain program of the project
+    # alone, shown once on docs/reference/internals.md, so a user can see it is not ours.
+    fault: str = ""
 
+
+# jax's device_put checks that a numpy value put on a sharding over every process is the same
+# on each, comparing the float64 value with a copy gathered as float32 (x64 off): the minors
+# with that fault, and the program that shows it (engine/device_put.py works around it).
+_PUT_CHECK = "0.6-0.10"
+_PUT_CHECK_FAULT = """\
+jax's device_put of a float64 numpy value, the same on every process, onto a sharding over
+every process's devices fails on every process with x64 off, while one process puts it: the
+check gathers the value as float32 and compares it with the float64 input, so "Expected" and
+"got" differ in their last digits. Saved as `repro.py` and run as two processes of
+`jax.distributed` (4 CPU devices each), without jupyter-spmd:
+
+```python
+import sys, jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.config.update("jax_num_cpu_devices", 4)
+jax.distributed.initialize("127.0.0.1:23457", num_processes=2, process_id=int(sys.argv[1]))
+
+x = np.random.default_rng(0).normal(size=(8,))
+jax.device_put(x, NamedSharding(jax.make_mesh((8,), ('x',)), P('x')))
+```
+
+`python repro.py 0 & python repro.py 1` raises on both: `AssertionError: <class
+'numpy.ndarray'> passed to device_put is not the same on each process`. On the ranks the
+check compares what device_put puts on the devices (each numpy or Python value in jax's dtype
+for it), so such a cell does what one process does, and a value that differs still raises
+jax's error. In the versions with the fault, a jax without the parts above fails the start of
+a cluster whose ranks use jax, in one sentence."""
 
 INTERNALS = [
     # ipyparallel, in the notebook
@@ -191,8 +227,9 @@ INTERNALS = [
              required=False),
     *[Internal("jax", module, path, "rank",
                "device_put of a float64 numpy value the same on every process, which jax's "
-               "check calls different with x64 off (jax 0.6-0.10; engine/device_put.py)",
-               required=False)
+               f"check calls different with x64 off (jax {_PUT_CHECK}, the versions with that "
+               "fault; engine/device_put.py)",
+               required=False, versions=_PUT_CHECK, fault=_PUT_CHECK_FAULT)
       for module, path in (("jax._src.dispatch", "_device_put_sharding_impl"),
                            ("jax.experimental.multihost_utils", "assert_equal"))],
     # torch, on a rank that shows a DTensor's shards
@@ -219,7 +256,8 @@ def missing(side: str, required_only: bool = False, used_in: str = "") -> list[s
     whose ``why`` names ``used_in``, where given: the others' modules are not imported)."""
     found = []
     for item in INTERNALS:
-        if item.side != side or (required_only and not item.required) or used_in not in item.why:
+        if item.side != side or (required_only and not item.required) \
+                or used_in not in item.why or not applies(item):
             continue
         try:
             value = importlib.import_module(item.module)
@@ -233,6 +271,22 @@ def missing(side: str, required_only: bool = False, used_in: str = "") -> list[s
                 "(see pyproject.toml)."
             )
     return found
+
+
+def applies(item: Internal) -> bool:
+    """Whether the installed version of ``item``'s project is one it is used in (its
+    ``versions``; a version that cannot be read: not one)."""
+    if not item.versions:
+        return True
+    first, last = (_minor(end) for end in item.versions.split("-"))
+    installed = _minor(_version(item.project))
+    return installed is not None and first <= installed <= last
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    """(0, 10) for "0.10.2" (None where it does not start with two numbers)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def _attr(owner: type | types.ModuleType, name: str):

@@ -7,22 +7,29 @@ from every process, which turns float64 into float32 when x64 is off, and compar
 the float64 input: any number float32 cannot hold exactly "differs", and every rank raises
 
     AssertionError: <class 'numpy.ndarray'> passed to device_put is not the same on each
-    process. ... Expected: [ 0.12573022 ...]; got: [ 0.12573022 ...].
+    process. ... Expected: [ 0.12573022 -0.13210486  0.64042264 ...]; got: [ 0.12573022
+    -0.13210486  0.64042265 ...].
 
-with the same numbers on both sides. One process never runs the check; it converts the value
-to float32 and puts it on the devices. The two lines that show it is jax's (two processes of
-``jax.distributed``, no jupyter-spmd)::
+(the float32 copy of every process, and this process's float64 value). One process never
+runs the check; it converts the value to float32 and puts it on the devices. The two lines
+that show it is jax's (two processes of ``jax.distributed``, no jupyter-spmd)::
 
     x = np.random.default_rng(0).normal(size=(8,))
-    jax.device_put(x, NamedSharding(jax.make_mesh((jax.device_count(),), ('x',)), P('x')))
+    jax.device_put(x, NamedSharding(jax.make_mesh((8,), ('x',)), P('x')))
 
 Here the check compares what device_put puts on the devices: each numpy or Python value
 converted to jax's dtype for it first (``jax.dtypes.canonicalize_dtype``), so a value the same
 on every process after that conversion passes, as in one process, and one that differs still
 raises jax's error. Only device_put's check is changed (by its caller's code object); a call
-of ``assert_equal`` from a program is jax's own. jax 0.6 to 0.10 (the versions pyproject.toml
-allows; seen in 0.10.2); spmd/internals.py lists the parts it uses, checked when a rank
-starts.
+of ``assert_equal`` from a program is jax's own.
+
+The jax versions with the fault and the parts of jax used here are listed in
+spmd/internals.py (its ``versions`` and ``fault``; docs/reference/internals.md shows the
+program above). It is installed when the rank joins, where jax is a backend (then jax is
+imported and jax.distributed initialized by the start; without jax as a backend a rank is one
+process of jax, which never runs the check). In those versions a part that moved fails the
+start in one sentence, as a required part does, instead of leaving the fault in place without
+a word.
 
 Threads: ``install`` runs once on the rank's main thread; the wrapper runs on whichever thread
 calls device_put.
@@ -33,29 +40,35 @@ from __future__ import annotations
 import functools
 import sys
 
-# The jax minors whose device_put check has the fault: from FIRST, up to FIXED_IN (None: no
-# release allowed by pyproject.toml fixes it yet).
-FIRST = (0, 6)
-FIXED_IN: tuple[int, int] | None = None
+USED_IN = "engine/device_put.py"  # (how spmd/internals.py's entries name this module)
 
 
 def install() -> None:
-    """Wrap the ``assert_equal`` device_put calls (where jax is imported; once)."""
+    """Wrap the ``assert_equal`` device_put calls (where jax is imported, in the versions
+    with the fault; once). Raises InternalsChanged where a part it uses moved."""
     jax = sys.modules.get("jax")
     if jax is None:
         return
-    try:
-        from jax._src import dispatch
-        from jax.experimental import multihost_utils
-    except ImportError:  # (moved: the check stays jax's; spmd/internals.py says so)
-        return
+    from spmd import internals
+
+    parts = [item for item in internals.INTERNALS if USED_IN in item.why]
+    if not all(internals.applies(item) for item in parts):
+        return  # (a jax without the fault: its check is right)
+    problems = internals.missing("rank", used_in=USED_IN)
+    if problems:
+        raise internals.InternalsChanged(" ".join(problems))
+    from jax._src import dispatch
+    from jax.experimental import multihost_utils
+
     check = multihost_utils.assert_equal
-    if getattr(check, "_spmd_canonical", False) or not _applies(jax.__version__):
+    if getattr(check, "_spmd_canonical", False):
         return
-    caller = getattr(dispatch, "_device_put_sharding_impl", None)
-    if caller is None:
-        return
-    device_put_check = caller.__code__
+    device_put_check = getattr(dispatch._device_put_sharding_impl, "__code__", None)
+    if device_put_check is None:  # (wrapped in a jax to come: its caller is not this code)
+        raise internals.InternalsChanged(
+            f"jax {jax.__version__}'s jax._src.dispatch._device_put_sharding_impl is not a "
+            f"plain function, which jupyter-spmd needs for {parts[0].why}: install a version "
+            "where it is (see pyproject.toml).")
 
     @functools.wraps(check)
     def assert_equal(in_tree, fail_message: str = ""):
@@ -65,14 +78,6 @@ def install() -> None:
 
     assert_equal._spmd_canonical = True
     multihost_utils.assert_equal = assert_equal
-
-
-def _applies(version: str) -> bool:
-    try:
-        minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    return minor >= FIRST and (FIXED_IN is None or minor < FIXED_IN)
 
 
 def _as_put(value):

@@ -4,7 +4,7 @@ JAX's tutorials make meshes of the first devices (``jax.make_mesh((2,), ('i',))`
 first 2 of all the devices). On several processes those are some processes' devices only; on
 the others an array on that mesh holds nothing, and some of jax's operations fail there with a
 bare assertion (iterating it: ``assert self.is_fully_replicated or self.is_fully_addressable``).
-The notebook asks a failing rank (magics/arrays.py ``mesh_hint``) whether its error, raised
+The notebook asks a failing rank (magics/meshes.py ``mesh_hint``) whether its error, raised
 in jax, holds such a mesh, sharding or array in jax's own frames, to say so above jax's error
 (not in a cell's frame, which holds every name of the notebook).
 

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from spmd import picture
 from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.session import Session
-from spmd.engine import meshes, shards
+from spmd.engine import shards
 from spmd.magics.values import numpy_dtype
 
 ANSWER_SECONDS = 30.0
@@ -194,30 +194,6 @@ def gather_hint(session: Session, cell: str, errors: list) -> str:
         if m and 0 < int(m.group(1)) <= len(lines):
             names = _names_in(lines[int(m.group(1)) - 1])
     return _ways_out(*_spanning(session, errs[0][0][0], names))
-
-
-def mesh_hint(session: Session, errors: list) -> str:
-    """For a cell that failed on ranks holding none of a mesh's devices (a mesh of the first
-    devices, which are some processes' only): one sentence, which processes hold it, which
-    hold none, and what to make instead ('' where the failing rank's error met no such mesh)."""
-    failed = sorted(rank for ranks, _ in errors for rank in ranks)
-    if not failed:
-        return ""
-    try:
-        found = session.call(failed[0], meshes.out_of_reach, timeout=5.0)
-    except Exception:  # only a hint: without it, jax's error alone
-        return ""
-    if not found:
-        return ""
-    holders, devices, total = found
-    none = [rank for rank in failed if rank not in holders]
-    who = (f"process {holders[0]}'s" if len(holders) == 1
-           else f"processes {rank_words(holders).removeprefix('ranks ')}'")
-    return (f"{rank_words(none).capitalize()} {'holds' if len(none) == 1 else 'hold'} none of "
-            f"the {devices} devices of the mesh this fails on, which are {who} only, so "
-            f"{'its' if len(none) == 1 else 'their'} arrays on it hold nothing: make the mesh "
-            f"of all {total} devices, as jax.make_mesh(({total},), ...) does, so that every "
-            "process holds a part.")
 
 
 def _spanning(session: Session, rank: int, names: list[str]) -> list:

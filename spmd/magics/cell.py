@@ -17,7 +17,7 @@ from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.run import CellResult, rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.session import OutOfStep, Session
-from spmd.magics import arrays, values, widgets
+from spmd.magics import arrays, meshes, values, widgets
 from spmd.magics.automode import is_exit
 from spmd.magics.panel import Panel
 from spmd.magics.prompts import Prompter
@@ -230,7 +230,7 @@ def cell_failure(
             details = ["", *stall.deaths[0].describe(headline=False), *details]
     else:
         hints = [h for h in [arrays.gather_hint(session, cell, errors)
-                             or arrays.mesh_hint(session, errors)] if h]
+                             or meshes.mesh_hint(session, errors)] if h]
     dead = [d.rank for d in stall.deaths] if stall is not None else []
     return RankErrors(errors, sorted(ran.cells), notes, details, hints, dead, title)
 

@@ -34,6 +34,12 @@ def _version(project: str) -> str:
         return "not installed"
 
 
+def _kind(item) -> str:
+    if item.versions:  # (a workaround: looked for in those versions, where it is used)
+        return f" ({item.project} {item.versions} only)"
+    return "" if item.required else " (optional)"
+
+
 def page() -> str:
     from spmd import internals
 
@@ -65,9 +71,13 @@ def page() -> str:
             used = [i for i in items if i.side == side]
             if used:
                 out += [f"{where.capitalize()}:", ""]
-                out += [f"- `{i.module}.{i.path}`{'' if i.required else ' (optional)'}: "
-                        f"{i.why}" for i in used]
+                out += [f"- `{i.module}.{i.path}`{_kind(i)}: {i.why}" for i in used]
                 out += [""]
+        # a workaround of the project's fault: the program that shows it, once
+        for fault in dict.fromkeys(i.fault for i in items if i.fault):
+            parts = [f"`{i.module}.{i.path}`" for i in items if i.fault == fault]
+            out += [f"### A fault of {project} worked around ({', '.join(parts)})", "",
+                    fault, ""]
         unknown = sorted({i.side for i in items} - set(_SIDES))
         if unknown:
             raise Drift(f"spmd/internals.py names a side {', '.join(unknown)} that "
