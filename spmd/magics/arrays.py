@@ -15,7 +15,7 @@ import numpy as np
 from IPython.core.error import UsageError
 
 from spmd import picture
-from spmd.cluster.lockstep.run import rank_words
+from spmd.cluster.lockstep.run import process_words, rank_words
 from spmd.cluster.session import Session
 from spmd.engine import shards
 from spmd.magics.values import numpy_dtype
@@ -210,8 +210,7 @@ def _ways_out(what: str, holders: list[int], whole: bool) -> str:
     ways = (f"end a cell with {what} to see its value here, or %spmd gather {what} puts it "
             f"together in the notebook as numpy (%spmd sharding {what} shows who holds what)")
     if whole:  # (a mesh of some processes' devices: they print it, the others hold none)
-        who = (f"process {holders[0]}" if len(holders) == 1
-               else f"processes {rank_words(holders).removeprefix('ranks ')}")
+        who = process_words(holders)
         return (f"{what} lives on the devices of {who} only: the other ranks hold none of it "
                 f"and cannot print it or turn it into numpy; {ways}.")
     return (f"The array lives on the devices of several processes, so no single process can "

@@ -14,7 +14,7 @@ Threads: ``mesh_hint`` runs on the notebook's main thread, as the cell's report 
 
 from __future__ import annotations
 
-from spmd.cluster.lockstep.run import rank_set
+from spmd.cluster.lockstep.run import process_words
 from spmd.cluster.session import Session
 from spmd.engine import meshes
 
@@ -36,14 +36,9 @@ def mesh_hint(session: Session, errors: list) -> str:
     holders, devices, total = found
     none = [rank for rank in range(session.settings.n) if rank not in holders]
     one = len(none) == 1
-    return (f"The mesh this fails on is over {devices} devices of {_processes(holders)} only, "
-            f"and {_processes(none)} {'holds' if one else 'hold'} none of them, so "
+    return (f"The mesh this fails on is over {devices} devices of {process_words(holders)} only, "
+            f"and {process_words(none)} {'holds' if one else 'hold'} none of them, so "
             f"{'its' if one else 'their'} arrays on that mesh hold nothing: make the mesh over "
             f"all jax.device_count() = {total} devices of every process instead, as "
             f"jax.make_mesh(({total},), ...) or "
             "jax.sharding.Mesh(np.array(jax.devices()).reshape(...), ...) does.")
-
-
-def _processes(ranks: list[int]) -> str:
-    """'process 0' or 'processes 1-3' (a rank is a process)."""
-    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {rank_set(ranks)}"

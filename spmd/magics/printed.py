@@ -22,7 +22,7 @@ import re
 import numpy as np
 
 from spmd.cluster.lockstep.outputs import PRINTED, unmarked
-from spmd.cluster.lockstep.run import rank_words
+from spmd.cluster.lockstep.run import process_words
 from spmd.magics import values
 
 
@@ -130,8 +130,7 @@ def held_text(parts: list[dict | None], ranks: list[int], form: str) -> tuple[st
 
 def about_held(holders: tuple, n: int) -> str:
     """One line: arrays printed in the cell (``n`` prints) live on ``holders``' devices only."""
-    who = (f"process {holders[0]}" if len(holders) == 1
-           else f"processes {rank_words(holders).removeprefix('ranks ')}")
+    who = process_words(holders)
     if n == 1:
         return (f"(The array printed here lives on the devices of {who} only; the other "
                 "ranks hold none of it.)")

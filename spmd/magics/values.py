@@ -18,7 +18,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from spmd.cluster.lockstep.outputs import RankCell
-from spmd.cluster.lockstep.run import rank_words
+from spmd.cluster.lockstep.run import process_words
 from spmd.engine.results import MIME
 
 
@@ -60,8 +60,7 @@ def held_by_some(cells: dict[int, RankCell]):
 
 def about_held(holders: list[int], part: dict) -> str:
     """One line: the array lives on some processes' devices only."""
-    who = (f"process {holders[0]}" if len(holders) == 1
-           else f"processes {rank_words(holders).removeprefix('ranks ')}")
+    who = process_words(holders)
     return (f"(one array on the {part['devices']} devices of {who} only: "
             f"{part.get('layout') or part['sharding']})")
 

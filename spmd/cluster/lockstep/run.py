@@ -279,6 +279,13 @@ def rank_words(ranks: Iterable[int]) -> str:
     return rank_label(ranks)[1:-1]
 
 
+def process_words(ranks: Iterable[int]) -> str:
+    """'process 0' or 'processes 0-1', for sentences about whose devices hold an array (a
+    rank is the process of that index)."""
+    ranks = sorted(set(ranks))
+    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {rank_set(ranks)}"
+
+
 def rank_label(ranks: Iterable[int]) -> str:
     """'[rank 2]' or '[ranks 0-3]'."""
     ranks = sorted(set(ranks))
