@@ -385,3 +385,27 @@ def test_a_shutdown_while_the_main_thread_takes_the_kernels_start_raises_nothing
         magics._shutting_down = False
         magics.pending = None
         magics.session, magics.starting = before
+
+
+def test_the_heart_monitor_ends_with_a_controller_killed_outright(tmp_path):
+    """A controller SIGKILLed (the launcher's kill one second after its SIGTERM, on a busy
+    machine) cannot end the heart monitor it forked: the monitor ends by itself."""
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "spmd.controller", f"--profile-dir={tmp_path}",
+         "--ip=127.0.0.1", "--IPController.use_threads=True", "--IPController.db_class=NoDB",
+         "--log-level=WARN"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        monitors = []
+        while not monitors and time.monotonic() < deadline:
+            monitors = psutil.Process(controller.pid).children()
+            time.sleep(0.1)
+        assert monitors, "the controller started no heart monitor"
+        controller.kill()
+        controller.wait()
+        assert not wait_until_gone(monitors, 10)
+    finally:
+        controller.kill()
+        controller.wait()

@@ -14,7 +14,10 @@ two periods (0.7 s of a 64-rank restart). Here (installed by controller.py):
 
 The monitor runs in a process of its own (multiprocessing): a forked one inherits the
 patches; one started afresh (spawn, forkserver) starts through ``start_heartmonitor`` here,
-which installs them first.
+which installs them first. It ends itself once the controller that started it is gone: the
+controller's own end takes it along only when the controller lives to say so (a SIGKILL
+after the launcher's one second, a SIGTERM before ipyparallel's handler is set, or an end
+that raced the monitor's fork left it pinging for ever, reparented to init).
 
 Threads: the heart monitor's process has one thread, its event loop; all of this runs there.
 """
@@ -27,6 +30,8 @@ from zmq.eventloop.zmqstream import ZMQStream
 # How long after a heart connects its ping is repeated (its subscription has reached the
 # ping socket by then, on the loopback; a heart that misses it answers the next beat).
 REPING_SECONDS = 0.02
+# How often the monitor looks whether its controller still runs.
+PARENT_CHECK_MS = 500
 
 _handle_pong = _start = None  # ipyparallel's own, bound by _patch()
 
@@ -67,6 +72,7 @@ def handle_pong(self, msg: list) -> None:
 def start(self) -> None:
     """``HeartMonitor.start``, and the ping repeated soon after a heart connects."""
     _start(self)
+    _end_with_parent()
     socket = self.ping_stream.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     events = ZMQStream(socket, self.loop)
     loop = self.loop
@@ -89,3 +95,23 @@ def start(self) -> None:
 
     events.on_recv(connected)
     self._spmd_connections = events  # (kept: the stream is the monitor socket's reader)
+
+
+def _end_with_parent() -> None:
+    """End this process soon after the controller that forked it (its parent now) ends."""
+    import multiprocessing
+    import os
+
+    from tornado.ioloop import PeriodicCallback
+
+    forked_by = multiprocessing.parent_process()  # (the controller, even where it is gone)
+    if forked_by is None:  # (not the monitor's own process)
+        return
+    parent = forked_by.pid
+
+    def check() -> None:
+        if os.getppid() != parent:  # (reparented: the controller is gone)
+            os._exit(0)
+
+    check()  # (it may have ended before the monitor got here)
+    PeriodicCallback(check, PARENT_CHECK_MS).start()
