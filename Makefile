@@ -47,7 +47,7 @@ docs: $(DOCS_STAMP)
 
 # (the docs extra too: tests/test_docs.py builds a one-page site)
 test: $(DOCS_STAMP) system
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 system:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

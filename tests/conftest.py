@@ -6,6 +6,7 @@ module that no process this test run started (kernel, controller, engine) is sti
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -105,6 +106,23 @@ def restart_and_run(shell: InteractiveShell, setup: str, cell: str) -> str:
 
 CLEAR = "\x1b[2K\r"  # what IPython's clear_output writes to a terminal
 
+
+# Each pytest-xdist worker has a temporary folder and a Jupyter runtime folder of its own:
+# what a test leaves there for its next step (a dead notebook's folders, which the next
+# start removes; a lingering cluster's record, which `%spmd attach` and `spmd stop --all`
+# read) is never another worker's to remove, attach to or stop. Made here, before anything
+# asks tempfile for its folder (it keeps the first answer).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    WORKER_TMP = tempfile.mkdtemp(prefix=f"tests-{os.environ['PYTEST_XDIST_WORKER']}-",
+                                  dir=os.environ.get("SPMD_TESTS_TMP") or None)
+    os.environ["TMPDIR"] = WORKER_TMP
+    tempfile.tempdir = None
+    atexit.register(shutil.rmtree, WORKER_TMP, True)
+else:
+    # (the workers' own folders go where this one would have; they nest nothing)
+    os.environ.setdefault("SPMD_TESTS_TMP", tempfile.gettempdir())
+os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tests-runtime-")
+atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], True)
 
 # The SPMD kernelspec, installed where Jupyter looks for this test run only, never in the
 # user's own folders: every test that starts a kernel named "spmd" (directly or through a

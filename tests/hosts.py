@@ -144,20 +144,25 @@ class Hosts:
             sshd_config = os.path.join(self.folder, f"sshd_{name}")
             # Its own host name (a UTS namespace), so the ranks there say "node1", and its
             # own /tmp (a mount namespace), with the shared folders bound back into it.
-            outer = f"/run/spmd-outer-{tag}-{name}"
-            os.makedirs(outer, exist_ok=True)
-            self._outer.append(outer)
-            # (where the notebook's folders go: TMPDIR, or /tmp)
-            tmp = os.path.realpath(tempfile.gettempdir())
-            q = shlex.quote
-            binds = "".join(
-                f" && mkdir -p {q(d)} && mount --rbind {q(outer + d[len(tmp):])} {q(d)}"
-                for d in self.shared_under_tmp()
-            )
-            script = (
-                f"mount --rbind {q(tmp)} {q(outer)} "
-                f"&& mount -t tmpfs -o mode=1777 tmpfs {q(tmp)}{binds} "
-                f"&& umount -l {q(outer)} && hostname {name} "
+            # /tmp is where what ssh starts writes (ssh passes no TMPDIR), and this
+            # machine's temporary folder (a test worker's own, under /tmp) is where the
+            # notebook puts the cluster's folders, on every host by the same path.
+            script, q = "", shlex.quote
+            for i, tmp in enumerate(self.private_folders()):
+                outer = f"/run/spmd-outer-{tag}-{name}-{i}"
+                os.makedirs(outer, exist_ok=True)
+                self._outer.append(outer)
+                binds = "".join(
+                    f" && mkdir -p {q(d)} && mount --rbind {q(outer + d[len(tmp):])} {q(d)}"
+                    for d in self.shared_under(tmp)
+                )
+                script += (
+                    f"mount --rbind {q(tmp)} {q(outer)} "
+                    f"&& mount -t tmpfs -o mode=1777 tmpfs {q(tmp)}{binds} "
+                    f"&& umount -l {q(outer)} && "
+                )
+            script += (
+                f"hostname {name} "
                 f"&& exec /usr/sbin/sshd -D -e -f {q(sshd_config)}"
             )
             self._sshd.append(
@@ -180,14 +185,24 @@ class Hosts:
         for name in self.names:  # each sshd answers before the test goes on
             self.ssh(name, "true", timeout=30)
 
-    def shared_under_tmp(self) -> list[str]:
-        """The folders in the temporary folder that the hosts share with this machine: this
-        checkout, its Python environment, the hosts' folder (parents before children)."""
+    @property
+    def tmp(self) -> str:
+        """The temporary folder the notebook's cluster folders go in, here and on the hosts
+        (each host's own)."""
+        return os.path.realpath(tempfile.gettempdir())
+
+    def private_folders(self) -> list[str]:
+        """The folders each host has its own of: /tmp, and the temporary folder where that
+        is not under /tmp."""
+        return ["/tmp"] + ([self.tmp] if not (self.tmp + "/").startswith("/tmp/") else [])
+
+    def shared_under(self, tmp: str) -> list[str]:
+        """The folders in ``tmp`` that the hosts share with this machine: this checkout, its
+        Python environment, the hosts' folder (parents before children)."""
         here = [
             str(Path(__file__).resolve().parents[1]), sys.prefix, self.folder,
             *os.environ.get("PYTHONPATH", "").split(os.pathsep),
         ]
-        tmp = os.path.realpath(tempfile.gettempdir())
         found = {os.path.realpath(p) for p in here if p}
         return sorted(p for p in found if p.startswith(tmp + "/"))
 

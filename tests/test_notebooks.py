@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,17 @@ from nbclient.exceptions import CellExecutionError
 
 from spmd.demo import cell_text, execute
 
-NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+from spmd_docs.executed import executed_copy  # noqa: E402
+
+
+def ran(name: str):
+    """notebooks/<name>.ipynb with its outputs: as the site's build ran it (`make docs`, the
+    first half of CI: each notebook runs once per CI run), or run here where no build of
+    this checkout's sources did (spmd_docs/executed.py)."""
+    return executed_copy(name) or execute(NOTEBOOKS / f"{name}.ipynb")
 
 
 def new_notebook(tmp_path: Path, *cells: str) -> Path:
@@ -42,7 +53,7 @@ def started(text: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quickstart_prints_what_the_guide_prints():
-    nb = execute(NOTEBOOKS / "quickstart.ipynb")
+    nb = ran("quickstart")
     assert_saved_without_empty_outputs(nb)
     shown = {c.source: cell_text(c) for c in nb.cells if c.cell_type == "code"}
     start = started(shown["%spmd start -n 4 --devices-per-process 2"])
@@ -64,7 +75,7 @@ def test_quickstart_prints_what_the_guide_prints():
 @pytest.mark.timeout(300)
 def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # a fixed seed would fix pitfall 3
-    nb = execute(NOTEBOOKS / "pitfalls.ipynb")
+    nb = ran("pitfalls")
     assert_saved_without_empty_outputs(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     shown = [cell_text(c) for c in code]
@@ -111,7 +122,7 @@ def test_the_three_pitfalls_end_in_divergence_reports_and_their_fixes_run(monkey
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_parallel_programming_guide_gives_one_picture_per_array_and_the_guides_numbers():
-    nb = execute(NOTEBOOKS / "02-parallel-programming.ipynb")
+    nb = ran("02-parallel-programming")
     assert_saved_without_empty_outputs(nb)
     cells = [c for c in nb.cells if c.cell_type == "code"]  # sources repeat: keep them all
     code = {c.source: c for c in cells}
@@ -180,7 +191,7 @@ def assert_saved_without_empty_outputs(nb) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_multi_process_guide_prints_its_32s_in_the_spmd_kernel():
-    nb = execute(NOTEBOOKS / "01-multi-process.ipynb")
+    nb = ran("01-multi-process")
     assert nb.metadata.kernelspec.name == "spmd"
     assert_saved_without_empty_outputs(nb)
     shown = {c.source: cell_text(c) for c in nb.cells if c.cell_type == "code"}
@@ -200,7 +211,7 @@ def test_the_multi_process_guide_prints_its_32s_in_the_spmd_kernel():
 @pytest.mark.timeout(300)
 def test_the_initialize_reference_reads_back_each_ranks_arguments(spmd_kernelspec):
     # no %spmd start: the kernelspec's cluster (2 ranks in the tests) runs every cell
-    nb = execute(NOTEBOOKS / "03-distributed-initialize.ipynb")
+    nb = ran("03-distributed-initialize")
     assert_saved_without_empty_outputs(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     args, jax_record, devices, twice, listening = (cell_text(c) for c in code)
@@ -359,7 +370,7 @@ def test_kernel_interrupt_reaches_blocked_ranks_and_comes_back_within_seconds():
 @pytest.mark.timeout(300)
 def test_the_torch_distributed_document_runs_on_4_ranks_and_prints_what_it_explains():
     pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
-    nb = execute(NOTEBOOKS / "04-torch-distributed.ipynb")
+    nb = ran("04-torch-distributed")
     assert_saved_without_empty_outputs(nb)
     cells = [c for c in nb.cells if c.cell_type == "code"]
     shown = [cell_text(c) for c in cells]

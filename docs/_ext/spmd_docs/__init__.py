@@ -63,4 +63,5 @@ def _config_inited(app, config) -> None:
 def setup(app):
     app.connect("config-inited", _config_inited)
     app.setup_extension("spmd_docs.figures")
+    app.setup_extension("spmd_docs.executed")
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}

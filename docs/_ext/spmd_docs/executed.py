@@ -1,0 +1,98 @@
+"""The notebooks as the site's build ran them, kept for the tests: each runs once per CI run.
+
+`make docs` runs every notebook in notebooks/ (myst-nb writes each, with its outputs, under
+docs/_build/jupyter_execute/tutorials/). When the build ends without an error, ``STAMP``
+there records a digest of what each notebook's outputs came from: the notebook, jupyter-spmd's
+code, the Python that ran it. tests/test_notebooks.py reads a notebook's executed copy only
+where the digest is the one the checkout has now; a changed line of code or of the notebook
+(or a build that failed, or ran nothing: ``SPMD_DOCS_EXECUTE=off``) sends the test back to
+running the notebook itself.
+
+Threads: the build's main thread only (its config-inited, source-read and build-finished
+events).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+NOTEBOOKS = ROOT / "notebooks"
+EXECUTED = ROOT / "docs" / "_build" / "jupyter_execute" / "tutorials"
+STAMP = EXECUTED / "sources.json"
+
+
+def digest(notebook: Path) -> str:
+    """What ``notebook``'s outputs depend on, here: its own text, every file of the package,
+    and the interpreter (a new environment is a new digest)."""
+    h = hashlib.sha256()
+    h.update(sys.executable.encode())
+    h.update(notebook.read_bytes())
+    for path in sorted((ROOT / "spmd").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def executed_copy(name: str):
+    """The notebook ``name`` (notebooks/<name>.ipynb) as the site's build ran it, read with
+    nbformat; None where that build is not of this checkout's sources."""
+    import nbformat
+
+    copy = EXECUTED / f"{name}.ipynb"
+    try:
+        stamp = json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        return None
+    if not copy.exists() or stamp.get(name) != digest(NOTEBOOKS / f"{name}.ipynb"):
+        return None
+    return nbformat.read(str(copy), as_version=4)
+
+
+_taken: dict[str, str] = {}  # the digests as the build began (a file changed during it is new)
+_read: set[str] = set()  # the notebooks this build read, so ran: only their copies are new
+
+
+def _config_inited(app, config) -> None:
+    _taken.clear()
+    _read.clear()
+    if config.nb_execution_mode in ("off", None):
+        return
+    for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
+        if not notebook.name.endswith(".executed.ipynb"):
+            _taken[notebook.stem] = digest(notebook)
+
+
+def _source_read(app, docname: str, source: list) -> None:
+    folder, _, name = docname.rpartition("/")
+    if folder == "tutorials" and name in _taken:
+        _read.add(name)
+
+
+def _build_finished(app, exception) -> None:
+    """Record the digests of the notebooks this build ran (those it did not read keep what
+    the build that ran them recorded); a build that failed records nothing new."""
+    try:
+        stamp = json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        stamp = {}
+    for name in _read:
+        stamp.pop(name, None)
+    if exception is None:
+        stamp.update({name: _taken[name] for name in _read})
+    if stamp:
+        EXECUTED.mkdir(parents=True, exist_ok=True)
+        STAMP.write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    else:
+        STAMP.unlink(missing_ok=True)
+
+
+def setup(app):
+    app.connect("config-inited", _config_inited)
+    app.connect("source-read", _source_read)
+    app.connect("build-finished", _build_finished)
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
