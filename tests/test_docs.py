@@ -251,3 +251,61 @@ def test_a_page_that_quotes_a_figure_results_json_lacks_fails_the_build(tmp_path
     missing = build("A restart takes {{ restart_spmd_n3 }}.")
     assert missing.returncode != 0
     assert "restart_spmd_n3" in missing.stderr and "is undefined" in missing.stderr
+
+
+def test_a_notebook_the_site_ran_is_read_by_the_tests_only_while_its_sources_stand(
+        tmp_path, monkeypatch):
+    """The tests read a notebook's executed copy from the site's build only while the notebook,
+    the package and the Python are what the build ran; a build that failed leaves them none."""
+    import nbformat
+    from spmd_docs import executed
+
+    (tmp_path / "spmd").mkdir()
+    (tmp_path / "spmd" / "cell.py").write_text("x = 1\n")
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    nbformat.write(nb, str(tmp_path / "notebooks" / "guide.ipynb"))
+    out = tmp_path / "_build" / "jupyter_execute" / "tutorials"
+    for name, value in [("ROOT", tmp_path), ("NOTEBOOKS", tmp_path / "notebooks"),
+                        ("EXECUTED", out), ("STAMP", out / "sources.json")]:
+        monkeypatch.setattr(executed, name, value)
+
+    def build(failed: bool = False) -> None:
+        """What a build that reads the notebook does: runs it, then stamps it."""
+        app = argparse.Namespace(config=argparse.Namespace(nb_execution_mode="force"))
+        executed._config_inited(app, app.config)
+        executed._source_read(app, "tutorials/guide", [""])
+        nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+        out.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, str(out / "guide.ipynb"))
+        executed._build_finished(app, RuntimeError("a cell failed") if failed else None)
+
+    assert executed.executed_copy("guide") is None  # (no build yet)
+    build()
+    assert executed.executed_copy("guide").cells[0].outputs[0].text == "1\n"
+    (tmp_path / "spmd" / "cell.py").write_text("x = 2\n")  # the code changed since
+    assert executed.executed_copy("guide") is None
+    (tmp_path / "spmd" / "cell.py").write_text("x = 1\n")
+    assert executed.executed_copy("guide") is not None
+    nb.cells[0].source = "print(2)"  # the notebook changed since
+    nbformat.write(nb, str(tmp_path / "notebooks" / "guide.ipynb"))
+    assert executed.executed_copy("guide") is None
+    build()
+    assert executed.executed_copy("guide") is not None
+    build(failed=True)
+    assert executed.executed_copy("guide") is None
+
+
+def test_the_site_keeps_each_stream_output_as_the_kernel_wrote_it():
+    """myst-nb merges a cell's streams for the page in place; the copy the tests read keeps
+    them as they came (the merge works on copies)."""
+    import nbformat
+    from myst_nb.core import render
+    from spmd_docs import executed
+
+    executed._keep_outputs_whole()
+    outputs = [nbformat.v4.new_output("stream", name="stdout", text=t)
+               for t in ("[rank 0] 0\n", "[rank 1] 1\r\n")]
+    merged = render.coalesce_streams(outputs)
+    assert [o.text for o in merged] == ["[rank 0] 0\n[rank 1] 1\n"]
+    assert [o.text for o in outputs] == ["[rank 0] 0\n", "[rank 1] 1\r\n"]

@@ -91,7 +91,28 @@ def _build_finished(app, exception) -> None:
         STAMP.unlink(missing_ok=True)
 
 
+def _keep_outputs_whole() -> None:
+    """myst-nb merges a cell's stream outputs for the page (nb_merge_streams) in place: the
+    notebook it then writes has the first output holding every line, the others still after
+    it, and carriage returns gone. Merged here on copies, so the written notebook is the one
+    the kernel produced, as the tests read it."""
+    import copy
+
+    from myst_nb.core import render
+
+    merge = render.coalesce_streams
+    if getattr(merge, "on_copies", False):
+        return
+
+    def coalesce_streams(outputs):
+        return merge(copy.deepcopy(outputs))
+
+    coalesce_streams.on_copies = True
+    render.coalesce_streams = coalesce_streams
+
+
 def setup(app):
+    _keep_outputs_whole()
     app.connect("config-inited", _config_inited)
     app.connect("source-read", _source_read)
     app.connect("build-finished", _build_finished)
