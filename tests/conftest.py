@@ -226,6 +226,15 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> Inter
         and getattr(s, "started_by", None) == start
         and not s.busy_ranks()
     )
+    if not healthy and s is not None and s.running and getattr(s, "started_by", None) == start:
+        # (the right cluster, out of step or still busy: a restart, well under a second with
+        # the rank server, makes it as new as a start does)
+        restarted = run(shell, "%spmd restart").error is None
+        s = magics.session
+        healthy = restarted and s is not None and s.running and not (
+            s.out_of_step or s.busy_ranks())
+        if healthy:  # (the same start line, whether the ranks were forked again or started)
+            s.started_by = start
     if not healthy:
         if s is not None:  # (stop is idempotent; a died cluster may keep its controller and rank server)
             s.stop()

@@ -1,6 +1,7 @@
 """Distributed arrays across 4 real processes x 2 CPU devices: the seed's parallel-programming
 examples (001), drawn with %spmd sharding, fetched with %spmd gather, checked against numpy
-and against what each process says it holds."""
+and against what each process says it holds, printed and shown as one process with all 8
+devices prints them. (The same prints on 2 x 4: test_arrays_on_two_processes.)"""
 
 from __future__ import annotations
 
@@ -11,49 +12,10 @@ import re
 import numpy as np
 import pytest
 from conftest import ready_cluster, run
+from global_arrays import BIG2, SEED, one_process_output, one_process_reprs, unlabelled
 from IPython.core.error import UsageError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-SEED = """
-import time
-import jax, jax.numpy as jnp, numpy as np
-from functools import partial
-from jax.sharding import PartitionSpec as P
-from jax.experimental.shard_map import shard_map
-rank = jax.process_index()
-arr = jnp.arange(32.0).reshape(4, 8)
-# jax >= 0.7 makes Explicit mesh axes by default; the guide's with_sharding_constraint
-# needs the Auto axes it was written for.
-mesh = jax.make_mesh((2, 4), ('x', 'y'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-sharding = jax.sharding.NamedSharding(mesh, P('x', 'y'))
-arr_sharded = jax.device_put(arr, sharding)
-
-@jax.jit
-def f_contract(x):
-  return x.sum(axis=0)
-
-result = f_contract(arr_sharded)
-
-@jax.jit
-def f_contract_2(x):
-  out = x.sum(axis=0)
-  sharding = jax.sharding.NamedSharding(mesh, P('x'))
-  return jax.lax.with_sharding_constraint(out, sharding)
-
-result_2 = f_contract_2(arr_sharded)
-
-mesh8 = jax.make_mesh((8,), ('x',), axis_types=(jax.sharding.AxisType.Auto,))
-x = jnp.arange(32)
-y = shard_map(lambda x: x * 2, mesh=mesh8, in_specs=P('x'), out_specs=P('x'))(x)
-sums = shard_map(lambda x: jnp.sum(x, keepdims=True), mesh=mesh8, in_specs=P('x'), out_specs=P('x'))(x)
-total = shard_map(lambda x: jax.lax.psum(x.sum(), 'x'), mesh=mesh8, in_specs=P('x'), out_specs=P())(x)
-
-# beyond the guide: fully replicated, and on the devices of processes 0-1 only
-everywhere = jax.device_put(arr, jax.sharding.NamedSharding(mesh, P()))
-sub = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('a', 'b'))
-half = jax.device_put(jnp.arange(16.0).reshape(4, 4), jax.sharding.NamedSharding(sub, P('a', 'b')))
-"""
 
 
 @pytest.fixture
@@ -329,23 +291,6 @@ VALUES = ["arr_sharded", "result", "result_2", "y", "sums", "total", "everywhere
           "arr_sharded * 2 + 1"]
 
 
-def one_process_reprs(exprs: list[str], setup: str = "") -> dict[str, str]:
-    """What one process with the cluster's 8 devices prints for each of ``exprs`` after SEED
-    (and ``setup``)."""
-    import json
-    import subprocess
-    import sys
-
-    code = (
-        "import jax\njax.config.update('jax_num_cpu_devices', 8)\n" + SEED + "\n" + setup
-        + f"\nimport json\nprint(json.dumps({{e: repr(eval(e)) for e in {exprs!r}}}))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def test_a_global_array_as_a_cells_value_prints_once_as_one_process_prints_it(cluster):
     reference = one_process_reprs(VALUES)
     for expr in VALUES:
@@ -417,29 +362,6 @@ def test_a_display_of_a_global_array_shows_what_one_process_shows(cluster):
     assert [o.get("text/plain") for o in out.outputs] == [reference["big2"]], out.outputs
 
 
-def one_process_output(code: str) -> tuple[str, str]:
-    """(stdout, stderr) of ``code`` after SEED in one process with the cluster's 8 devices."""
-    import subprocess
-    import sys
-
-    program = "import jax\njax.config.update('jax_num_cpu_devices', 8)\n" + SEED + "\n" + code
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout, done.stderr
-
-
-def unlabelled(text: str, label: str = "[ranks 0-3]") -> str:
-    """A grouped output's text without its rank label (on its own line, or before one)."""
-    if text.startswith(label + "\n"):
-        return text[len(label) + 1:]
-    assert text.startswith(label + " "), text
-    return text[len(label) + 1:]
-
-
-BIG2 = ("big2 = jax.device_put(jnp.arange(1000 * 1000, dtype=jnp.float32).reshape(1000, 1000), "
-        "sharding)")
-
 # print(x) of arrays over several processes, in each way a program prints: print's arguments,
 # an f-string, sep and end, stderr, repr, pprint, and a summarized 1000 x 1000 array.
 PRINTS = [
@@ -459,23 +381,6 @@ def test_print_of_a_global_array_shows_what_one_process_prints(cluster, code):
     assert out.error is None, out.error
     assert unlabelled(out.stdout) == reference, out.stdout
     assert "no single process can print it" not in out.stderr  # (the hint: not true here)
-
-
-def test_print_and_display_on_two_processes_show_what_one_process_shows(fresh):
-    """The same on 2 processes of 4 devices: print, an f-string, stderr, display, and a
-    summarized array."""
-    ready_cluster(fresh, "start -n 2 -d 4", SEED + "\n" + BIG2 + "\nimport sys")
-    for code in ("print(arr_sharded)", "print(f'sum {arr_sharded.sum()} of {arr_sharded}')",
-                 "print(big2)"):
-        out = run(fresh, code)
-        reference = one_process_output(BIG2 + "\n" + code)[0]
-        assert unlabelled(out.stdout, "[ranks 0-1]") == reference, out.stdout
-    out = run(fresh, "print(arr_sharded, file=sys.stderr)")
-    assert unlabelled(out.stderr, "[ranks 0-1]") == one_process_output("print(arr_sharded)")[0]
-    reference = one_process_reprs(["arr_sharded", "big2"], BIG2)
-    out = run(fresh, "display(arr_sharded)\ndisplay(big2)")
-    assert [o.get("text/plain") for o in out.outputs] == [
-        reference["arr_sharded"], reference["big2"]], out.outputs
 
 
 def test_print_to_stderr_and_what_the_program_sees_stay_jaxs(cluster, tmp_path):

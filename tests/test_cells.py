@@ -1,21 +1,12 @@
-"""Cells on two real ranks: lockstep, grouping, errors, auto mode, %%local, status, stop."""
+"""Cells on one shared cluster of two real ranks: lockstep, grouping, errors, auto mode,
+%%local, status, stop. (The start's summary line: test_start_summary; requests sent to the
+fan-out by hand: test_cell_signing; what a cell that ends early leaves: test_cell_leftovers.)"""
 
 from __future__ import annotations
 
-import re
-import time
-
 import psutil
 import pytest
-from conftest import (
-    client_connection,
-    controller_socket,
-    fanout_answers,
-    ready_cluster,
-    run,
-    session,
-    wait_until_gone,
-)
+from conftest import ready_cluster, run, wait_until_gone
 
 from spmd.magics.render import RankErrors
 
@@ -25,20 +16,6 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def cluster(module_shell):
     return ready_cluster(module_shell, "start -n 2 -d 2", "import jax")
-
-
-def test_start_prints_one_summary_line(fresh):
-    out = run(fresh, "%spmd start -n 2 -d 2")
-    assert out.error is None, out.stderr
-    # (the progress line is rewritten in place while it starts, then gives way to this)
-    assert re.fullmatch(
-        r"Started 2 processes, 2 devices per process, 4 global devices \(jax\) in \d+\.\d+ s\. "
-        r"Auto mode on: every cell now runs on all ranks[^\n]*\n",
-        out.stdout,
-    ), out.stdout
-    session = fresh.magics_manager.registry["SpmdMagics"].session
-    assert [r.rank for r in session.ranks] == [0, 1]
-    assert all(r.local_devices == 2 and r.global_devices == 4 for r in session.ranks)
 
 
 def test_same_output_shown_once_and_different_output_per_rank(cluster):
@@ -264,158 +241,3 @@ def test_a_display_the_same_on_every_rank_is_the_ranks_own_bundle(cluster):
     out = run(cluster, "display(jax.process_index())")
     assert out.outputs == [{"text/plain": "0"}, {"text/plain": "1"}]
     assert out.stdout == "[rank 0]\n[rank 1]\n"
-
-
-def test_a_cell_request_not_signed_with_the_clusters_key_runs_on_no_rank(fresh):
-    """The controller's fan-out sends one cell to many ranks: a request it cannot verify is
-    dropped, and one signed with the cluster's key runs (so the silence is the key's doing)."""
-    assert run(fresh, "%spmd start -n 2 --backend none").error is None
-    s = session(fresh)
-    info = client_connection(s)
-    assert info["interface"] == "tcp://127.0.0.1"  # (a local cluster: the loopback only)
-    rank_0 = s.client._engines[s.ranks[0].engine_id]
-    assert not fanout_answers(info, rank_0, "forged = True", key="0" * 64, wait=3)
-    assert run(fresh, "print('forged' in globals())").stdout == "[ranks 0-1] False\n"
-    assert fanout_answers(info, rank_0, "signed = True")
-    out = run(fresh, "print('signed' in globals())")
-    assert out.stdout == "[rank 0] True\n[rank 1] False\n", out.stdout
-    assert run(fresh, "%spmd stop").error is None
-
-
-def signed_request(info: dict, targets: list, code: str = "") -> list[bytes]:
-    """The frames of one cell request to the fan-out, signed with the cluster's key
-    (``targets``: [engine identity, the id its request gets] for each rank)."""
-    from jupyter_client.session import Session as Signer
-
-    from spmd.controller.fanout import REQUEST
-
-    signer = Signer(key=info["key"].encode(), signature_scheme=info["signature_scheme"])
-    request = {"request": {"code": code, "silent": False, "user_expressions": {}},
-               "metadata": {}, "targets": targets}
-    return signer.serialize(signer.msg(REQUEST, content=request))
-
-
-COUNT_RUNS = "runs = globals().get('runs', 0) + 1"
-
-
-def replays_dropped(s, expected: int) -> int:
-    """How many requests the controller's fan-out has refused as replays (its log's warnings),
-    once there are ``expected`` or 5 s have passed."""
-    deadline = time.monotonic() + 5
-    while True:
-        with open(s.cluster.controller.output_file) as f:
-            found = f.read().count("(a replay) was dropped")
-        if found >= expected or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
-
-
-@pytest.mark.timeout(180)
-def test_a_replayed_cell_request_runs_on_no_rank_even_after_a_flood(fresh):
-    """A cell request the fan-out has run is refused when it comes again, byte for byte; and
-    still after more new requests than the fan-out remembers (a flood cannot make it forget
-    one that could then be replayed)."""
-    from spmd.controller.fanout import PORT_KEY, SEEN
-
-    assert run(fresh, "%spmd start -n 2 --backend none").error is None
-    s = session(fresh)
-    info = client_connection(s)
-    rank_0 = s.client._engines[s.ranks[0].engine_id]
-    cell = signed_request(info, [[rank_0, f"probe-{time.time()}"]], COUNT_RUNS)
-    with controller_socket(info, info[PORT_KEY], curve=False) as sock:
-        sock.send_multipart(cell)
-        assert sock.poll(30_000), "the fan-out did not run the request once"
-        sock.recv_multipart()
-        sock.send_multipart(cell)  # (the same bytes: a replay)
-        assert not sock.poll(3000)
-        # (requests for no rank: each is remembered, and runs nowhere)
-        for _ in range(SEEN):
-            sock.send_multipart(signed_request(info, []))
-        sock.send_multipart(cell)
-        assert not sock.poll(3000)
-    out = run(fresh, "print(globals().get('runs', 0))")
-    assert out.stdout == "[rank 0] 1\n[rank 1] 0\n", out.stdout
-    # (the fan-out's own refusal both times, not only the rank's: a rank drops a message whose
-    # signature it has seen, but a restarted rank, or one without a key, would run it)
-    assert replays_dropped(s, 2) == 2
-    assert run(fresh, "%spmd stop").error is None
-
-
-def test_a_cluster_whose_key_is_empty_runs_cell_after_cell(fresh, monkeypatch):
-    """ipyparallel runs a cluster without a key when one is configured empty (nothing is
-    signed): the fan-out's replay guard must not take every cell after the first for a replay
-    (every signature is the same empty one)."""
-    from spmd.cluster import startup
-
-    made = startup.cluster_config
-
-    def without_key(*args, **kwargs):
-        config = made(*args, **kwargs)
-        config.Cluster.controller_args = [*config.Cluster.controller_args, "--Session.key="]
-        return config
-
-    monkeypatch.setattr(startup, "cluster_config", without_key)
-    out = run(fresh, "%spmd start -n 2 --backend none")
-    assert out.error is None, out.stdout + out.stderr
-    assert client_connection(session(fresh))["key"] == ""  # (the cluster really has none)
-    for i in range(3):
-        out = run(fresh, f"print({i})")
-        assert out.error is None and out.stdout == f"[ranks 0-1] {i}\n", out.stdout
-    assert run(fresh, "%spmd stop").error is None
-
-
-def no_routes_within(routes: dict, seconds: float = 10.0) -> bool:
-    """Whether the client's table of cell routes (written on its IO thread) is empty within
-    ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while routes and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not routes
-
-
-STUBBORN = (  # (a cell that ignores the interrupt: the notebook stops waiting, it runs on)
-    "%%spmd --timeout 1\nimport time\nwhile True:\n    try:\n        time.sleep(100)\n"
-    "    except KeyboardInterrupt:\n        pass"
-)
-
-
-@pytest.mark.timeout(180)
-def test_a_cell_that_ends_early_leaves_no_routes_behind(fresh):
-    """A cell's routes (where each rank's outputs go) end with the cell, however it ends:
-    interrupted on a timeout, given up on with its ranks still in it and then restarted,
-    a rank that died in it."""
-    assert run(fresh, "%spmd start -n 2 --backend none").error is None
-    s = session(fresh)
-    routes = s.client.cells.routes
-    out = run(fresh, "%%spmd --timeout 1\nimport time\ntime.sleep(100)")
-    assert isinstance(out.error, RankErrors)
-    assert no_routes_within(routes)
-    assert run(fresh, "%spmd restart").error is None
-    out = run(fresh, STUBBORN)
-    assert isinstance(out.error, RankErrors)
-    # (its ranks still run it: a later poll, %spmd status, hears them finish)
-    assert s.unfinished is not None and all(i in routes for i in s.unfinished.requests.values())
-    assert run(fresh, "%spmd restart").error is None
-    assert no_routes_within(routes)
-    out = run(fresh, "import os, time\nif os.environ['SPMD_RANK'] == '1':\n    os._exit(3)\n"
-                     "time.sleep(100)")
-    assert isinstance(out.error, RankErrors)
-    assert no_routes_within(routes)
-    assert run(fresh, "%spmd stop").error is None
-
-
-def test_processes_a_cell_started_end_at_a_restart_with_their_own_children(fresh):
-    assert run(fresh, "%spmd start -n 2 --backend none").error is None
-    out = run(fresh, "import subprocess\n"
-                     "child = subprocess.Popen(['bash', '-c', 'sleep 1000 & wait'])\n"
-                     "print(child.pid)")
-    assert out.error is None, out.stdout
-    children = [psutil.Process(int(line.split()[-1])) for line in out.stdout.splitlines()]
-    deadline = time.monotonic() + 10
-    while not all(c.children() for c in children) and time.monotonic() < deadline:
-        time.sleep(0.05)  # (bash starts its sleep)
-    started = children + [g for c in children for g in c.children()]
-    assert len(started) == 4
-    assert run(fresh, "%spmd restart").error is None
-    assert not wait_until_gone(started)
-    assert run(fresh, "%spmd stop").error is None

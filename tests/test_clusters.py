@@ -440,15 +440,15 @@ def test_ssh_ranks_linger_after_their_notebook_died_and_a_new_one_attaches(
 
 def test_ssh_a_linger_never_attached_ends_here_and_on_the_hosts(hosts, tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    here = killed_notebook(tmp_path, ssh_start(hosts, extra="--backend none --linger 5s"))
+    here = killed_notebook(tmp_path, ssh_start(hosts, extra="--backend none --linger 2s"))
     assert len(running_on(hosts)) >= 4
     # The controller ends when the linger is over; the ranks on the hosts when their server
     # finds it gone (a few seconds: spmd/engine/server.py) or they miss its heartbeats, and
     # each host's server with them.
-    assert not wait_until_gone(here, 5 + 15)
+    assert not wait_until_gone(here, 2 + 15)
     deadline = time.monotonic() + 40
     while running_on(hosts) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert nothing_left_on(hosts) == []
     for name in hosts.names:
         left = [e for e in hosts.ssh(name, f"ls -A {hosts.tmp}").split() if e.startswith("spmd-")]
@@ -600,9 +600,13 @@ def test_ssh_hosts_slower_than_the_start_timeout_are_named(fresh, hosts):
     assert nothing_left_on(hosts) == []
 
 
-def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(fresh, hosts):
+# on: each host's rank server makes its folder; off: the first rank's ssh command of each host
+@pytest.mark.parametrize("rank_server", ["on", "off"])
+def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(
+    fresh, hosts, rank_server
+):
     # (each host has its own /tmp, as on a cluster: the notebook's clean-up cannot reach it)
-    out = run(fresh, ssh_start(hosts, extra=""))
+    out = run(fresh, ssh_start(hosts, extra=f"--rank-server {rank_server}"))
     assert out.error is None, out.stdout + out.stderr
     profile = magics(fresh).session.profile_dir
     for name in hosts.names:
@@ -810,7 +814,7 @@ def test_slurm_a_notebook_killed_leaves_no_batch_job(slurm, tmp_path):
         notebook.stdout.close()
     killed = time.monotonic()
     while slurm.jobs() and time.monotonic() < killed + 90:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert slurm.jobs() == "", "the batch job outlived the notebook"
     assert time.monotonic() - killed < 45  # (~15 s: 20 missed checks of the heartbeat)
 
@@ -957,4 +961,8 @@ def test_slurm_a_node_cut_off_inside_an_allocation_is_reported_and_stop_returns(
         start = f"%spmd start -n 2 --launcher slurm --python {cut.python}"
         text = node2_cut_off(fresh, cut, start)
         assert text.startswith("Rank 1 on node2 died"), text
+        # (node2's link back up: Slurm ends the allocation there at once, where it would
+        # otherwise wait for the node, and the daemons' end with it, 30 s)
+        subprocess.run(["ip", "-n", cut._namespaces[1], "link", "set", "eth0", "up"],
+                       check=True, capture_output=True)
         subprocess.run(["scancel", job.group(1)], capture_output=True, env=env)

@@ -119,8 +119,10 @@ def test_the_interrupt_reaches_a_straggler_the_cell_waits_for(cluster):
 
 def test_a_rank_behind_a_finished_ranks_launch_is_waited_for(cluster):
     # rank 0 launches the psum (jax dispatches it without waiting) and ends its cell; rank 1
-    # is 4 s behind, with no launch yet: behind, not diverged; then it launches the same
-    out = run(cluster, "time.sleep(4 if rank == 1 else 0)\ny = psum(jnp.ones(2))")
+    # is 2 graces behind (1 s of a 0.5 s grace, as the default's 4 s of 2 s), with no
+    # launch yet: behind, not diverged; then it launches the same
+    out = run(cluster, "%%spmd --grace 0.5\ntime.sleep(1 if rank == 1 else 0)\n"
+                       "y = psum(jnp.ones(2))")
     assert out.error is None, report(out)
     assert run(cluster, "print(y)").stdout == "[ranks 0-1] [4. 4.]\n"
 
@@ -145,14 +147,16 @@ def test_a_rank_that_skips_a_collective_is_still_reported_within_the_grace(clust
 
 
 def test_a_straggler_that_then_launches_what_the_others_never_did_is_reported(cluster):
-    # past the grace rank 1 is only behind; 4 s in, it launches a psum rank 0 never made
+    # past the grace rank 1 is only behind; 2 graces in (1 s of a 0.5 s grace, as the
+    # default's 4 s of 2 s), it launches a psum rank 0 never made
     t0 = time.monotonic()
-    out = run(cluster, "if rank == 1:\n    time.sleep(4)\n    print(psum(jnp.ones(2)))")
+    out = run(cluster, "%%spmd --grace 0.5\nif rank == 1:\n    time.sleep(1)\n"
+                       "    print(psum(jnp.ones(2)))")
     seconds = time.monotonic() - t0
     text = report(out)
     assert text.startswith("The ranks diverged: rank 1 is waiting in a collective that rank 0 "
                            "never reached"), text
-    assert 4 < seconds < 4 + 2 + 3  # within a grace of the launch
+    assert 1 < seconds < 1 + 0.5 + 3  # within a grace of the launch
     restart_and_psum(cluster)
 
 
@@ -220,10 +224,21 @@ def test_a_stack_tells_a_wait_inside_jax_from_plain_python_and_from_a_compile():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_rank_30_s_slower_is_waited_for(cluster):
-    out = run(cluster, "time.sleep(30 if rank == 1 else 0)\nprint('slept')")
+def test_a_rank_a_dozen_graces_slower_is_waited_for(cluster, monkeypatch):
+    """A rank far slower than the others is not called diverged: what the watchdog counts is
+    graces, and a cell sets the grace. Here 12 graces of 0.5 s, a look of the live view at the
+    busy ranks every second, twice the controller's 3 s heartbeat window (no other wait of the
+    product meets a cell between 6 s and 30 s: this stood for 30 s at the default 2 s grace)."""
+    monkeypatch.setattr(LiveView, "look_after", 1.0)
+    monkeypatch.setattr(LiveView, "look_every", 1.0)
+    with displays() as shown:
+        out = run(cluster, "%%spmd --grace 0.5\ntime.sleep(6 if rank == 1 else 0)\n"
+                           "print('slept')")
     assert out.error is None, report(out)
     assert out.stdout == "[ranks 0-1] slept\n", out.stdout
+    assert not session(cluster).out_of_step
+    seen = [d.get("text/plain", "") for d in shown]
+    assert any(text.startswith("Waiting for rank 1: still running ") for text in seen), seen
     assert run(cluster, PSUM).stdout == "[ranks 0-1] [4. 4.]\n"
 
 
@@ -409,21 +424,27 @@ def test_a_session_timeout_applies_to_every_cell(cluster):
         run(shell, "%spmd stop")
 
 
-def test_a_completions_look_at_busy_ranks_leaves_a_ranks_prompt_waiting(cluster):
+def test_a_completions_look_at_busy_ranks_leaves_a_ranks_prompt_waiting(cluster, tmp_path):
     # The notebook gave up on the cell (a timeout; the rank ignores SIGINT), and afterwards
     # the rank asks for input. Tab completion checks for busy ranks on every keypress: that
     # look must not answer the rank's prompt (it would get an EOFError from a keypress).
+    asking = tmp_path / "asking"
     cell = (
         "%%spmd --timeout 1 --grace off\n"
         "import signal\n"
         "if rank == 1:\n"
         "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "    time.sleep(4)\n"
+        f"    open({str(asking)!r}, 'w').close()\n"
         "    answer = input('name? ')\n"
     )
     text = report(run(cluster, cell))  # (over in about 2 s: the report's wait is done)
     assert "Rank 1 did not respond to the interrupt" in text, text
-    time.sleep(3.5)  # rank 1 is at its prompt now
+    deadline = time.monotonic() + 30
+    while not asking.exists():  # (rank 1 is about to ask)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.2)  # rank 1 is at its prompt now
     for _ in range(5):
         assert session(cluster).busy_ranks() == [1]
         time.sleep(0.1)

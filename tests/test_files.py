@@ -17,8 +17,12 @@ from conftest import report, run, session, spmd_processes, wait_until_gone
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_a_dead_ranks_log_is_kept_and_named_in_the_report(fresh):
-    assert run(fresh, "%spmd start -n 2 --backend none").error is None
+# on: the restart forks new ranks, and the logs stay open; off: the death stops the cluster
+# (closing the logs), and the restart starts afresh, opening them again to write on in them
+@pytest.mark.parametrize("rank_server", ["on", "off"])
+def test_a_dead_ranks_log_is_kept_and_named_in_the_report(fresh, rank_server):
+    started = run(fresh, f"%spmd start -n 2 --backend none --rank-server {rank_server}")
+    assert started.error is None, started.stderr
     assert run(fresh, "import os\nrank = int(os.environ['SPMD_RANK'])").error is None
     assert run(fresh, "print('before', rank)").error is None
     died = run(fresh, "if rank == 1:\n    os._exit(3)\nimport time; time.sleep(30)")
@@ -29,7 +33,7 @@ def test_a_dead_ranks_log_is_kept_and_named_in_the_report(fresh):
     # the cluster was stopped after the death; its logs were not
     log = run(fresh, "%spmd log 1")
     assert log.error is None and "before 1" in log.stdout, log.stdout
-    # a restart that starts afresh writes on in the same logs
+    # a restart (forked, or afresh) writes on in the same logs
     assert run(fresh, "%spmd restart").error is None
     assert run(fresh, "import os\nrank = int(os.environ['SPMD_RANK'])\nprint('after', rank)").error is None
     both = run(fresh, "%spmd log 1").stdout

@@ -77,6 +77,10 @@ def fresh(shell):
         (8, "--backend jax", "[rank 0] 0,1,2,3 0\n[rank 1] 4,5,6,7 1\n"),
         (2, "--backend none", "[rank 0] 0 0\n[rank 1] 1 1\n"),
         (8, "--backend jax --gpus-per-process 1", "[rank 0] 0 0\n[rank 1] 1 1\n"),
+        # 0 hides the GPUs: set, and empty (left unset, each rank would see all 8)
+        pytest.param(
+            8, "--backend none --gpus-per-process 0", "[rank 0]  0\n[rank 1]  1\n", id="hidden"
+        ),
     ],
 )
 def test_each_rank_sees_its_own_gpus_before_jax_starts(fresh, fake_gpus, gpus, extra, expected):

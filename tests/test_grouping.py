@@ -1,6 +1,13 @@
 """Grouping of per-rank outputs, on hand-made outputs (no processes needed)."""
 
-from spmd.cluster.lockstep.outputs import Output, RankCell, drop_chatter, same_on_every_rank
+from spmd.cluster.lockstep.outputs import (
+    LINE_WIDTH,
+    Output,
+    RankCell,
+    drop_chatter,
+    left_out_line,
+    same_on_every_rank,
+)
 from spmd.cluster.lockstep.run import rank_label, rank_set
 from spmd.magics.render import RankResults, group_errors, group_outputs, group_results, labelled
 
@@ -22,6 +29,23 @@ def test_rank_sets_are_written_short():
     assert rank_set([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert rank_label([3]) == "[rank 3]"
     assert rank_label([1, 0]) == "[ranks 0-1]"
+
+
+def test_output_in_many_small_pieces_without_newlines_is_capped_by_its_characters():
+    # print('.', end='') in a loop: no newline ever, so only the characters can cap it; the
+    # first and the last max_lines // 2 * LINE_WIDTH characters are kept, and each piece of
+    # LINE_WIDTH between counts as a line left out
+    cell = RankCell(0, max_lines=10)
+    for _ in range(100_000):
+        cell.add(Output("stdout", "."))
+    cell.finish()
+    half = 5 * LINE_WIDTH
+    assert [(o.kind, o.text) for o in cell.outputs] == [
+        ("stdout", "." * half),
+        ("stderr", left_out_line(cell.left_out)),
+        ("stdout", "." * half),
+    ]
+    assert cell.left_out * LINE_WIDTH + 2 * half == 100_000  # (every character accounted for)
 
 
 def test_identical_outputs_collapse_and_different_ones_stay_per_rank():

@@ -165,22 +165,26 @@ def test_exit_asks_the_front_end_to_shut_the_kernel_down_and_spares_the_ranks():
     assert not wait_until_gone(engines)  # the shutdown stopped them
 
 
-def test_interrupt_reaches_every_rank_and_restart_recovers():
+def test_interrupt_reaches_every_rank_and_restart_recovers(tmp_path):
     with spmd_kernel() as (km, kc):
         reply, _ = kernel_stream(kc, "import jax, time")
         assert reply["content"]["status"] == "ok"
-        msg_id = kc.execute("time.sleep(120)")
+        # (each rank says it runs the cell with a file, the line before its sleep)
+        msg_id = kc.execute(f"open({str(tmp_path)!r} + '/began-' + str(jax.process_index()), "
+                            "'w').close()\ntime.sleep(120)")
         # wait until the cell is running on the ranks
-        while kc.get_iopub_msg(timeout=30)["msg_type"] != "execute_input":
-            pass
-        time.sleep(2)
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("began-*"))) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)  # (into the sleep)
         km.interrupt_kernel()
         reply = kc.get_shell_msg(timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["status"] == "error"
         text = "\n".join(reply["content"]["traceback"])
         assert "Interrupted: ranks 0-1 are running" in text
-        assert "at cell line 1: time.sleep(120)" in text
+        assert "at cell line 2: time.sleep(120)" in text
         reply, text = kernel_stream(kc, "print('refused?')")
         assert reply["content"]["status"] == "error" and "%spmd restart" in text
         reply, text = kernel_stream(kc, "%spmd restart")

@@ -92,6 +92,25 @@ def interrupt_inside(
         signal.signal(signal.SIGINT, previous)
 
 
+def test_an_interrupt_held_inside_an_interruptible_stretch_is_raised_when_the_hold_ends(capsys):
+    # a held stretch ("b") inside an interruptible one, inside a held one ("a"): a SIGINT in
+    # "b" waits for "b" to end, and is raised there (the interruptible part is given up);
+    # "a" then ends with nothing noted, so nothing is said about it
+    outside = signal.getsignal(signal.SIGINT)
+    reached = []
+    with interrupts.held("a"):
+        with pytest.raises(KeyboardInterrupt), interrupts.interruptible():
+            with interrupts.held("b"):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # (the handler has run: nothing was raised inside "b")
+                reached.append("the end of b")
+            reached.append("after b")
+        assert signal.getsignal(signal.SIGINT) is interrupts._note  # ("a" holds again)
+    assert reached == ["the end of b"]
+    assert signal.getsignal(signal.SIGINT) is outside
+    assert "Interrupt held" not in capsys.readouterr().err
+
+
 def test_sigint_during_stop_is_held_and_the_stop_finishes(fresh):
     assert run(fresh, "%spmd start -n 2").error is None
     pids = [r.pid for r in session(fresh).ranks]
@@ -236,8 +255,15 @@ def test_shutdown_request_while_a_cell_runs_stops_the_cluster_once(tmp_path):
         kernel_pid = km.provisioner.pid
         ranks = spmd_processes(parent_pid=kernel_pid)  # (and the controller, the server)
         assert len([p for p in ranks if p.name().startswith("spmd-rank")]) >= 2, ranks
-        kc.execute("import time; time.sleep(60)")
-        time.sleep(2.0)  # the cell runs on the ranks; the main thread waits for it
+        began = tmp_path / "began"
+        began.mkdir()
+        kc.execute(f"import os, time\nopen(os.path.join({str(began)!r}, str(os.getpid())), "
+                   "'w').close()\ntime.sleep(60)")
+        deadline = time.monotonic() + 60
+        while len(os.listdir(began)) < 2:  # the cell runs on the ranks; the main thread waits
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)  # (into the sleep)
         km.request_shutdown()
         took = _wait_exited(km, 20)
         assert took is not None, "the kernel did not end after its shutdown request"

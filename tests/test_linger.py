@@ -57,6 +57,46 @@ def spmd_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+def wait_for(ready, what: str, timeout: float = 30) -> None:
+    """Until ``ready()``, looked at every 0.05 s; a failure naming ``what`` after
+    ``timeout`` seconds (only a hang gets there)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(0.05)
+
+
+def rank_logs_with(text: str) -> int:
+    """How many of the lingering cluster's processes' own logs (a rank's output file) hold
+    ``text``."""
+    from spmd.cluster import linger
+
+    folder = os.path.join(linger.choose().profile_dir, "log")
+    found = 0
+    for name in os.listdir(folder):
+        try:
+            with open(os.path.join(folder, name), errors="replace") as f:
+                found += text in f.read()
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_the_ranks_to_see_the_notebook_gone(ranks: int = 2) -> None:
+    """Until every rank has found its notebook gone (the line it writes to its log then: its
+    watch looks every second)."""
+    from spmd.engine.unattended import GONE_LINE
+
+    wait_for(lambda: rank_logs_with(GONE_LINE) >= ranks, "the ranks finding the notebook gone")
+
+
+def wait_for_the_cell_to_end_unattended(ranks: int = 2) -> None:
+    """Until every rank has written, to its log, how its cell ended with no notebook."""
+    from spmd.engine.unattended import CELL_ENDED
+
+    wait_for(lambda: rank_logs_with(CELL_ENDED) >= ranks, "the cell's end in the ranks' logs")
+
+
 @pytest.mark.timeout(240)
 def test_a_killed_notebooks_ranks_keep_x_and_a_new_kernel_attaches(runtime):
     km, kc = kernel(runtime)
@@ -67,7 +107,13 @@ def test_a_killed_notebooks_ranks_keep_x_and_a_new_kernel_attaches(runtime):
         pid = kill(km, kc)
     started = spmd_processes(pid)
     assert len(started) >= 4  # the rank server, two ranks, the controller
-    time.sleep(3)  # (past the watch's period: nothing ended with the notebook)
+    # (each found the notebook gone, and lingers: nothing ended with the notebook)
+    from spmd.cluster import linger
+
+    record = linger.choose()
+    wait_for(lambda: linger.gone_at(record) is not None, "the controller finding it gone")
+    wait_for_the_ranks_to_see_the_notebook_gone()
+    time.sleep(0.5)
     assert all(p.is_running() for p in started)
     listed = spmd_cli("list")
     assert listed.returncode == 0 and NOTEBOOK in listed.stdout, listed.stdout
@@ -90,7 +136,7 @@ def test_a_killed_notebooks_ranks_keep_x_and_a_new_kernel_attaches(runtime):
 def test_a_linger_never_attached_ends_every_process_folder_and_record(runtime):
     km, kc = kernel(runtime)
     try:
-        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --linger 5s")
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --linger 3s")
         folders = run_ok(kc, "%%local\ns = get_ipython().magics_manager.registry['SpmdMagics'].session\n"
                              "print(s.profile_dir, s.cache_dir)").split()
         assert all(os.path.isdir(f) for f in folders)
@@ -99,8 +145,9 @@ def test_a_linger_never_attached_ends_every_process_folder_and_record(runtime):
     started = spmd_processes(pid)
     assert started
     gone_at = time.monotonic()
-    assert not wait_until_gone(started, timeout=5 + 15)
-    assert time.monotonic() - gone_at > 4  # (it lingered)
+    assert not wait_until_gone(started, timeout=3 + 15)
+    # (it lingered: with none, each ends within its watch's second of the notebook's end)
+    assert time.monotonic() - gone_at > 2.5
     assert not any(os.path.exists(f) for f in folders), folders
     records = os.listdir(runtime["JUPYTER_RUNTIME_DIR"])
     assert not [r for r in records if r.startswith("spmd-cluster-")], records
@@ -172,26 +219,42 @@ def test_linger_zero_ends_the_ranks_with_the_notebook(runtime):
     assert not [r for r in os.listdir(runtime["JUPYTER_RUNTIME_DIR"]) if r.startswith("spmd-")]
 
 
-LATE_CELL = """import os, time
+def late_cell(folder) -> str:
+    """A cell that prints a step, says it began (a file in ``folder``), waits for a file
+    ``go`` there, prints the other steps, and fails on rank 1."""
+    return f"""import os, time
 for i in range(6):
     print('step', i, flush=True)
-    time.sleep(0.5)
+    if i == 0:
+        open(os.path.join({str(folder)!r}, 'began-' + os.environ['SPMD_RANK']), 'w').close()
+        while not os.path.exists(os.path.join({str(folder)!r}, 'go')):
+            time.sleep(0.05)
+    time.sleep(0.05)
 if os.environ['SPMD_RANK'] == '1':
     raise ValueError('rank 1 failed late')
 """
 
 
+def began(folder, ranks: int = 2) -> None:
+    """Until the cell of ``late_cell(folder)`` (or one like it) runs on every rank."""
+    wait_for(lambda: len([n for n in os.listdir(folder) if n.startswith("began-")]) >= ranks,
+             "the cell beginning on the ranks")
+
+
 @pytest.mark.timeout(240)
-def test_a_cell_running_when_the_notebook_died_is_reported_at_attach(runtime):
+def test_a_cell_running_when_the_notebook_died_is_reported_at_attach(runtime, tmp_path):
     km, kc = kernel(runtime)
     try:
         run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 2m")
-        kc.execute(LATE_CELL)
-        time.sleep(1.2)  # (a step or two printed while the notebook was there)
+        kc.execute(late_cell(tmp_path))
+        began(tmp_path)  # (a step printed while the notebook was there)
     finally:
         pid = kill(km, kc)
     started = spmd_processes(pid)
-    time.sleep(4)  # (the cell ends meanwhile, with nobody to tell)
+    # (the cell goes on once the ranks print to their logs, and ends with nobody to tell)
+    wait_for_the_ranks_to_see_the_notebook_gone()
+    (tmp_path / "go").touch()
+    wait_for_the_cell_to_end_unattended()
     km, kc = kernel(runtime)
     try:
         text = run_ok(kc, "%load_ext spmd\n%spmd attach")
@@ -221,36 +284,53 @@ def test_a_kernel_killed_while_its_shutdown_waits_leaves_nothing_lingering(runti
                 if r.startswith("spmd-cluster-")]
         started = spmd_processes(km.provisioner.process.pid)
         assert started
+        from spmd.cluster import linger
+        from spmd.cluster.launchers import profiles
+        from spmd.engine.orphans import read_owner
+
+        (record,) = linger.every()  # (held by the kernel)
+        owner = os.path.join(record.profile_dir, profiles.OWNER_FILE)
+        assert "keeper" in read_owner(owner)
         kc.execute("input('? ')", allow_stdin=True)
         assert kc.get_stdin_msg(timeout=60)["msg_type"] == "input_request"
         kc.shutdown()  # (Kernel > Shut Down: on the control channel)
-        time.sleep(1.5)
+        # (the shutdown began: its record gone, no keeper of the folders; then it waits)
+        wait_for(lambda: not linger.every() and "keeper" not in read_owner(owner),
+                 "the shutdown disarming the linger")
     finally:
         kill(km, kc)
     assert not wait_until_gone(started, timeout=15)
     assert not [r for r in os.listdir(runtime["JUPYTER_RUNTIME_DIR"]) if r.startswith("spmd-")]
 
 
-def notebook_killed_in_a_cell(runtime, start: str, cell: str, seconds: float = 1.5) -> int:
-    """A kernel that starts a cluster with ``start``, is running ``cell`` on the ranks
-    ``seconds`` later, and is killed then: its pid."""
+def notebook_killed_in_a_cell(runtime, start: str, cell: str, folder) -> int:
+    """A kernel that starts a cluster with ``start``, runs ``cell`` on the ranks, and is
+    killed once every rank runs it (as ``began_line(folder)`` in the cell says): its pid."""
     km, kc = kernel(runtime)
     try:
         run_ok(kc, f"%load_ext spmd\n{start}")
         kc.execute(cell)
-        time.sleep(seconds)
+        began(folder)
     finally:
         pid = kill(km, kc)
     return pid
+
+
+def began_line(folder) -> str:
+    """A cell's line that says the rank runs it (a file in ``folder``, which ``began`` waits
+    for)."""
+    return (f"open(os.path.join({str(folder)!r}, 'began-' + os.environ['SPMD_RANK']), "
+            "'w').close()\n")
 
 
 FOREVER = "import time\nwhile True:\n    time.sleep(0.1)"
 
 
 @pytest.mark.timeout(240)
-def test_spmd_interrupt_reaches_the_cell_that_ran_when_the_notebook_died(runtime):
+def test_spmd_interrupt_reaches_the_cell_that_ran_when_the_notebook_died(runtime, tmp_path):
     pid = notebook_killed_in_a_cell(
-        runtime, "%spmd start -n 2 --backend none --linger 2m", FOREVER)
+        runtime, "%spmd start -n 2 --backend none --linger 2m",
+        "import os\n" + began_line(tmp_path) + FOREVER, tmp_path)
     started = spmd_processes(pid)
     km, kc = kernel(runtime)
     try:
@@ -276,14 +356,14 @@ def test_spmd_interrupt_reaches_the_cell_that_ran_when_the_notebook_died(runtime
 def test_what_the_cell_from_before_an_attach_prints_and_how_it_ends_reach_the_notebook(
         runtime, tmp_path):
     go_on = tmp_path / "go-on"
-    cell = (f"import os, time\nwhile not os.path.exists({str(go_on)!r}):\n"
+    cell = (f"import os, time\n{began_line(tmp_path)}while not os.path.exists({str(go_on)!r}):\n"
             "    time.sleep(0.1)\n"
             "print('printed after the attach', os.environ['SPMD_RANK'], flush=True)\n"
             "time.sleep(2)\n"
             "if os.environ['SPMD_RANK'] == '1':\n"
             "    raise ValueError('rank 1 failed after the attach')\n")
     pid = notebook_killed_in_a_cell(
-        runtime, "%spmd start -n 2 --backend none --linger 2m", cell)
+        runtime, "%spmd start -n 2 --backend none --linger 2m", cell, tmp_path)
     started = spmd_processes(pid)
     km, kc = kernel(runtime)
     try:
@@ -349,17 +429,24 @@ ARRAY = ("import time, jax, numpy as np\n"
 
 
 @pytest.mark.timeout(240)
-def test_a_global_array_printed_with_no_notebook_reaches_the_log_as_plain_text(runtime):
+def test_a_global_array_printed_with_no_notebook_reaches_the_log_as_plain_text(
+        runtime, tmp_path):
     km, kc = kernel(runtime)
     try:
         run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --linger 2m")
         run_ok(kc, ARRAY)
-        kc.execute("time.sleep(3)\nprint('x is', x)")
-        time.sleep(1.5)
+        kc.execute(f"import os\nopen(os.path.join({str(tmp_path)!r}, 'began-' + "
+                   "str(jax.process_index())), 'w').close()\n"
+                   f"while not os.path.exists(os.path.join({str(tmp_path)!r}, 'go')):\n"
+                   "    time.sleep(0.05)\nprint('x is', x)")
+        began(tmp_path)
     finally:
         pid = kill(km, kc)
     started = spmd_processes(pid)
-    time.sleep(4)  # (x is printed with nobody there)
+    # (x is printed with nobody there)
+    wait_for_the_ranks_to_see_the_notebook_gone()
+    (tmp_path / "go").touch()
+    wait_for_the_cell_to_end_unattended()
     km, kc = kernel(runtime)
     try:
         run_ok(kc, "%load_ext spmd\n%spmd attach")
@@ -405,6 +492,29 @@ def test_an_attach_from_a_folder_with_an_owner_file_takes_the_cluster(
     assert not wait_until_gone(started)
 
 
+def on_the_lock(folder: str) -> tuple[set[int], set[int]]:
+    """(the processes holding, those waiting for) the lock on the cluster folder's lock file,
+    as /proc/locks lists them."""
+    from spmd.engine.orphans import LOCK_FILE
+
+    found = os.stat(os.path.join(folder, LOCK_FILE))
+    device = (os.major(found.st_dev), os.minor(found.st_dev))
+    held, waiting = set(), set()
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            blocked = len(fields) > 1 and fields[1] == "->"
+            fields = [fields[0], *fields[2:]] if blocked else fields
+            try:
+                major, minor, inode = fields[5].split(":")
+                pid = int(fields[4])
+            except (IndexError, ValueError):
+                continue
+            if (int(major, 16), int(minor, 16)) == device and int(inode) == found.st_ino:
+                (waiting if blocked else held).add(pid)
+    return held, waiting
+
+
 @pytest.mark.timeout(180)
 def test_an_attach_as_the_linger_ends_keeps_the_cluster(runtime):
     """A process whose linger is over ends holding the cluster folder's lock, which an attach
@@ -416,20 +526,28 @@ def test_an_attach_as_the_linger_ends_keeps_the_cluster(runtime):
 
     km, kc = kernel(runtime)
     try:
-        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 3s")
+        run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --backend none --linger 2s")
     finally:
         pid = kill(km, kc)
     started = spmd_processes(pid)
     record = linger.choose()
     lock = folder_lock(record.profile_dir)  # (an attach under way: linger.take)
     assert lock is not None
+    # the processes that watch the owner file: the rank server, the controller, the two
+    # ranks (not the controller's heart monitor, which ends with the controller)
+    watching = [p for p in started if p.ppid() != record.controller_pid()]
+    assert len(watching) == 4, [p.cmdline() for p in started]
     try:
-        time.sleep(3 + 4)  # (the linger is over for every process: each waits for the lock)
+        # (the linger is over for every process: each waits for the lock)
+        wait_for(lambda: on_the_lock(record.profile_dir)[1] >= {p.pid for p in watching},
+                 "every process waiting for the lock", timeout=2 + 30)
         assert all(p.is_running() for p in started)
         profiles.mark_owner(record.profile_dir)  # (this process holds the cluster now)
     finally:
         os.close(lock)
-    time.sleep(3)
+    # (each took the lock in turn, read the new owner, and let go)
+    wait_for(lambda: on_the_lock(record.profile_dir) == (set(), set()), "the lock let go")
+    time.sleep(1.5)  # (and looked at the owner once more, a watch's second later)
     assert all(p.is_running() and p.status() != "zombie" for p in started)
     assert [r.held_by() for r in linger.every()] == [os.getpid()]
     stopped = spmd_cli("stop", record.id)
@@ -450,14 +568,23 @@ def test_spmd_list_counts_the_linger_from_when_the_notebook_died(runtime):
         run_ok(kc, talk)
     finally:
         pid = kill(km, kc)
+    killed = time.time()
     started = spmd_processes(pid)
-    time.sleep(10)
+    from spmd.cluster import linger
+
+    # (the controller looks every second; until it has found the notebook gone, the list says
+    # the whole linger)
+    record = linger.choose()
+    wait_for(lambda: linger.gone_at(record) is not None, "the controller finding it gone")
+    gone = linger.gone_at(record)
+    assert killed - 1 <= gone <= killed + 10, (killed, gone)
+    # 4 s after: the ranks' logs were written to every 0.3 s meanwhile (counted from the
+    # newest write, as before, 1m would be left)
+    time.sleep(max(0.0, gone + 4 - time.time()))
     listed = spmd_cli("list").stdout.splitlines()
     assert listed[0].split()[-2:] == ["ENDS", "IN"], listed
-    from spmd.cluster.linger import parse_duration
-
-    left = parse_duration(listed[1].split()[-1])
-    assert 35 <= left <= 55, listed
+    left = linger.parse_duration(listed[1].split()[-1])
+    assert 35 <= left <= 57, listed
     assert spmd_cli("stop", "--all").returncode == 0
     assert not wait_until_gone(started)
 
@@ -488,14 +615,20 @@ def test_ssh_ranks_in_a_cell_end_when_the_linger_is_over(runtime, tmp_path):
         script = tmp_path / "notebook.py"
         script.write_text(KILLED_IN_A_CELL)
         start = (f"%spmd start -n 2 --hosts {','.join(hosts.names)} --python {hosts.python} "
-                 f"{hosts.launcher_arg} --backend none --linger 5s")
-        notebook = subprocess.Popen([sys.executable, str(script), start, "%%spmd\n" + FOREVER],
+                 f"{hosts.launcher_arg} --backend none --linger 1s")
+        # (each rank says it runs the cell with a file in the hosts' shared folder)
+        cell = ("%%spmd\nimport os\n"
+                f"open(os.path.join({hosts.folder!r}, 'in-the-cell-' + os.environ['SPMD_RANK']"
+                "), 'w').close()\n" + FOREVER)
+        notebook = subprocess.Popen([sys.executable, str(script), start, cell],
                                     stdout=subprocess.PIPE, text=True)
         try:
             line = next((ln for ln in notebook.stdout if ln.startswith("STARTED")), "")
             assert line.strip() == "STARTED True", line
             here = psutil.Process(notebook.pid).children(recursive=True)
-            time.sleep(2)  # (the cell runs on the ranks)
+            wait_for(lambda: len([n for n in os.listdir(hosts.folder)
+                                  if n.startswith("in-the-cell-")]) == 2,
+                     "the cell running on the ranks")
         finally:
             notebook.kill()
             notebook.wait()
@@ -503,7 +636,7 @@ def test_ssh_ranks_in_a_cell_end_when_the_linger_is_over(runtime, tmp_path):
         sshd = {p.pid for p in hosts._sshd}
         there = [psutil.Process(p) for p in hosts.pids() if p not in sshd]
         assert len(there) >= 4  # (a server and a rank on each host)
-        assert not wait_until_gone(here, 5 + 20)
+        assert not wait_until_gone(here, 1 + 20)
         assert not wait_until_gone(there, 30)
 
 

@@ -161,6 +161,14 @@ def test_a_rank_still_streaming_a_flood_is_not_taken_for_a_diverged_one(cluster)
     assert "299999" in out.stdout
 
 
+def logged(shell, rank: int, text: str, timeout: float = 30) -> None:
+    """Until ``%spmd log RANK`` has ``text`` (a rank's late line has come)."""
+    deadline = time.monotonic() + timeout
+    while text not in run(shell, f"%spmd log {rank}").stdout:
+        assert time.monotonic() < deadline, f"{text!r} not in rank {rank}'s log"
+        time.sleep(0.1)
+
+
 def test_what_a_thread_prints_after_its_cell_ended_is_logged_and_shown_next(cluster):
     from conftest import session
 
@@ -171,14 +179,15 @@ def test_what_a_thread_prints_after_its_cell_ended_is_logged_and_shown_next(clus
     )
     assert started.error is None
     entries = len(client.metadata)
-    assert run(cluster, "%%local\nimport time\ntime.sleep(2)").error is None
+    logged(cluster, 1, "FROM-THREAD 1")  # (the line came)
     # ipyparallel keeps no entry for a message whose cell had ended ...
     assert len(client.metadata) <= entries
     # ... the rank's log has the line ...
     assert "FROM-THREAD 1" in run(cluster, "%spmd log 1").stdout
     # ... and the next cell shows what came after the last look, labelled
     assert run(cluster, "threading.Timer(0.3, print, ('AGAIN', rank)).start()").error is None
-    time.sleep(1.5)
+    for rank in (0, 1):  # (a look into the logs keeps what it took for the next cell)
+        logged(cluster, rank, f"AGAIN {rank}")
     shown = run(cluster, "x = 1").stdout
     assert "[rank 0, after its cell ended] AGAIN 0\n" in shown, shown
     assert "[rank 1, after its cell ended] AGAIN 1\n" in shown, shown

@@ -6,7 +6,9 @@ test_clusters.py.)"""
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import psutil
 import pytest
@@ -411,7 +413,7 @@ def test_a_rank_server_removes_at_its_end_only_a_folder_it_did_not_find(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh):
+def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh, tmp_path):
     """The room check counts what a forked rank really holds (its PSS, per backend): 128
     ranks of --backend none start on a machine with 12 GiB free (it counted 0.25 GiB a rank,
     room for 88 on 22 GiB), and run a cell; a start past the room is still refused. Their
@@ -421,7 +423,9 @@ def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh):
         pytest.skip("this machine has less than 12 GiB free")
     out = run(fresh, "%spmd start -n 128 --backend none")
     assert out.error is None, out.stderr
+    t0 = time.monotonic()
     out = run(fresh, "print('ran')")
+    took = time.monotonic() - t0
     assert out.stdout == "[ranks 0-127] ran\n", out.stdout[-500:]
     status = run(fresh, "%spmd status").stdout.splitlines()
     assert status[0].split() == ["ranks", "hosts", "state", "devices", "last", "cell"], status
@@ -430,21 +434,30 @@ def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh):
     every = run(fresh, "%spmd status all").stdout.splitlines()
     assert every[0].split()[0] == "rank" and every[128].split()[0] == "127", every[:3]
     mine = "import os, time\nmine = int(os.environ['SPMD_RANK'])\n"
-    # (only late, in plain Python: the cell waits for them, until its timeout)
-    out = run(fresh, "%%spmd --timeout 15\n" + mine + "if mine in (5, 77): time.sleep(120)")
+    # (only late, in plain Python: the cell waits for them, until its timeout; long enough
+    # for the other 126 to finish theirs: several times what a cell on all 128 took just now)
+    timeout = max(4, math.ceil(8 * took))
+    out = run(fresh, f"%%spmd --timeout {timeout}\n" + mine
+                     + "if mine in (5, 77): time.sleep(120)")
     text = report(out)
-    assert ("Timed out after 15 s: ranks 5,77 are still running while ranks 0-4,6-76,78-127 "
-            "had finished.") in text, text
+    assert (f"Timed out after {timeout} s: ranks 5,77 are still running while ranks 0-4,6-76,"
+            "78-127 had finished.") in text, text
     assert "[ranks 5,77] was running at cell line 3" in text, text
     assert len(text.splitlines()) < 20, text
     assert run(fresh, "%spmd restart").error is None
     # (rank 9 dies once every rank is in the cell's sleep: 128 ranks on 2 cores take a
-    # moment to all have the cell)
-    out = run(fresh, mine + "if mine == 9: time.sleep(5); os._exit(3)\ntime.sleep(60)")
+    # moment to all have the cell; each says it has it with a file, one line before)
+    here = tmp_path / "in-the-cell"
+    here.mkdir()
+    out = run(fresh, mine + f"open(os.path.join({str(here)!r}, str(mine)), 'w').close()\n"
+                            "if mine == 9:\n"
+                            f"    while len(os.listdir({str(here)!r})) < 128: time.sleep(0.05)\n"
+                            "    time.sleep(0.5); os._exit(3)\n"
+                            "time.sleep(60)")
     text = report(out)
     assert "Rank 9 died: exit code 3." in text, text
     groups = [line for line in text.splitlines() if line.startswith("[rank")]
-    assert groups == ["[ranks 0-8,10-127] was running at cell line 4: time.sleep(60)"], text
+    assert groups == ["[ranks 0-8,10-127] was running at cell line 7: time.sleep(60)"], text
     assert run(fresh, "%spmd stop").error is None
     out = run(fresh, "%spmd start -n 100000 --backend none")
     assert isinstance(out.error, UsageError)

@@ -1,32 +1,28 @@
-"""torch.distributed on real ranks: gloo over tcp, env and file init methods, torch beside jax,
-the faults of a gloo collective, tensors and DTensors in %spmd gather and %spmd sharding, and
-the options' bad input. (The CPU build of torch has no NCCL and no MPI: those are refused with
-a sentence, and the GPU choice is checked on a stand-in torch.)"""
+"""torch.distributed on one shared cluster of two real ranks (``--backend torch``: gloo over
+tcp): torchrun's variables, the loopback only, the faults of a gloo collective and the
+census's word on one, init_process_group and destroy_process_group in a cell, tensors and
+DTensors in %spmd gather and %spmd sharding, as a cell's value and printed. (Other starts:
+test_torch_starts; the options' bad input and NCCL: test_torch_options; the census of a
+timeout and of --check-collectives: test_torch_census.)"""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import sys
 import threading
-import types
 
 import numpy as np
 import psutil
 import pytest
 from conftest import ready_cluster, report, restart_and_run, run, session, spmd_processes
 from IPython.core.error import UsageError
-
-from spmd.engine import torch_group
+from torch_ranks import ALL_REDUCE, ALREADY, SETUP, listening
 
 pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
 
 pytestmark = pytest.mark.timeout(180)
-
-SETUP = "import os, time, torch, torch.distributed as dist\nrank = dist.get_rank()"
-ALL_REDUCE = "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nprint(t.item())"
 
 
 @pytest.fixture
@@ -36,16 +32,6 @@ def cluster(module_shell):
 
 def restart_and_all_reduce(shell) -> None:
     assert restart_and_run(shell, SETUP, ALL_REDUCE) == "[ranks 0-1] 3.0\n"
-
-
-def listening(pids: list[int]) -> set[str]:
-    """The addresses the processes ``pids`` listen on (TCP)."""
-    found = set()
-    for pid in pids:
-        for conn in psutil.Process(pid).net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN:
-                found.add(conn.laddr.ip)
-    return found
 
 
 def test_torch_ranks_get_torchruns_variables_and_all_reduce(cluster):
@@ -74,55 +60,6 @@ def test_torch_rank_processes_listen_on_loopback_only(cluster):
     assert listening(pids) == {"127.0.0.1"}
     out = run(cluster, "print(os.environ['GLOO_SOCKET_IFNAME'])")
     assert out.stdout == "[ranks 0-1] lo\n"
-
-
-@pytest.mark.parametrize("method", ["env", "file", "named-file"])
-def test_torch_init_methods_env_and_file_join_and_clean_up(fresh, tmp_path, method):
-    shell = fresh
-    init = method
-    if method == "named-file":
-        init_file = tmp_path / "spmd-init"
-        init_file.write_text("left by a crashed run: a stale file breaks the next start")
-        init = f"file://{init_file}"
-    try:
-        out = run(shell, f"%spmd start -n 2 --backend torch --init-method {init}")
-        assert out.error is None, out.stderr
-        assert run(shell, SETUP).error is None
-        out = run(shell, ALL_REDUCE)
-        assert out.stdout == "[ranks 0-1] 3.0\n"
-        out = run(shell, "import spmd\nprint(spmd.init_process_group_args()['init_method'])")
-        if method == "env":
-            assert out.stdout == "[ranks 0-1] env://\n"
-        else:
-            used = out.stdout.split()[-1]
-            assert used.startswith("file:///")
-            assert os.path.exists(used[len("file://"):])
-            if method == "named-file":
-                assert used == init
-    finally:
-        run(shell, "%spmd stop")
-    if method != "env":
-        assert not os.path.exists(used[len("file://"):]), "the init file outlived the cluster"
-
-
-def test_torch_and_jax_together_on_separate_ports(fresh):
-    shell = fresh
-    try:
-        out = run(shell, "%spmd start -n 2 --backend jax,torch")
-        assert out.error is None, out.stderr
-        out = run(
-            shell,
-            SETUP + "\nimport jax, jax.numpy as jnp, spmd\n"
-            "psum = jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')\n"
-            "print(psum(jnp.ones(1)), jax.process_index() == rank)\n" + ALL_REDUCE,
-        )
-        assert out.error is None, report(out)
-        assert out.stdout == "[ranks 0-1]\n[2.] True\n3.0\n"
-        jax_at = run(shell, "spmd.initialize_args()['coordinator_address']").outputs[-1]
-        torch_at = run(shell, "os.environ['MASTER_PORT']").outputs[-1]
-        assert jax_at["text/plain"].strip("'").split(":")[1] != torch_at["text/plain"].strip("'")
-    finally:
-        run(shell, "%spmd stop")
 
 
 def test_torch_rank_that_raises_before_all_reduce_gets_a_divergence_report(cluster):
@@ -170,7 +107,7 @@ def test_torch_rank_killed_inside_a_gloo_collective_gets_the_death_report(cluste
 
 
 def test_torch_interrupt_names_the_ranks_gloo_keeps_from_answering(cluster):
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
         out = run(
@@ -244,84 +181,6 @@ def test_torch_dtensor_is_drawn_over_its_mesh_and_gathered_from_its_shards(clust
     assert isinstance(refused.error, UsageError)
     assert "parts is Partial(sum) on its mesh" in str(refused.error)
     assert "gather parts.full_tensor()" in str(refused.error)
-
-
-@pytest.mark.parametrize(
-    "line, says",
-    [
-        (
-            "%spmd start -n 2 --torch-backend gloo",
-            "--torch-backend is for --backend torch: add it.",
-        ),
-        ("%spmd start -n 2 --init-method env", "--init-method is for --backend torch: add it."),
-        (
-            "%spmd start -n 2 --backend torch --torch-backend mpi",
-            "--torch-backend mpi needs ranks started by mpiexec: add --launcher mpi.",
-        ),
-        (
-            "%spmd start -n 2 --backend torch --init-method udp://x",
-            "--init-method takes tcp, env, file or file:///path/to/a/file, not 'udp://x'",
-        ),
-        (
-            "%spmd start -n 2 --backend torch --init-method file:///no/such/folder/f",
-            "the folder of --init-method file:///no/such/folder/f does not exist",
-        ),
-        (
-            "%spmd start -n 2 --backend torch --hosts a,b --init-method file",
-            "--init-method file keeps its file in a folder of this machine",
-        ),
-        ("%spmd start -n 2 --backend torch,torch", "--backend takes jax, torch, jax,torch or none"),
-        ("%spmd start -n 2 --backend torch --torch-backend xla", "invalid choice: 'xla'"),
-    ],
-)
-def test_torch_bad_options_are_refused_before_anything_starts(fresh, line, says):
-    shell = fresh
-    out = run(shell, line)
-    assert isinstance(out.error, UsageError), out.error
-    assert says in str(out.error)
-    assert not spmd_processes()
-
-
-def test_torch_nccl_on_a_cpu_build_says_to_use_gloo(fresh):
-    shell = fresh
-    out = run(shell, "%spmd start -n 2 --backend torch --torch-backend nccl")
-    assert isinstance(out.error, UsageError), out.error
-    assert "has no NCCL (it is a CPU build): use --torch-backend gloo" in str(out.error)
-    assert not spmd_processes()
-
-
-@pytest.mark.skipif(not shutil.which("mpiexec"), reason="no mpiexec (apt-get install mpich)")
-def test_torch_mpi_backend_without_mpi_in_torch_says_to_use_gloo(fresh):
-    shell = fresh
-    out = run(shell, "%spmd start -n 2 --backend torch --torch-backend mpi --launcher mpi")
-    assert isinstance(out.error, UsageError), out.error
-    assert "was built without MPI" in str(out.error)
-    assert "use --torch-backend gloo" in str(out.error)
-    assert not spmd_processes()
-
-
-def _stand_in_torch(gpus: int):
-    """torch with ``gpus`` CUDA devices, for the one thing this machine cannot run."""
-    chosen = []
-    cuda = types.SimpleNamespace(is_available=lambda: gpus > 0, set_device=chosen.append)
-    torch = types.SimpleNamespace(__version__="2.13.0+cu130", cuda=cuda, device=lambda *a: a)
-    dist = types.SimpleNamespace(is_nccl_available=lambda: True, is_mpi_available=lambda: False)
-    return torch, dist, chosen
-
-
-@pytest.mark.parametrize("gpus_given, local_rank, device", [(True, 3, 0), (False, 3, 3)])
-def test_torch_nccl_picks_the_ranks_own_gpu(gpus_given, local_rank, device):
-    torch, dist, chosen = _stand_in_torch(gpus=8)
-    got = torch_group._check_backend(torch, dist, "nccl", 3, local_rank, gpus_given, "node1")
-    # CUDA_VISIBLE_DEVICES narrowed to the rank's own GPU: it is device 0 there
-    assert chosen == [device]
-    assert got == ("cuda", device)
-
-
-def test_torch_nccl_without_a_gpu_names_the_rank_and_host():
-    torch, dist, _ = _stand_in_torch(gpus=0)
-    with pytest.raises(torch_group.TorchSetupError, match="rank 2 on node1 sees none"):
-        torch_group._check_backend(torch, dist, "nccl", 2, 0, False, "node1")
 
 
 def test_a_dtensor_as_a_cells_value_is_shown_once_as_one_process_prints_it(cluster, monkeypatch):
@@ -450,10 +309,6 @@ def test_a_dtensor_changed_through_its_local_shard_prints_anew(cluster):
         out.stdout
 
 
-ALREADY = ("torch.distributed is already initialized: %spmd start joined the 2 processes in "
-           "one group, backend gloo: carrying on.")
-
-
 def test_init_process_group_in_a_cell_says_the_group_exists_and_carries_on(cluster):
     """The first line of a torchrun script, in a cell of ranks the start joined: one line,
     the same on every rank, torch's return value (None), and the cells after it work (before:
@@ -534,32 +389,4 @@ def test_destroy_process_group_then_init_joins_again_as_under_torchrun(cluster):
     assert run(cluster, "dist.destroy_process_group()").error is None
     out = run(cluster, "%spmd stop")
     assert out.error is None and "Warning" not in out.stderr, out.stdout + out.stderr
-    assert not spmd_processes()
-
-
-
-@pytest.mark.parametrize("backend, init, line", [
-    ("torch", "env", "-n 3 --backend torch --torch-backend gloo --init-method env"),
-    ("torch", "file", "-n 3 --backend torch --torch-backend gloo"),
-    ("jax,torch", "tcp", "-n 3 --backend jax,torch --torch-backend gloo"),
-], ids=["env", "file", "beside-jax"])
-def test_init_process_group_again_after_the_other_starts(fresh, backend, init, line):
-    """The same after a start with env:// or a file, and beside jax: the one line, the start
-    that gives another size (as this one was asked), and a destroy and init that joins again
-    (with a file, rank 0's rendezvous makes the store: there was none on MASTER_PORT)."""
-    shell = fresh
-    out = run(shell, f"%spmd start -n 2 --backend {backend} --init-method {init}")
-    assert out.error is None, out.stderr
-    assert run(shell, SETUP).error is None
-    out = run(shell, 'dist.init_process_group("gloo")\n' + ALL_REDUCE)
-    assert out.stdout == f"[ranks 0-1]\n{ALREADY}\n3.0\n", report(out) if out.error else out.stdout
-    text = report(run(shell, 'dist.init_process_group("gloo", world_size=3)'))
-    assert f"(this asks for 3 processes): %spmd stop, then %spmd start {line} gives it." in text
-    out = run(shell, 'dist.destroy_process_group()\ntime.sleep(rank)\n'
-                     'dist.init_process_group("gloo")\n' + ALL_REDUCE)
-    assert out.stdout == "[ranks 0-1] 3.0\n", report(out) if out.error else out.stdout
-    # (rank 0's new store listens on the master address only, as the start's does)
-    pids = [r.pid for r in session(shell).ranks]
-    assert listening(pids) <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening(pids)
-    assert run(shell, "%spmd stop").error is None
     assert not spmd_processes()

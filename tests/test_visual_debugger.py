@@ -17,7 +17,7 @@ import signal
 import time
 
 import pytest
-from conftest import kernel_stream, spmd_kernel
+from conftest import SPMD_KERNEL, kernel_stream, spmd_kernel
 from ipykernel.compiler import murmur2_x86  # (JupyterLab's hash; the browser test checks its)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("spmd_kernelspec")]
@@ -76,9 +76,10 @@ def reply_to(kc, msg_id: str, timeout: float = 120) -> tuple[dict, str]:
 
 
 @contextlib.contextmanager
-def debugged_kernel():
-    """The SPMD kernel with its 2 ranks up and JupyterLab's start sequence done."""
-    with spmd_kernel() as (km, kc):
+def debugged_kernel(name: str = SPMD_KERNEL):
+    """The SPMD kernel (the kernelspec ``name``) with its 2 ranks up and JupyterLab's start
+    sequence done."""
+    with spmd_kernel(name) as (km, kc):
         reply, _ = kernel_stream(kc, "import jax")  # (waits for the kernel's own cluster)
         assert reply["content"]["status"] == "ok", reply["content"]
         info = debug(kc, "debugInfo")
@@ -93,6 +94,14 @@ def debugged_kernel():
         r = debug(kc, "setExceptionBreakpoints", {"filters": []})
         assert r["success"], r
         yield km, kc
+
+
+def debugger_waits(kc, quick: float) -> None:
+    """The kernel's debugger waits ``quick`` seconds (not QUICK_SECONDS' 10) for a rank's
+    reply to a request that computes nothing: set in the kernel's own process."""
+    reply, text = kernel_stream(kc, f"%%local\nimport spmd.kernel.debugger\n"
+                                    f"spmd.kernel.debugger.QUICK_SECONDS = {quick}")
+    assert reply["content"]["status"] == "ok", text
 
 
 def cell_path(kc, code: str) -> str:
@@ -268,13 +277,24 @@ def test_breakpoint_stops_in_the_visual_debugger_while_it_is_attached():
         assert reply["content"]["status"] == "ok" and "z is 7" in text
 
 
-def test_a_rank_paused_in_the_debugger_is_not_diverged():
+@pytest.fixture
+def short_grace():
+    """An SPMD kernelspec whose cluster's watchdog grace is 0.5 s (the default's 2 s, set
+    shorter by the option that sets it: a grace is a grace)."""
+    from spmd.kernel.kernelspec import install, remove
+
+    install("spmd-short-grace", user=True, processes=2, cluster="--grace 0.5")
+    yield "spmd-short-grace"
+    remove("spmd-short-grace")
+
+
+def test_a_rank_paused_in_the_debugger_is_not_diverged(short_grace):
     """Rank 1 stops at a breakpoint that rank 0 never reaches; rank 0 ends the cell. Past the
-    watchdog's grace (2 s) nothing is reported: a person is debugging rank 1."""
-    with debugged_kernel() as (km, kc):
+    watchdog's grace (0.5 s here) nothing is reported: a person is debugging rank 1."""
+    with debugged_kernel(short_grace) as (km, kc):
         code = "import jax\nrank = jax.process_index()\nif rank == 1:\n    w = 'one'\nprint('done')"
         _, msg_id, stopped = stop_at(kc, code, 4)
-        time.sleep(5)  # (past two graces)
+        time.sleep(1.5)  # (past two graces, and a third)
         with pytest.raises(queue.Empty):  # the cell has not ended: no reply yet
             kc.get_shell_msg(timeout=0.5)
         assert rank_of(kc, stopped["body"]["threadId"]) == 1
@@ -295,8 +315,13 @@ def test_a_rank_that_cannot_answer_holds_a_burst_of_requests_once():
     """Rank 1 is stopped (SIGSTOP) while both ranks are paused: JupyterLab's burst of requests
     waits for it once, each answered with one sentence; a step sent to no rank forgets none."""
     with debugged_kernel() as (km, kc):
+        # (2 s, not 10: the burst is over before the controller's 3 s of missed heartbeats
+        # drop rank 1's engine, so it is the debugger's own leaving out that answers)
+        quick = 2.0
+        debugger_waits(kc, quick)
         pids = rank_pids(kc)
-        _, msg_id, _ = stop_at(kc, CELL, 4)
+        # (a cell that goes on after the pause: the interrupt at the end lands in its sleep)
+        _, msg_id, _ = stop_at(kc, CELL + "\nimport time; time.sleep(60)", 4)
         paused(kc, 2)
         os.kill(pids[1], signal.SIGSTOP)
         try:
@@ -309,8 +334,8 @@ def test_a_rank_that_cannot_answer_holds_a_burst_of_requests_once():
                 assert not r["success"] and re.match(
                     r"Rank 1 (did not answer the debugger|has ended)", r["message"]), r
                 assert "\n" not in r["message"] and r["message"].count(": ") <= 1, r
-            # (each request had waited 30 s for it: 90 s here)
-            assert burst < 25, burst
+            # (each request had waited for it: 3 waits of ``quick`` here)
+            assert burst < 2.5 * quick, burst
             assert len(paused(kc, 2)) == 2  # (the continue told no rank: both still paused)
         finally:
             os.kill(pids[1], signal.SIGCONT)
@@ -325,8 +350,11 @@ def test_a_step_that_cannot_reach_a_rank_leaves_the_others_known_as_paused():
     heartbeats): a continue cannot reach it, and rank 0, never told to go on, is still
     known as paused (an interrupt can then let it go)."""
     with debugged_kernel() as (km, kc):
+        # (the first request waits 2 s for rank 1, not 10; then each finds it left out, until
+        # the controller has let its engine go)
+        debugger_waits(kc, 2.0)
         pids = rank_pids(kc)
-        code = ("import jax, time\nrank = jax.process_index()\ntime.sleep(3 * (1 - rank))\n"
+        code = ("import jax, time\nrank = jax.process_index()\ntime.sleep(1.5 * (1 - rank))\n"
                 "y = rank * 10 + 5\nprint('after', y)")
         _, msg_id, stopped = stop_at(kc, code, 4)
         assert rank_of(kc, stopped["body"]["threadId"]) == 1
@@ -340,7 +368,7 @@ def test_a_step_that_cannot_reach_a_rank_leaves_the_others_known_as_paused():
                                                      said["message"]):
                     break
                 assert time.monotonic() < deadline, said
-                time.sleep(0.5)
+                time.sleep(0.1)
             said = debug(kc, "continue", {"threadId": stopped["body"]["threadId"]})
             assert not said["success"], said
             # (a step that failed at rank 1 had forgotten rank 0 without telling it to go on)
