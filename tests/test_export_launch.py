@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import spmd_processes, wait_until_gone
 from jobs import TAG, free_port, run_job, tagged, write_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -178,6 +179,25 @@ def test_a_failed_rank_ends_the_job_with_its_status(launcher, tmp_path):
     with _running(launch, str(tmp_path)) as (job, procs):
         assert job.wait(timeout=10) == 3
         _none_left(procs)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpi"])
+def test_a_job_that_ends_at_its_stop_leaves_no_timer(launcher, tmp_path):
+    """Rank 1 fails, and rank 0 ends at the stop's first signal: the launch ends at once and
+    ends the timer of the SIGKILL it had set, with that timer's sleep (left running, it held
+    the job's output open for the rest of its 3 s)."""
+    if launcher == "mpi" and not shutil.which("mpiexec"):
+        pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
+    cells = ["import sys, time\n"
+             f"print('{TAG} ready', rank, flush=True)\n"
+             "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
+             "time.sleep(120)"]
+    launch = write_job(str(tmp_path), cells, backend="none", launcher=launcher)
+    with _running(launch, str(tmp_path)) as (job, procs):
+        assert job.wait(timeout=10) == 3
+        _none_left(procs)
+        timers = [p for p in spmd_processes() if _named(p, "sleep")]
+        assert not wait_until_gone(timers, 1.0), timers
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpi"])

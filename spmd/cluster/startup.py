@@ -255,7 +255,11 @@ class Launch:
 
     def connect(self) -> list[int]:
         """The notebook's client, once every engine registered: the engine ids, sorted."""
-        self.client = self.cluster._in_thread(self.cluster.connect_client)
+        # (the controller's hub answers once it is up: on a busy machine later than
+        # ipyparallel's 10 s; a controller that wrote its connection file and then died is
+        # still given up on within 30 s)
+        self.client = self.cluster._in_thread(
+            self.cluster.connect_client, timeout=min(30, max(10, self.settings.start_timeout)))
         self.wait_registered(range(self.settings.n))
         return sorted(self.client.ids)
 

@@ -226,6 +226,14 @@ class Launch:
         return "\n".join(lines) + "\n"
 
 
+# A timer: ``action`` 3 s from now, in the background (its pid is the job's $killer). Killed
+# early (SIGTERM), it ends its sleep too, which would otherwise outlive the job, holding the
+# job's output open for what is left of its 3 s.
+def _in_3_s(action: str) -> str:
+    return (f"(trap 'kill $nap 2>/dev/null; exit' TERM; sleep 3 & nap=$!; wait $nap; "
+            f"{action}) & killer=$!")
+
+
 # The job's processes end together. The trap is set before the first one starts: a ^C then
 # would end this shell alone, and the processes it started ignore SIGINT (they run in the
 # background of a shell without a terminal of its own). Each process runs in a session of
@@ -241,7 +249,7 @@ _STOP = [
     "stop() {",
     "  if [ -n \"$killer\" ]; then kill -9 -- \"${groups[@]}\" 2>/dev/null; return; fi",
     "  kill -INT -- \"${groups[@]}\" 2>/dev/null; kill -TERM -- \"${groups[@]}\" 2>/dev/null",
-    "  (sleep 3; kill -9 -- \"${groups[@]}\" 2>/dev/null) & killer=$!",
+    "  " + _in_3_s('kill -9 -- "${groups[@]}" 2>/dev/null'),
     "}",
     "trap 'status=${status:-130}; stop' INT",
     "trap 'status=${status:-143}; stop' TERM",
@@ -288,7 +296,7 @@ _MPI_STOP = [
     "stop() {",
     "  [ -n \"$job\" ] || return  # (mpiexec has yet to start: it is stopped when it has)",
     "  kill -INT \"$job\" 2>/dev/null",
-    "  [ -n \"$killer\" ] || { (sleep 3; kill -INT \"$job\" 2>/dev/null) & killer=$!; }",
+    "  [ -n \"$killer\" ] || { " + _in_3_s('kill -INT "$job" 2>/dev/null') + "; }",
     "}",
     "trap 'status=${status:-130}; stop' INT",
     "trap 'status=${status:-143}; stop' TERM",
