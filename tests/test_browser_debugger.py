@@ -117,7 +117,9 @@ def test_browser_visual_debugger_on_the_ranks(tmp_path) -> None:
             cell.get_by_text("[rank 0] after 5").wait_for(timeout=10_000)
             assert first == 0, f"rank {first} was shown first; rank 0 stopped first"
             save_shot(page, shots, "debugger-done")
-        except Exception:
+        except Exception as exc:  # (what failed first, then where the kernel's threads were)
             save_shot(page, shots, "debugger-failed")
+            said = str(exc).splitlines()[0] if str(exc) else ""
             raise AssertionError(
-                f"see {shots}; the kernel's threads:\n{kernel_stacks(lab)}") from None
+                f"{type(exc).__name__}: {said}\nsee {shots}; the kernel's threads:\n"
+                f"{kernel_stacks(lab)}") from None

@@ -629,13 +629,14 @@ def test_ssh_ranks_in_a_cell_end_when_the_linger_is_over(runtime, tmp_path):
             wait_for(lambda: len([n for n in os.listdir(hosts.folder)
                                   if n.startswith("in-the-cell-")]) == 2,
                      "the cell running on the ranks")
+            # (taken before the notebook dies: with a linger of 1 s they may end soon after)
+            sshd = {p.pid for p in hosts._sshd}
+            there = [psutil.Process(p) for p in hosts.pids() if p not in sshd]
+            assert len(there) >= 4  # (a server and a rank on each host)
         finally:
             notebook.kill()
             notebook.wait()
             notebook.stdout.close()
-        sshd = {p.pid for p in hosts._sshd}
-        there = [psutil.Process(p) for p in hosts.pids() if p not in sshd]
-        assert len(there) >= 4  # (a server and a rank on each host)
         assert not wait_until_gone(here, 1 + 20)
         assert not wait_until_gone(there, 30)
 

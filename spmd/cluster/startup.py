@@ -255,11 +255,7 @@ class Launch:
 
     def connect(self) -> list[int]:
         """The notebook's client, once every engine registered: the engine ids, sorted."""
-        # (the controller's hub answers once it is up: on a busy machine later than
-        # ipyparallel's 10 s; a controller that wrote its connection file and then died is
-        # still given up on within 30 s)
-        self.client = self.cluster._in_thread(
-            self.cluster.connect_client, timeout=min(30, max(10, self.settings.start_timeout)))
+        self.client = self.cluster._in_thread(self.cluster.connect_client, timeout=HUB_SECONDS)
         self.wait_registered(range(self.settings.n))
         return sorted(self.client.ids)
 
@@ -396,6 +392,11 @@ class Launch:
     def _tell(self, stage: str, done: int, of: int) -> None:
         if self.progress is not None:
             self.progress(stage, done, of, self.coordinator)
+
+
+# How long the notebook's client waits for the controller's hub to answer it: the hub answers
+# once it is up, on a busy machine later than ipyparallel's 10 s.
+HUB_SECONDS = 30
 
 
 def _exited_engines(cluster: SpmdCluster) -> str:
