@@ -128,6 +128,7 @@ atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], True)
 # user's own folders: every test that starts a kernel named "spmd" (directly or through a
 # notebook's metadata) gets this one, with 2 ranks.
 JUPYTER_DIR = tempfile.mkdtemp(prefix="spmd-test-jupyter-")
+atexit.register(shutil.rmtree, JUPYTER_DIR, True)  # (xdist's main process makes one too)
 os.environ["JUPYTER_DATA_DIR"] = JUPYTER_DIR
 os.environ["JUPYTER_PATH"] = JUPYTER_DIR
 SPMD_KERNEL = "spmd"

@@ -93,7 +93,7 @@ class Hosts:
     def _make(self) -> None:
         # (names unique to this set of hosts: a test may make its own beside a module's;
         # an interface name has at most 15 characters)
-        tag = f"{os.getpid() % 1000}{next(_MADE) % 100}"
+        tag = f"{os.getpid() % 10000:04d}{next(_MADE) % 100:02d}"  # (test workers: two pids)
         subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
         self._bridge = f"spbr{tag}"
         _run("ip", "link", "add", self._bridge, "type", "bridge")
@@ -190,6 +190,15 @@ class Hosts:
         """The temporary folder the notebook's cluster folders go in, here and on the hosts
         (each host's own)."""
         return os.path.realpath(tempfile.gettempdir())
+
+    def leftovers(self, host: str) -> list[str]:
+        """What the project left on ``host``: its ``spmd-`` folders and files in /tmp and in
+        the temporary folder, but the hosts' own folder."""
+        found = []
+        for folder in dict.fromkeys(["/tmp", self.tmp]):
+            found += [os.path.join(folder, e) for e in self.ssh(host, f"ls -A {folder}").split()
+                      if e.startswith("spmd-")]
+        return [f for f in found if f != os.path.realpath(self.folder)]
 
     def private_folders(self) -> list[str]:
         """The folders each host has its own of: /tmp, and the temporary folder where that

@@ -390,8 +390,7 @@ def test_ssh_a_notebook_killed_leaves_nothing_here_or_on_the_hosts(fresh, hosts,
     assert not wait_until_gone(here, 15)
     assert nothing_left_on(hosts) == []
     for name in hosts.names:  # (each host's server removed the cluster's folder there)
-        left = [e for e in hosts.ssh(name, f"ls -A {hosts.tmp}").split() if e.startswith("spmd-")]
-        assert left == [os.path.basename(hosts.folder)], (name, left)
+        assert hosts.leftovers(name) == [], name
 
 
 def killed_notebook(tmp_path, *cells: str) -> list[psutil.Process]:
@@ -434,8 +433,7 @@ def test_ssh_ranks_linger_after_their_notebook_died_and_a_new_one_attaches(
     assert not wait_until_gone(here, 15)
     assert nothing_left_on(hosts) == []
     for name in hosts.names:  # (each host's server removed the cluster's folder there)
-        left = [e for e in hosts.ssh(name, f"ls -A {hosts.tmp}").split() if e.startswith("spmd-")]
-        assert left == [os.path.basename(hosts.folder)], (name, left)
+        assert hosts.leftovers(name) == [], name
 
 
 def test_ssh_a_linger_never_attached_ends_here_and_on_the_hosts(hosts, tmp_path, monkeypatch):
@@ -451,8 +449,7 @@ def test_ssh_a_linger_never_attached_ends_here_and_on_the_hosts(hosts, tmp_path,
         time.sleep(0.1)
     assert nothing_left_on(hosts) == []
     for name in hosts.names:
-        left = [e for e in hosts.ssh(name, f"ls -A {hosts.tmp}").split() if e.startswith("spmd-")]
-        assert left == [os.path.basename(hosts.folder)], (name, left)
+        assert hosts.leftovers(name) == [], name
     assert not [r for r in os.listdir(tmp_path / "runtime") if r.startswith("spmd-cluster-")]
 
 
@@ -614,8 +611,7 @@ def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(
         assert hosts.ssh(name, f"ls {profile}/log").count("ipengine-") == 1
     assert run(fresh, "%spmd stop").error is None
     for name in hosts.names:
-        left = [e for e in hosts.ssh(name, f"ls -A {hosts.tmp}").split() if e.startswith("spmd-")]
-        assert left == [os.path.basename(hosts.folder)] or left == [], (name, left)
+        assert hosts.leftovers(name) == [], name
     assert nothing_left_on(hosts) == []
 
 

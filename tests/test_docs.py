@@ -256,7 +256,8 @@ def test_a_page_that_quotes_a_figure_results_json_lacks_fails_the_build(tmp_path
 def test_a_notebook_the_site_ran_is_read_by_the_tests_only_while_its_sources_stand(
         tmp_path, monkeypatch):
     """The tests read a notebook's executed copy from the site's build only while the notebook,
-    the package and the Python are what the build ran; a build that failed leaves them none."""
+    the package and the Python are what the build ran; a build that failed, or did not run
+    the notebooks, leaves them none."""
     import nbformat
     from spmd_docs import executed
 
@@ -270,9 +271,10 @@ def test_a_notebook_the_site_ran_is_read_by_the_tests_only_while_its_sources_sta
                         ("EXECUTED", out), ("STAMP", out / "sources.json")]:
         monkeypatch.setattr(executed, name, value)
 
-    def build(failed: bool = False) -> None:
-        """What a build that reads the notebook does: runs it, then stamps it."""
-        app = argparse.Namespace(config=argparse.Namespace(nb_execution_mode="force"))
+    def build(failed: bool = False, mode: str = "force") -> None:
+        """What a build that reads the notebook does: runs it (with ``mode`` "off", writes
+        it without outputs), then stamps it."""
+        app = argparse.Namespace(config=argparse.Namespace(nb_execution_mode=mode))
         executed._config_inited(app, app.config)
         executed._source_read(app, "tutorials/guide", [""])
         nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
@@ -293,6 +295,14 @@ def test_a_notebook_the_site_ran_is_read_by_the_tests_only_while_its_sources_sta
     build()
     assert executed.executed_copy("guide") is not None
     build(failed=True)
+    assert executed.executed_copy("guide") is None
+    build()
+    build(mode="off")  # (the site without running the notebooks: copies without outputs)
+    assert executed.executed_copy("guide") is None
+    build()
+    app = argparse.Namespace(config=argparse.Namespace(nb_execution_mode="force"))
+    executed._config_inited(app, app.config)
+    executed._source_read(app, "tutorials/guide", [""])  # ... and the build is killed here
     assert executed.executed_copy("guide") is None
 
 

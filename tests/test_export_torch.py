@@ -62,8 +62,12 @@ def test_torchrun_on_hosts_of_different_sizes_gives_each_its_count_and_place(tmp
     where = Placement(launcher="ssh", hosts=(("a", 1), ("b", 2)))
     job = Job(Settings(n=3, backend="torch", where=where), "torchrun",
               [Rank(r, r) for r in range(3)], str(tmp_path / "nodes.py"), master="127.0.0.1")
+    # (one write per line: host b's two processes share one pipe, and print's pieces of two
+    # unbuffered processes interleave)
     (tmp_path / "nodes.py").write_text(job.script([Ran(
-        f"print('{TAG} node', rank, dist.get_rank(), dist.get_world_size(), flush=True)")]))
+        "import sys\nsys.stdout.write("
+        f"f'{TAG} node {{rank}} {{dist.get_rank()}} {{dist.get_world_size()}}\\n')\n"
+        "sys.stdout.flush()")]))
     launch = job.launch_file()
     (tmp_path / "nodes.sh").write_text(launch.text())
     assert launch.command() == "bash nodes.sh 0 on a, bash nodes.sh 1 on b"

@@ -449,9 +449,11 @@ def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh, tmp
     # moment to all have the cell; each says it has it with a file, one line before)
     here = tmp_path / "in-the-cell"
     here.mkdir()
-    out = run(fresh, mine + f"open(os.path.join({str(here)!r}, str(mine)), 'w').close()\n"
-                            "if mine == 9:\n"
-                            f"    while len(os.listdir({str(here)!r})) < 128: time.sleep(0.05)\n"
+    # (rank 9 waits 50 s at most: a rank that never came would fail the groups, not hang)
+    out = run(fresh, mine + f"open(os.path.join({str(here)!r}, str(mine)), 'w').close(); "
+                            "t0 = time.time()\nif mine == 9:\n"
+                            f"    while len(os.listdir({str(here)!r})) < 128 and "
+                            "time.time() < t0 + 50: time.sleep(0.05)\n"
                             "    time.sleep(0.5); os._exit(3)\n"
                             "time.sleep(60)")
     text = report(out)

@@ -19,7 +19,8 @@ controller's own end takes it along only when the controller lives to say so (a 
 after the launcher's one second, a SIGTERM before ipyparallel's handler is set, or an end
 that raced the monitor's fork left it pinging for ever, reparented to init).
 
-Threads: the heart monitor's process has one thread, its event loop; all of this runs there.
+Threads: the heart monitor's process runs all of this on its event loop's thread, but for
+``_end_with_controller``'s watch, which touches nothing else.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 # ping socket by then, on the loopback; a heart that misses it answers the next beat).
 REPING_SECONDS = 0.02
 # How often the monitor looks whether its controller still runs.
-PARENT_CHECK_MS = 500
+PARENT_CHECK_SECONDS = 0.5
 
 _handle_pong = _start = None  # ipyparallel's own, bound by _patch()
 
@@ -48,6 +49,7 @@ def start_heartmonitor(*args, **kwargs) -> None:
     """ipyparallel's ``start_heartmonitor`` (the monitor process's target), patched."""
     from ipyparallel.controller import heartmonitor
 
+    _end_with_controller()
     _patch()
     heartmonitor.start_heartmonitor(*args, **kwargs)
 
@@ -72,7 +74,6 @@ def handle_pong(self, msg: list) -> None:
 def start(self) -> None:
     """``HeartMonitor.start``, and the ping repeated soon after a heart connects."""
     _start(self)
-    _end_with_parent()
     socket = self.ping_stream.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     events = ZMQStream(socket, self.loop)
     loop = self.loop
@@ -97,21 +98,23 @@ def start(self) -> None:
     self._spmd_connections = events  # (kept: the stream is the monitor socket's reader)
 
 
-def _end_with_parent() -> None:
-    """End this process soon after the controller that forked it (its parent now) ends."""
+def _end_with_controller() -> None:
+    """End this process soon after the controller that started it ends, watched from a
+    thread of its own from the start (the monitor's loop waits for the hub before it turns).
+    multiprocessing's own record of the parent answers for fork, spawn and forkserver alike
+    (under forkserver, the parent process is the fork server, not the controller)."""
     import multiprocessing
     import os
+    import threading
+    import time
 
-    from tornado.ioloop import PeriodicCallback
-
-    forked_by = multiprocessing.parent_process()  # (the controller, even where it is gone)
-    if forked_by is None:  # (not the monitor's own process)
+    controller = multiprocessing.parent_process()
+    if controller is None:  # (not the monitor's own process)
         return
-    parent = forked_by.pid
 
-    def check() -> None:
-        if os.getppid() != parent:  # (reparented: the controller is gone)
-            os._exit(0)
+    def watch() -> None:
+        while controller.is_alive():
+            time.sleep(PARENT_CHECK_SECONDS)
+        os._exit(0)
 
-    check()  # (it may have ended before the monitor got here)
-    PeriodicCallback(check, PARENT_CHECK_MS).start()
+    threading.Thread(target=watch, name="spmd-controller-watch", daemon=True).start()

@@ -27,9 +27,14 @@ STAMP = EXECUTED / "sources.json"
 
 def digest(notebook: Path) -> str:
     """What ``notebook``'s outputs depend on, here: its own text, every file of the package,
-    and the interpreter (a new environment is a new digest)."""
+    the interpreter and the versions of what is installed beside it (a new jax is a new
+    digest)."""
+    from importlib import metadata
+
     h = hashlib.sha256()
     h.update(sys.executable.encode())
+    h.update(" ".join(sorted(f"{d.metadata['Name']}=={d.version}"
+                             for d in metadata.distributions())).encode())
     h.update(notebook.read_bytes())
     for path in sorted((ROOT / "spmd").rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
@@ -54,41 +59,55 @@ def executed_copy(name: str):
 
 
 _taken: dict[str, str] = {}  # the digests as the build began (a file changed during it is new)
-_read: set[str] = set()  # the notebooks this build read, so ran: only their copies are new
+_read: set[str] = set()  # the notebooks this build read: their copies are this build's
+_ran = False  # whether this build runs the notebooks it reads (not SPMD_DOCS_EXECUTE=off)
+
+
+def _stamp() -> dict:
+    try:
+        return json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_stamp(stamp: dict) -> None:
+    if stamp:
+        EXECUTED.mkdir(parents=True, exist_ok=True)
+        STAMP.write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    else:
+        STAMP.unlink(missing_ok=True)
 
 
 def _config_inited(app, config) -> None:
+    global _ran
     _taken.clear()
     _read.clear()
-    if config.nb_execution_mode in ("off", None):
-        return
+    _ran = config.nb_execution_mode == "force"  # (cache or auto may run none of them)
     for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
         if not notebook.name.endswith(".executed.ipynb"):
             _taken[notebook.stem] = digest(notebook)
 
 
 def _source_read(app, docname: str, source: list) -> None:
+    """A notebook read is about to be run and its copy written again: its entry goes now,
+    so a build that stops half-way (^C, killed) leaves no entry for a copy it changed."""
     folder, _, name = docname.rpartition("/")
     if folder == "tutorials" and name in _taken:
         _read.add(name)
+        stamp = _stamp()
+        if stamp.pop(name, None) is not None:
+            _write_stamp(stamp)
 
 
 def _build_finished(app, exception) -> None:
     """Record the digests of the notebooks this build ran (those it did not read keep what
-    the build that ran them recorded); a build that failed records nothing new."""
-    try:
-        stamp = json.loads(STAMP.read_text())
-    except (OSError, ValueError):
-        stamp = {}
+    the build that ran them recorded); a build that failed, or ran nothing, records none."""
+    stamp = _stamp()
     for name in _read:
         stamp.pop(name, None)
-    if exception is None:
+    if exception is None and _ran:
         stamp.update({name: _taken[name] for name in _read})
-    if stamp:
-        EXECUTED.mkdir(parents=True, exist_ok=True)
-        STAMP.write_text(json.dumps(stamp, indent=1, sort_keys=True))
-    else:
-        STAMP.unlink(missing_ok=True)
+    _write_stamp(stamp)
 
 
 def _keep_outputs_whole() -> None:
