@@ -163,6 +163,21 @@ def test_ctrl_c_while_the_processes_start_ends_those_started(tmp_path):
         _end(job)
 
 
+def _rank_1_fails(tmp_path, launcher: str, setup: str, then=lambda: None) -> None:
+    """Rank 1 exits with code 3 while rank 0 waits (after ``setup``): the launch ends within
+    10 s with status 3, and no process of the job is left; ``then`` is called before the
+    test's clean-up kills what the launch's process group still holds."""
+    cells = ["import sys, time\n" + setup
+             + f"print('{TAG} ready', rank, flush=True)\n"
+             "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
+             "time.sleep(120)"]
+    launch = write_job(str(tmp_path), cells, backend="none", launcher=launcher)
+    with _running(launch, str(tmp_path)) as (job, procs):
+        assert job.wait(timeout=10) == 3
+        _none_left(procs)
+        then()
+
+
 @pytest.mark.parametrize("launcher", ["local", "mpi"])
 def test_a_failed_rank_ends_the_job_with_its_status(launcher, tmp_path):
     """Rank 1 exits with code 3 while rank 0 waits, ignoring SIGTERM as jax's ranks do: the
@@ -170,15 +185,8 @@ def test_a_failed_rank_ends_the_job_with_its_status(launcher, tmp_path):
     status is the failed process's, not the SIGKILL mpiexec gave rank 0.)"""
     if launcher == "mpi" and not shutil.which("mpiexec"):
         pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
-    cells = ["import signal, sys, time\n"
-             "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (as jax's own handler does)\n"
-             f"print('{TAG} ready', rank, flush=True)\n"
-             "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
-             "time.sleep(120)"]
-    launch = write_job(str(tmp_path), cells, backend="none", launcher=launcher)
-    with _running(launch, str(tmp_path)) as (job, procs):
-        assert job.wait(timeout=10) == 3
-        _none_left(procs)
+    _rank_1_fails(tmp_path, launcher, "import signal\n"
+                  "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (as jax's own handler does)\n")
 
 
 def test_a_job_that_ends_at_its_stop_leaves_no_timer(tmp_path):
@@ -186,17 +194,11 @@ def test_a_job_that_ends_at_its_stop_leaves_no_timer(tmp_path):
     ends the timer of the SIGKILL it had set, with that timer's sleep (left running, it held
     the job's output open for the rest of its 3 s). (mpiexec's launch sets its timer only at
     a ^C: a failed rank ends mpiexec by itself.)"""
-    launcher = "local"
-    cells = ["import sys, time\n"
-             f"print('{TAG} ready', rank, flush=True)\n"
-             "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
-             "time.sleep(120)"]
-    launch = write_job(str(tmp_path), cells, backend="none", launcher=launcher)
-    with _running(launch, str(tmp_path)) as (job, procs):
-        assert job.wait(timeout=10) == 3
-        _none_left(procs)
+    def no_timer_left() -> None:
         timers = [p for p in spmd_processes() if _named(p, "sleep")]
         assert not wait_until_gone(timers, 1.0), timers
+
+    _rank_1_fails(tmp_path, "local", "", then=no_timer_left)
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpi"])
