@@ -136,6 +136,29 @@ def test_jax_initialized_in_the_notebook_warns(shell):
         run(shell, "%spmd stop")
 
 
+def test_a_controller_that_does_not_answer_fails_the_start_with_its_last_lines(
+        shell, tmp_path, monkeypatch):
+    # The controller's hub takes connection requests and answers none: the start ends at
+    # the hub's wait and says what the controller wrote, not ipyparallel's bare timeout.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if b'spmd.controller' in open('/proc/self/cmdline', 'rb').read():\n"
+        "    from ipyparallel.controller import hub\n"
+        "    def ignore(self, client_id, msg):\n"
+        "        print('the hub ignores a connection request', file=sys.stderr, flush=True)\n"
+        "    hub.Hub.connection_request = ignore\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    from spmd.cluster import startup
+
+    monkeypatch.setattr(startup, "HUB_SECONDS", 3)
+    message = usage_error(shell, "%spmd start -n 2 --backend none")
+    assert message.startswith(
+        "The controller did not answer the notebook within 3 s (its process still runs): "
+        "start again."), message
+    assert "the hub ignores a connection request" in message
+
+
 @pytest.mark.parametrize("handle", ["taken", "too late"])
 def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, monkeypatch,
                                                               handle):

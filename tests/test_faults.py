@@ -21,6 +21,7 @@ from conftest import (
 )
 from IPython.core.error import UsageError
 
+from spmd.cluster.lockstep import where
 from spmd.magics.render import LiveView
 
 pytestmark = pytest.mark.timeout(180)
@@ -303,6 +304,75 @@ def test_a_long_cell_shows_the_line_each_busy_rank_is_on(cluster, monkeypatch):
         "for rank 1, still in its own code."
     )
     restart_and_psum(cluster)
+
+
+def test_a_rank_whose_threads_come_and_go_survives_the_live_views_looks(cluster, monkeypatch):
+    # A stack dump from a signal handler reads the other threads while they run, and crashes
+    # a process whose threads come and go (CPython #116008): a rank that can answer on its
+    # control channel is asked there, and is never signalled.
+    monkeypatch.setattr(LiveView, "look_after", 0.1)
+    monkeypatch.setattr(LiveView, "look_every", 0.1)
+    cell = (
+        "%%spmd --grace off\n"
+        "import threading\n"
+        "done = threading.Event()\n"
+        "def churn():\n"
+        "    while not done.is_set():\n"
+        "        t = threading.Thread(target=sum, args=(range(100),))\n"
+        "        t.start()\n"
+        "        t.join()\n"
+        "churner = threading.Thread(target=churn)\n"
+        "churner.start()\n"
+        "time.sleep(3)\n"
+        "done.set()\n"
+        "churner.join()\n"
+        "print('survived')\n"
+    )
+    signalled = signalled_ranks(monkeypatch)
+    with displays() as shown:
+        out = run(cluster, cell)
+    assert out.error is None, report(out)
+    assert out.stdout == "[ranks 0-1] survived\n"
+    assert signalled == []
+    looked = [d.get("text/plain", "") for d in shown]
+    assert any("at cell line 10: time.sleep(3)" in text for text in looked), looked
+
+
+def test_where_finds_a_rank_that_holds_the_gil(cluster, monkeypatch):
+    # A regular expression matches in C holding the GIL: the rank's control thread cannot
+    # answer, and its stack comes from the dump its signal handler writes.
+    cell = (
+        "%%spmd --timeout 1\n"
+        "import re\n"
+        "if rank == 1:\n"
+        "    while True:\n"
+        "        try:\n"
+        "            re.match(r'(a+)+$', 'a' * 40 + 'b')\n"
+        "        except KeyboardInterrupt:\n"
+        "            pass\n"
+    )
+    text = report(run(cluster, cell))
+    assert text.startswith("Timed out after 1 s"), text
+    signalled = signalled_ranks(monkeypatch)
+    found = run(cluster, "%spmd where")
+    assert found.error is None
+    assert found.stdout.startswith(
+        "[rank 1] was running at cell line 5: re.match(r'(a+)+$', 'a' * 40 + 'b')\n"
+    ), found.stdout
+    assert signalled == [1]  # (rank 0, idle, answered on its control channel)
+    restart_and_psum(cluster)
+
+
+def signalled_ranks(monkeypatch) -> list[int]:
+    """The ranks asked for their stacks by signal from now on (filled in as they are)."""
+    real, signalled = where.dump, []
+
+    def dump(targets, **kwargs):
+        signalled.extend(sorted(targets))
+        return real(targets, **kwargs)
+
+    monkeypatch.setattr(where, "dump", dump)
+    return signalled
 
 
 def test_where_with_no_busy_rank_says_so(cluster):

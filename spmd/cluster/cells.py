@@ -330,24 +330,28 @@ class CellRunner:
         """The main-thread Python stack of each rank (None: it did not answer)."""
         if not ranks or self._client is None:
             return {}
-        # Local ranks answer a signal from C (even while holding the GIL); the others
-        # answer on their control channel.
-        local = {
+        # Every rank is asked on its control channel first: its control thread reads the
+        # stack under the GIL. A rank on this machine that did not answer holds the GIL (in
+        # C, or stuck): its signal handler dumps the stacks from C. Only then, because a
+        # dump that reads other threads' frames while they run can crash the rank
+        # (CPython #116008, a SIGSEGV once a second's looks); with the GIL held, none runs.
+        engine_ids = {r: self._gen.ranks[r].engine_id for r in ranks}
+        by_engine = control.stacks(self._client, list(engine_ids.values()))
+        found = {}
+        for r, engine_id in engine_ids.items():
+            frames = by_engine.get(engine_id)
+            found[r] = None if frames is None else [where.Frame(*f) for f in frames]
+        silent = {
             r: (
                 self._gen.launchers[r].process,
                 self._gen.launchers[r].stack_file,
                 self._gen.ranks[r].main_thread,
             )
             for r in ranks
-            if r in self._gen.launchers
+            if found[r] is None and r in self._gen.launchers
         }
-        found = where.dump(local) if local else {}
-        far = [r for r in ranks if r not in self._gen.launchers]
-        if far:
-            by_engine = control.stacks(self._client, [self._gen.ranks[r].engine_id for r in far])
-            for r in far:
-                frames = by_engine.get(self._gen.ranks[r].engine_id)
-                found[r] = None if frames is None else [where.Frame(*f) for f in frames]
+        if silent:
+            found.update(where.dump(silent))
         return {r: None if frames is None else self.stack(r, frames) for r, frames in found.items()}
 
     def interrupt(self) -> tuple[list[int], list[int]]:

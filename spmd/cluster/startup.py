@@ -10,6 +10,7 @@ other threads read only ``record()``, a frozen copy, or the fields Session expos
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import secrets
 import subprocess
@@ -255,7 +256,7 @@ class Launch:
 
     def connect(self) -> list[int]:
         """The notebook's client, once every engine registered: the engine ids, sorted."""
-        self.client = self.cluster._in_thread(self.cluster.connect_client, timeout=HUB_SECONDS)
+        self.client = _client(self.cluster, self.profile_dir)
         self.wait_registered(range(self.settings.n))
         return sorted(self.client.ids)
 
@@ -397,6 +398,36 @@ class Launch:
 # How long the notebook's client waits for the controller's hub to answer it: the hub answers
 # once it is up, on a busy machine later than ipyparallel's 10 s.
 HUB_SECONDS = 30
+
+
+def _client(cluster: SpmdCluster, profile_dir: str):
+    """The notebook's client of the controller's hub."""
+    try:
+        return cluster._in_thread(cluster.connect_client, timeout=HUB_SECONDS)
+    except TimeoutError:
+        raise StartError(_hub_silent(cluster, profile_dir)) from None
+
+
+def _hub_silent(cluster: SpmdCluster, profile_dir: str) -> str:
+    """Why the notebook could not connect: whether the controller still runs, and the end of
+    what it wrote (its output, then its log: the log has the errors of its schedulers)."""
+    controller = cluster.controller
+    process = getattr(controller, "process", None)
+    if process is not None and processes.exited(process):
+        state = f"its process exited with code {process.returncode}"
+    else:
+        state = "its process still runs"
+    written = ""  # (not get_output(): it keeps its first read for good)
+    files = [getattr(controller, "output_file", None)]
+    files += sorted(glob.glob(os.path.join(profile_dir or "", "log", "ipcontroller-*.log")))
+    for path in filter(None, files):
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:
+            written += f.read()[-20000:] + "\n"
+    tail = "\n".join(last_lines(written, count=8)) or "(nothing)"
+    return (
+        f"The controller did not answer the notebook within {HUB_SECONDS} s ({state}): "
+        f"start again. The last lines it wrote:\n{tail}"
+    )
 
 
 def _exited_engines(cluster: SpmdCluster) -> str:

@@ -1,4 +1,5 @@
-"""On a rank: answer "where are you?" with every thread's Python stack, from C.
+"""On a rank: answer "where are you?" with every thread's Python stack, from C, when the
+control thread cannot (the cell holds the GIL).
 
 The notebook reads the dumps (``spmd.cluster.lockstep.where``).
 """

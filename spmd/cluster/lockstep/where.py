@@ -3,7 +3,9 @@
 Each engine registers faulthandler on a signal (see ``spmd.engine.stacks``): the notebook
 sends the signal and reads the dump the rank appends to its stack file. This works while the
 rank is blocked in a collective, in C++ that holds the GIL, or in a loop, because faulthandler
-writes from inside the signal handler.
+writes from inside the signal handler. The notebook asks this way only a rank that did not
+answer on its control channel (``CellRunner.stacks``): such a dump reads the other threads'
+frames while they run, which can crash a rank whose threads come and go.
 
 Frames of cells have ipykernel's file names (``/tmp/ipykernel_<pid>/<hash>.py``, the hash of
 the cell's text). The notebook knows the text of the cells it sent, so it shows their lines;
