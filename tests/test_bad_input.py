@@ -194,7 +194,7 @@ def test_an_engine_that_dies_at_start_fails_the_start_at_once(shell, tmp_path, m
     t0 = time.monotonic()
     message = usage_error(shell, "%spmd start -n 2 --backend none")
     assert time.monotonic() - t0 < 30  # not the 120 s registration timeout
-    assert message.startswith("An engine process exited during start-up (rank 1)")
+    assert message.startswith("An engine process exited during start-up (rank 1, exit code 3)")
     assert "rank 1 cannot start" in message
     if handle == "too late":
         assert len(reaped) == 1  # (the rank server forked it, and it was gone before its handle)

@@ -104,6 +104,20 @@ def test_an_array_printed_on_one_rank_only_stays_a_placeholder_and_says_why(two)
     assert "a rank did not send its part of it" in out.stderr, out.stderr
 
 
+def test_different_arrays_printed_at_one_place_stay_placeholders_and_say_why(two):
+    """At one print, rank 0 prints one array and rank 1 another, of another dtype, then of
+    another shape: no value is made of the two; each rank keeps jax's placeholder, and one
+    line says why (without the check: a wrong value, then an IndexError in the notebook)."""
+    for other, placeholder in [("params.astype(jnp.int32)", "Array(shape=(8,), dtype=int32)"),
+                               ("wide", "Array(shape=(2, 8), dtype=float32)")]:
+        out = run(two, f"other = {other}\nprint(params if rank == 0 else other)")
+        assert out.error is None, report(out)
+        assert out.stdout == ("[rank 0] Array(shape=(8,), dtype=float32)\n"
+                              f"[rank 1] {placeholder}\n"), out.stdout
+        assert "the ranks printed different arrays at that place in the cell" in out.stderr, (
+            out.stderr)
+
+
 def test_printing_an_array_keeps_nothing_alive(two):
     """After print(x) (and after repr(x) that no print shows, as a logger makes it), ``del x``
     frees the array at once, as in plain jax: nothing here holds it until the cell's reply or

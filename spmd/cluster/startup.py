@@ -441,5 +441,20 @@ def _exited_engines(cluster: SpmdCluster) -> str:
         if launcher is None or not processes.exited(launcher.process):
             return ""
         who = " ".join(launcher.find_args()[:1])
+    code = _exit_code(launcher)
+    how = "" if code is None else f", {processes.how_it_ended(code)}"
     tail = "\n".join(last_lines(launcher.get_output(), count=5)) or "(nothing)"
-    return f" ({who}); the last lines it wrote:\n{tail}"
+    return f" ({who}{how}); the last lines it wrote:\n{tail}"
+
+
+def _exit_code(launcher, wait: float = 1.0) -> int | None:
+    """An ended process's exit code (negative: its signal), once its launcher has it; None
+    after ``wait`` seconds without (its launcher's thread sets it a moment after the end)."""
+    deadline = time.monotonic() + wait
+    while True:
+        code = getattr(launcher, "exit_code", None)
+        if code is None:
+            code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
+        if code is not None or time.monotonic() > deadline:
+            return code
+        time.sleep(0.05)
