@@ -381,17 +381,17 @@ def fanout_answers(info: dict, engine_ident: str, code: str, curve: bool = False
     import zmq
     from jupyter_client.session import Session as Signer
 
-    from spmd.controller.fanout import PORT_KEY, REPLIES, REQUEST
+    from spmd.wire import CELL_REPLIES, CELL_REQUEST, CELLS_PORT
 
     signer = Signer(key=(key or info["key"]).encode(), signature_scheme=info["signature_scheme"])
     request = {"request": {"code": code, "silent": False, "user_expressions": {}},
                "metadata": {}, "targets": [[engine_ident, f"probe-{time.time()}"]]}
-    with controller_socket(info, info[PORT_KEY], curve) as sock:
+    with controller_socket(info, info[CELLS_PORT], curve) as sock:
         try:
-            signer.send(sock, REQUEST, content=request)
+            signer.send(sock, CELL_REQUEST, content=request)
         except zmq.Again:
             return False
         if not sock.poll(int(wait * 1000)):
             return False
         _idents, msg = signer.recv(sock)
-        return msg["header"]["msg_type"] == REPLIES and len(msg["content"]["replies"]) == 1
+        return msg["header"]["msg_type"] == CELL_REPLIES and len(msg["content"]["replies"]) == 1

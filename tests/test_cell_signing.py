@@ -43,11 +43,11 @@ def signed_request(signer, targets: list, code: str = "") -> list[bytes]:
     """The frames of one cell request to the fan-out, signed by ``signer`` (``signer_of``)
     (``targets``: [engine identity, the id its request gets] for each rank); each request
     has an id and a date of its own."""
-    from spmd.controller.fanout import REQUEST
+    from spmd.wire import CELL_REQUEST
 
     request = {"request": {"code": code, "silent": False, "user_expressions": {}},
                "metadata": {}, "targets": targets}
-    return signer.serialize(signer.msg(REQUEST, content=request))
+    return signer.serialize(signer.msg(CELL_REQUEST, content=request))
 
 
 COUNT_RUNS = "runs = globals().get('runs', 0) + 1"
@@ -81,7 +81,8 @@ def test_a_replayed_cell_request_runs_on_no_rank_even_after_a_flood(fresh):
     """A cell request the fan-out has run is refused when it comes again, byte for byte; and
     still after more new requests than the fan-out remembers (a flood cannot make it forget
     one that could then be replayed)."""
-    from spmd.controller.fanout import PORT_KEY, SEEN
+    from spmd.controller.fanout import SEEN
+    from spmd.wire import CELLS_PORT
 
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     s = session(fresh)
@@ -89,7 +90,7 @@ def test_a_replayed_cell_request_runs_on_no_rank_even_after_a_flood(fresh):
     rank_0 = s.client._engines[s.ranks[0].engine_id]
     signer = signer_of(info)
     cell = signed_request(signer, [[rank_0, f"probe-{time.time()}"]], COUNT_RUNS)
-    with controller_socket(info, info[PORT_KEY], curve=False) as sock:
+    with controller_socket(info, info[CELLS_PORT], curve=False) as sock:
         sock.send_multipart(cell)
         assert sock.poll(30_000), "the fan-out did not run the request once"
         sock.recv_multipart()

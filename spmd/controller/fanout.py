@@ -3,7 +3,7 @@ to each rank, and the ranks' replies gathered back into one message.
 
 Through ipyparallel's client a cell was one signed request per rank out of the notebook, and
 one reply per rank into it, each handled as a Python message with its futures: at 64 ranks
-most of the notebook's time in a trivial cell. Here (installed by controller.py):
+most of the notebook's time in a trivial cell. Here (installed by start.py):
 
 - the notebook sends one ``wire.CELL_REQUEST`` to this ROUTER: the code, the request's
   metadata, and each rank's engine identity with the id its request gets;
@@ -42,13 +42,8 @@ from datetime import datetime
 
 import zmq
 
-# (under the names the tests read them by) The client connection file's key for this
-# socket's port, the notebook's cell for several ranks and their gathered replies, and what
-# the notebook reads of a rank's reply metadata: spmd/wire.py says what each is.
-from spmd.wire import CELL_REPLIES as REPLIES
-from spmd.wire import CELL_REQUEST as REQUEST
-from spmd.wire import CELLS_PORT as PORT_KEY
-from spmd.wire import KEPT_METADATA as KEPT
+# spmd/wire.py says what each of these names is, who sends it and who reads it.
+from spmd.wire import CELL_REPLIES, CELL_REQUEST, CELLS_PORT, KEPT_METADATA
 
 # Requests in flight remembered (a rank that died never answers its own), and the ids of the
 # notebook's requests (jupyter_client's own replay guard keeps as many signatures).
@@ -90,7 +85,7 @@ class CellFanout:
                 self._read(self._reply, self.ranks.recv_multipart(zmq.NOBLOCK), gathered)
                 moved = True
             for (notebook, cell_id), replies in gathered.items():
-                msg = self.session.msg(REPLIES, content={"replies": replies},
+                msg = self.session.msg(CELL_REPLIES, content={"replies": replies},
                                        parent={"msg_id": cell_id})
                 self.cells.send_multipart([notebook, *self.session.serialize(msg)])
             if not moved:
@@ -129,7 +124,7 @@ class CellFanout:
         idents, header, _parent, _metadata, content = signed
         unpack, pack = self.session.unpack, self.session.pack
         header = unpack(header)
-        if header["msg_type"] != REQUEST or not idents or not self._first_time(header):
+        if header["msg_type"] != CELL_REQUEST or not idents or not self._first_time(header):
             return
         content = unpack(content)
         cell_id = header["msg_id"]
@@ -177,7 +172,7 @@ class CellFanout:
         metadata = self.session.unpack(metadata)
         asked = self.asked.pop(msg_id, None)
         if asked is not None:
-            kept = {k: metadata[k] for k in KEPT if k in metadata}
+            kept = {k: metadata[k] for k in KEPT_METADATA if k in metadata}
             gathered.setdefault(asked, []).append([msg_id, kept])
 
 
@@ -210,5 +205,5 @@ def with_port(controller, fname: str, cdict: dict) -> dict:
     """The connection file's contents with the fan-out's port, where it is the client's
     (start.py's writer asks, so that the writer is replaced once)."""
     if fname == getattr(controller, "client_json_file", None):
-        return {**cdict, PORT_KEY: controller._spmd_cells_port}
+        return {**cdict, CELLS_PORT: controller._spmd_cells_port}
     return cdict

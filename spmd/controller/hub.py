@@ -8,7 +8,7 @@ That is what ``client.get_result`` and ``client.db_query`` read, and nothing her
 the notebook keeps each rank's outputs itself, and its logs. At 64 ranks the hub's parsing
 was most of the controller's work in a trivial cell.
 
-Here (installed by controller.py, before the hub is made):
+Here (installed by start.py, before the hub is made):
 
 - the database is ipyparallel's ``NoDB`` (``--IPController.db_class``, in launch.py);
 - a request and its reply are read for their ids only (the header, or the parent header, of

@@ -423,7 +423,7 @@ def _parts_of(array) -> _Parts:
         parts = results._torch_parts(array) if torch else results._parts(array)
     except Exception:  # (a kind of array this does not know: jax's placeholder stays)
         parts = None
-    taken = _Parts(parts[results.MIME] if parts else None)
+    taken = _Parts(parts[wire.GLOBAL_ARRAY_MIME] if parts else None)
     if torch:  # (taken anew at every repr: nothing to keep)
         return taken
     with _lock:

@@ -25,7 +25,6 @@ from spmd import wire
 from spmd.engine.shards import shown_token
 
 # (the notebook's magics/values.py and lockstep/outputs.py read it too)
-MIME = wire.GLOBAL_ARRAY_MIME
 
 # numpy's print options that decide the printed form (the notebook prints with the rank's)
 _OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "floatmode",
@@ -139,7 +138,7 @@ def _parts(x) -> dict | None:
             at = [c + a - p for (p, _, c), a in zip(parts, lo)]
             pieces.append({"at": at, "shape": list(data.shape),
                            "data": base64.b64encode(data.tobytes()).decode()})
-    return {MIME: {
+    return {wire.GLOBAL_ARRAY_MIME: {
         "shape": list(x.shape),
         "dtype": x.dtype.name,
         "weak_type": bool(getattr(getattr(x, "aval", None), "weak_type", False)),
@@ -207,7 +206,7 @@ def _torch_parts(x) -> dict | None:
     from IPython import get_ipython
 
     grad_fn = type(x.grad_fn).__name__ if x.grad_fn is not None else None
-    return {MIME: {
+    return {wire.GLOBAL_ARRAY_MIME: {
         "library": "torch",
         "shape": list(x.shape),
         "dtype": torch_shards._dtype(x),

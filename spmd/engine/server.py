@@ -70,9 +70,9 @@ ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.ap
                   "spmd.engine.bootstrap", "spmd.engine.kernel")
 BACKEND_MODULES = {"jax": ("jax", "jax.numpy"), "torch": ("torch", "torch.distributed")}
 # Imported once here too where they are installed: ipyparallel imports numpy in each rank at
-# its first request (its serializer's type table), 100 ms of CPU a rank, which at 64 ranks
-# was most of a --backend none restart's 8 s of CPU on this machine's 2 cores.
-# The rest is what every rank imported after its fork, measured (about 10 ms a rank).
+# its first request (its serializer's type table), 100 ms of CPU a rank, most of a 64-rank
+# --backend none restart's CPU if each rank did it after its fork. The rest is what every
+# rank imports after its fork otherwise (about 10 ms a rank).
 OPTIONAL_MODULES = ("numpy", "sqlite3", "tornado.platform.asyncio", "tornado.gen",
                     "tornado.queues", "tornado.locks", "IPython.core.oinspect",
                     "IPython.core.completerlib", "IPython.extensions.storemagic",

@@ -19,7 +19,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from spmd.cluster.lockstep.outputs import RankCell
 from spmd.cluster.lockstep.run import process_words
-from spmd.engine.results import MIME
+from spmd.wire import GLOBAL_ARRAY_MIME
 
 
 def payloads(cells: dict[int, RankCell]) -> dict[int, dict]:
@@ -28,8 +28,8 @@ def payloads(cells: dict[int, RankCell]) -> dict[int, dict]:
     found = {}
     for rank, cell in cells.items():
         for out in cell.outputs:
-            if out.kind == "result" and MIME in out.data:
-                found[rank] = out.data[MIME]
+            if out.kind == "result" and GLOBAL_ARRAY_MIME in out.data:
+                found[rank] = out.data[GLOBAL_ARRAY_MIME]
     if len(found) != len(cells) or not found:
         return {}
     identity = {(tuple(p["shape"]), p["dtype"], p["sharding"]) for p in found.values()}
@@ -45,11 +45,11 @@ def held_by_some(cells: dict[int, RankCell]):
     for rank, cell in cells.items():
         for out in cell.outputs:
             if out.kind == "result":
-                (parts if MIME in out.data else plain)[rank] = out
+                (parts if GLOBAL_ARRAY_MIME in out.data else plain)[rank] = out
     if not parts or not plain or len(parts) + len(plain) != len(cells):
         return None  # (one rank, or --ranks 0: its own value, as it is)
     holders = sorted(plain)
-    sent = [out.data[MIME] for out in parts.values()]
+    sent = [out.data[GLOBAL_ARRAY_MIME] for out in parts.values()]
     if any(p.get("holders") != holders or p["pieces"] or p.get("library") for p in sent):
         return None
     if len({(tuple(p["shape"]), p["dtype"], p["sharding"]) for p in sent}) != 1 or len(

@@ -194,9 +194,6 @@ def same_on_every_rank(text: str) -> str:
     return _CELL_PATH.sub("<cell>", text) if "ipykernel_" in text else text
 
 
-GLOBAL_ARRAY_MIME = wire.GLOBAL_ARRAY_MIME  # (a rank's value over several processes)
-
-
 def output_from_message(msg_type: str, content: dict) -> Output | None:
     """Turn one iopub message of an engine into an Output (None for the rest)."""
     if msg_type == "stream":
@@ -204,7 +201,7 @@ def output_from_message(msg_type: str, content: dict) -> Output | None:
     if msg_type == "display_data":
         # (a global array's parts are for a cell's value only: a display of one is marked as
         # a print of it is, its parts sent with the cell's reply: engine/printed.py)
-        data = {k: v for k, v in content["data"].items() if k != GLOBAL_ARRAY_MIME}
+        data = {k: v for k, v in content["data"].items() if k != wire.GLOBAL_ARRAY_MIME}
         return Output("display", data=data, metadata=content.get("metadata", {}))
     if msg_type == "execute_result":
         return Output("result", data=content["data"], metadata=content.get("metadata", {}))
