@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 
 from spmd.cluster.ranks import Ran, Rank, Settings
 from spmd.magics.arguments import _Parser
-from spmd.magics.launch_file import Launch
+from spmd.magics.launch_file import LaunchFile
 from spmd.magics.to_python import defined_names, needs_person, plain
 
 LAUNCHERS = ("local", "ssh", "mpi", "slurm", "torchrun")
@@ -106,9 +106,9 @@ class Job:
         stem = self.path[:-3] if self.path.endswith(".py") else self.path
         return stem + (".sbatch" if self.launcher == "slurm" else ".sh")
 
-    def launch_file(self) -> Launch:
+    def launch_file(self) -> LaunchFile:
         """The file that launches the script (launch_file.py)."""
-        return Launch(self.settings, self.launcher, os.path.abspath(self.path),
+        return LaunchFile(self.settings, self.launcher, os.path.abspath(self.path),
                       self.launch_path, self.python, self.gpus, self.master, self.labels,
                       self.hash_seed)
 

@@ -17,7 +17,7 @@ DEFAULT_PORT = 29500  # torch's own default MASTER_PORT
 
 
 @dataclass(frozen=True)
-class Launch:
+class LaunchFile:
     """How ``script`` is launched: ``settings.n`` processes, by ``launcher``."""
 
     settings: Settings
