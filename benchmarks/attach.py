@@ -18,8 +18,6 @@ import sys
 import tempfile
 import time
 
-from benchmarks import many
-
 NOTEBOOK = """
 import sys
 from IPython.core.interactiveshell import InteractiveShell
@@ -58,7 +56,7 @@ def measure(bench, rounds: int = 3) -> None:
     os.environ["JUPYTER_RUNTIME_DIR"] = runtime
     try:
         for n, backend, times in ((4, "jax", rounds), (64, "none", 1)):
-            if not many.fits(bench, n, backend, f"attach to {n} ranks ({backend})"):
+            if not bench.fits(n, backend, f"attach to {n} ranks ({backend})"):
                 continue
             start = f"%spmd start -n {n} --backend {backend} --linger 2m"
             setup = "import os\nx = int(os.environ['SPMD_RANK'])"
@@ -90,7 +88,8 @@ def measure(bench, rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.run import Bench, summarize, table
+    from benchmarks.bench import Bench
+    from benchmarks.table import summarize, table
 
     bench = Bench()
     measure(bench, rounds=int(sys.argv[1]) if len(sys.argv) > 1 else 3)

@@ -92,7 +92,7 @@ def _rank0(stdout: str) -> str:
 
 
 def measure(bench, launches: int = 1000, blocks: int = 10) -> None:
-    """Record the census's figures into ``bench`` (benchmarks.run.Bench)."""
+    """Record the census's figures into ``bench`` (benchmarks.bench.Bench)."""
     # (one CPU device per process: with two, jax's own queue of a thousand asynchronous
     # cross-process launches hangs here, with or without the census; seen in plain processes)
     bench.cell("%spmd start -n 2 -d 1")
@@ -125,7 +125,7 @@ def measure(bench, launches: int = 1000, blocks: int = 10) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.run import Bench
+    from benchmarks.bench import Bench
 
     bench = Bench()
     launches = int(sys.argv[1]) if len(sys.argv) > 1 else 1000

@@ -53,3 +53,12 @@ def flood(lines: int, ranks: int | None) -> dict[str, float]:
         "memory_mb": (_rss(after) - _rss(before)) / 2**20,
         "saved_mb": size / 2**20,
     }
+
+
+def measure(bench, lines: int) -> None:
+    """A million lines from every rank, and from a plain kernel, executed as notebooks."""
+    for name, ranks in (("spmd", 2), ("plain_kernel", None)):
+        got = flood(lines, ranks)
+        bench.record(f"flood_1M_lines/{name}", got["seconds"])
+        bench.record(f"flood_memory_mb/{name}", got["memory_mb"])
+        bench.record(f"flood_saved_mb/{name}", got["saved_mb"])

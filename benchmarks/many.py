@@ -9,10 +9,10 @@
 - 128 ranks: the start until a cell has run on every rank;
 - 256 ranks: the same, and one cell.
 
-Each part first asks the start's own room check (spmd.cluster.launchers.processes) whether this
-machine has the free memory for its ranks now; a part that does not fit is left out, with the
-check's sentence, into ``bench.left_out``, and the bench goes on: ``make bench`` then prints its
-tables, and what it left out and why, below them.
+Each part first asks the start's own room check (``Bench.fits``, which asks
+spmd.cluster.launchers.processes) whether this machine has the free memory for its ranks now; a
+part that does not fit is left out, with the check's sentence, into ``bench.left_out``, and the
+bench goes on: ``make bench`` then prints its tables, and what it left out and why, below them.
 
 On this 2-core machine the ranks' own CPU is on the same cores as the notebook's: on a real
 cluster each host's ranks have their own, and what the notebook and the controller spend per
@@ -29,26 +29,10 @@ import time
 
 import psutil
 
-from spmd.cluster.launchers import processes
-
 
 def _cpu(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
-
-
-def fits(bench, n: int, backend: str, what: str) -> bool:
-    """Whether this machine has room for ``n`` ranks of ``backend`` now, as ``%spmd start``'s
-    own check counts them (forked by the rank server); where not, ``what`` is left out, with
-    the check's sentence, into ``bench.left_out``."""
-    try:
-        processes.check_room(n, backend, forked=True)
-    except processes.StartRefused as exc:
-        bench.left_out[what] = str(exc)
-        bench.left_out_ranks.add(n)
-        print(f"left out, {what}: {exc}", file=sys.stderr, flush=True)
-        return False
-    return True
 
 
 def cells(bench, n: int, count: int) -> None:
@@ -56,7 +40,7 @@ def cells(bench, n: int, count: int) -> None:
     process spent on them."""
     what = (f"{n} ranks: trivial cells" + (" and %px" if n >= 64 else "")
             + (", a restart" if n == 64 else ""))
-    if not fits(bench, n, "none", what):
+    if not bench.fits(n, "none", what):
         return
     bench.cell(f"%spmd start -n {n} --backend none")
     try:
@@ -106,7 +90,7 @@ def px(bench, session, n: int, count: int) -> None:
 
 def start(bench, n: int) -> None:
     """``n`` ranks: the start until a cell has run on every rank, then one cell."""
-    if not fits(bench, n, "none", f"{n} ranks: a start and a cell"):
+    if not bench.fits(n, "none", f"{n} ranks: a start and a cell"):
         return
     t0 = time.perf_counter()
     bench.cell(f"%spmd start -n {n} --backend none")
@@ -122,7 +106,7 @@ def start(bench, n: int) -> None:
 
 def measure(bench, count: int = 30, cells_on: tuple = (4, 64),
             starts: tuple = (128, 256)) -> None:
-    """Record the many-ranks figures into ``bench`` (benchmarks.run.Bench): ``count`` trivial
+    """Record the many-ranks figures into ``bench`` (benchmarks.bench.Bench): ``count`` trivial
     cells on each of ``cells_on`` ranks, a start of each of ``starts``; what does not fit here
     is left out."""
     for n in cells_on:
@@ -132,7 +116,7 @@ def measure(bench, count: int = 30, cells_on: tuple = (4, 64),
 
 
 if __name__ == "__main__":
-    from benchmarks.run import Bench
+    from benchmarks.bench import Bench
 
     bench = Bench()
     measure(bench, count=int(sys.argv[1]) if len(sys.argv) > 1 else 30)

@@ -15,7 +15,8 @@ def test_the_many_ranks_part_leaves_out_what_does_not_fit_and_goes_on(fresh):
     whole bench, before any table). It is left out with the check's sentence, and the end of
     the bench prints its table and says what it left out and why."""
     from benchmarks import many
-    from benchmarks.run import Bench, summary
+    from benchmarks.bench import Bench
+    from benchmarks.table import summary
 
     bench = Bench()
     many.measure(bench, count=3, cells_on=(2,), starts=(1_000_000,))
@@ -38,7 +39,7 @@ def test_a_part_left_out_keeps_the_earlier_runs_figures_marked(tmp_path):
     with that run's date; a part measured, or one not left out, is not."""
     import json
 
-    from benchmarks.run import carry_over, figure_text
+    from benchmarks.table import carry_over, figure_text
 
     earlier = tmp_path / "results.json"
     old = {"median": 3.5, "min": 3.2, "max": 3.7, "runs": 3}

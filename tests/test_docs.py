@@ -138,7 +138,7 @@ def test_the_internals_page_lists_every_internal():
 
 
 def test_the_benchmarks_page_is_the_table_make_bench_printed():
-    from benchmarks.run import table
+    from benchmarks.table import table
 
     page = benchmarks.page()
     figures = json.loads(benchmarks.RESULTS.read_text())["figures"]
@@ -149,7 +149,7 @@ def test_the_benchmarks_page_is_the_table_make_bench_printed():
 
 def test_every_figure_make_bench_compares_has_its_meaning():
     """(so that the next `make bench` does not fail the docs build)"""
-    from benchmarks.run import DETECTION, TARGETS
+    from benchmarks.table import DETECTION, TARGETS
 
     named = [f for row in TARGETS for f in row[:2]] + [row[0] for row in DETECTION]
     assert [f for f in named if benchmarks.meaning(f.split("/")[0]) is None] == []
@@ -195,7 +195,7 @@ def test_every_figure_a_page_quotes_comes_from_results_json():
 
 
 def test_the_figures_keys_are_made_from_their_names():
-    from benchmarks.run import median_text
+    from benchmarks.table import median_text
 
     defined = figures.substitutions()
     stats = json.loads(figures.RESULTS.read_text())["figures"]

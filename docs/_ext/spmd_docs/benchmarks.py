@@ -1,6 +1,6 @@
 """development/benchmarks: the table ``make bench`` printed, from benchmarks/results.json.
 
-The table is ``benchmarks.run.table`` itself, so the page shows what the run printed. What
+The table is ``benchmarks.table.table`` itself, so the page shows what the run printed. What
 each figure measures is said here, once per family of figures (the part of a name before
 its ``/``); a family in results.json without its sentence fails the build (tables.Drift), so
 a new benchmark comes with its meaning.
@@ -89,7 +89,7 @@ def meaning(family: str) -> str | None:
 
 
 def page(results: Path = RESULTS) -> str:
-    from benchmarks.run import table
+    from benchmarks.table import table
 
     data = json.loads(results.read_text())
     figures = data["figures"]

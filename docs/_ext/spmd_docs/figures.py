@@ -5,11 +5,11 @@ benchmarks/results.json (which ``make bench`` writes) at each build: a page says
 The keys, derived mechanically from the figures' names in results.json (a substitution key
 is letters, digits and underscores):
 
-- a figure's median, as the benchmark table prints it (``benchmarks.run.median_text``:
+- a figure's median, as the benchmark table prints it (``benchmarks.table.median_text``:
   "1.15 s", "9.56 ms", "318 MB"): its name with every character other than a letter or a
   digit made ``_``. ``restart/spmd`` is ``restart_spmd``, ``start_to_ready/spmd_n64_none``
   is ``start_to_ready_spmd_n64_none``.
-- a row of the table's ratios (``benchmarks.run.ratio_rows``: a figure over its anchor,
+- a row of the table's ratios (``benchmarks.table.ratio_rows``: a figure over its anchor,
   median over median, as the table prints it) followed by ``×``: ``ratio__`` + the figure's
   key + ``__`` + the anchor's key. ``restart/spmd`` over ``start_to_ready/floor`` is
   ``ratio__restart_spmd__start_to_ready_floor``, "0.20×".
@@ -43,7 +43,7 @@ def ratio_key(figure: str, anchor: str) -> str:
 
 def substitutions(results: Path = RESULTS) -> dict[str, str]:
     """Every key, with the text it stands for, from ``results``."""
-    from benchmarks.run import median_text, ratio_rows, ratio_text
+    from benchmarks.table import median_text, ratio_rows, ratio_text
 
     stats = json.loads(results.read_text())["figures"]
     out: dict[str, str] = {}
