@@ -1,5 +1,6 @@
 """The package's shape: folders import downward only, no module imports itself back through
-others, and modules and classes stay small enough to read (docs/development/layout.md).
+others, and modules and classes stay small enough to read (docs/development/layout.md); the
+last two, and a layout page that names every module, hold for benchmarks/ too.
 
 Read from the source with ``ast``: every import counts, also those inside a function (a lazy
 import is still an arrow, and a circle through one is still a circle).
@@ -14,6 +15,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
+BENCHMARKS = ROOT.parent / "benchmarks"  # (make bench: its parts, and run.py that runs them)
 
 # Each layer may import from the layers after it in this list (and from itself), never from
 # those before it. engine/ runs inside every rank, with none of the notebook's code.
@@ -33,10 +35,10 @@ MODULE_LINES = 500
 CLASS_LINES = 300
 
 
-def _modules() -> dict[str, pathlib.Path]:
+def _modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
     found = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found[name] = path
     return found
@@ -74,10 +76,15 @@ def _layer(name: str) -> int:
     return best
 
 
+def _graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each module under ``root`` -> the modules under ``root`` it imports."""
+    modules = _modules(root)
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+    return _graph(ROOT)
 
 
 def test_no_import_runs_back_up(graph):
@@ -103,7 +110,8 @@ def test_no_import_runs_back_up(graph):
     assert not upward, "imports that run back up:\n" + "\n".join(sorted(upward))
 
 
-def test_no_import_circle(graph):
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every circle of imports in ``graph``, as "a -> b -> a"."""
     circles = []
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
@@ -121,27 +129,47 @@ def test_no_import_circle(graph):
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+    return circles
+
+
+def test_no_import_circle(graph):
+    circles = _circles(graph)
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
-def test_modules_and_classes_stay_small():
+def test_no_import_circle_in_the_benchmarks():
+    """A part's ``python -m benchmarks.<part>`` (its ``__main__`` block) imports what it runs
+    with from benchmarks/bench.py and table.py, never run.py, which imports the parts."""
+    circles = _circles(_graph(BENCHMARKS))
+    assert not circles, "import circles in benchmarks/:\n" + "\n".join(circles)
+
+
+def _too_big(root: pathlib.Path) -> list[str]:
+    """The modules under ``root`` over MODULE_LINES and the classes over CLASS_LINES."""
     too_big = []
-    for path in ROOT.rglob("*.py"):
+    for path in root.rglob("*.py"):
         text = path.read_text()
         lines = len(text.splitlines())
         if lines > MODULE_LINES:
-            too_big.append(f"{path.relative_to(ROOT.parent)}: {lines} lines")
+            too_big.append(f"{path.relative_to(root.parent)}: {lines} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 size = node.end_lineno - node.lineno + 1
                 if size > CLASS_LINES:
-                    too_big.append(f"{path.relative_to(ROOT.parent)}: class {node.name}, "
+                    too_big.append(f"{path.relative_to(root.parent)}: class {node.name}, "
                                    f"{size} lines")
+    return too_big
+
+
+@pytest.mark.parametrize("root", [ROOT, BENCHMARKS], ids=["spmd", "benchmarks"])
+def test_modules_and_classes_stay_small(root):
+    too_big = _too_big(root)
     assert not too_big, "over the size limits:\n" + "\n".join(too_big)
 
 
 def test_the_layout_page_names_every_folder_and_module():
-    """docs/development/layout.md names every module and folder under spmd/."""
+    """docs/development/layout.md names every module and folder under spmd/, and every module
+    of benchmarks/ (as ``benchmarks/name.py`` or in its benchmarks/ entry)."""
     layout = (ROOT.parent / "docs" / "development" / "layout.md").read_text()
     missing = []
     for path in ROOT.rglob("*.py"):
@@ -153,6 +181,10 @@ def test_the_layout_page_names_every_folder_and_module():
     for folder in {p.parent for p in ROOT.rglob("__init__.py")} - {ROOT}:
         if f"{folder.name}/" not in layout:
             missing.append(f"{folder.relative_to(ROOT.parent)}/")
+    benchmarks = layout[layout.index("\nbenchmarks/"):]
+    for path in BENCHMARKS.glob("*.py"):
+        if path.name != "__init__.py" and path.name not in benchmarks:
+            missing.append(str(path.relative_to(ROOT.parent)))
     assert not missing, "docs/development/layout.md does not name:\n" + "\n".join(missing)
 
 
