@@ -138,7 +138,7 @@ def test_interrupt_at_a_prompt_ends_the_prompt_and_the_cell(kernel):
     assert "[ranks 0-1] KeyboardInterrupt: interrupted at the prompt" in report
     # no rank is left waiting, and they are in step: the next cell runs
     reply, text = kernel_stream(kc, "print('back')", timeout=30)
-    assert text == "[ranks 0-1] back\n"
+    assert text == "[ranks 0-1] back\n", (text, reply["content"])
 
 
 def test_without_stdin_input_fails_at_once_on_every_rank(kernel):
