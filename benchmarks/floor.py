@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from spmd.engine.address import free_port
+from spmd.engine.join.address import free_port
 
 _RANK = r"""
 import sys

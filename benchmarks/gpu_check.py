@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 
 from spmd.demo import cell_text, execute
-from spmd.engine.placement import host_gpus
+from spmd.engine.join.placement import host_gpus
 
 QUICKSTART = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
 CHECK = (

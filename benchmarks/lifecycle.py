@@ -16,7 +16,7 @@ import psutil
 from ipyparallel import Cluster
 
 from benchmarks.bench import PSUM
-from spmd.engine.address import free_port
+from spmd.engine.join.address import free_port
 
 # A jitted computation across every device of every process, compiled for ~1-2 s on 2 cores.
 JIT_SETUP = (

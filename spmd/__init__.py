@@ -30,7 +30,7 @@ def show_sharding(x, title: str = "") -> None:
     picture from the sharding alone, so the notebook shows it once. ``%spmd sharding y`` draws
     it from the shards each process reports instead.
     """
-    from spmd.engine.shards import show
+    from spmd.engine.arrays.shards import show
 
     show(x, title)
 
@@ -46,6 +46,6 @@ def initialize_args() -> dict:
 def init_process_group_args() -> dict:
     """On a rank: the keyword arguments ``%spmd start --backend torch`` passed to
     ``torch.distributed.init_process_group`` in this process (``{}`` in the notebook)."""
-    from spmd.engine.torch_group import INIT_ARGS
+    from spmd.engine.join.torch_group import INIT_ARGS
 
     return dict(INIT_ARGS)

@@ -42,7 +42,7 @@ class Internal:
 
 # jax's device_put checks that a numpy value put on a sharding over every process is the same
 # on each, comparing the float64 value with a copy gathered as float32 (x64 off): the minors
-# with that fault, and the program that shows it (engine/device_put.py works around it).
+# with that fault, and the program that shows it (engine/arrays/device_put.py works around it).
 _PUT_CHECK = "0.6-0.10"
 _PUT_CHECK_FAULT = """\
 jax's device_put of a float64 numpy value, the same on every process, onto a sharding over
@@ -165,11 +165,11 @@ INTERNALS = [
              "stacks, signals, census records and prompt answers on the control channel "
              "(engine/kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.raw_input", "rank",
-             "input() answered in the notebook (engine/kernel.py, engine/prompts.py)"),
+             "input() answered in the notebook (engine/kernel.py, engine/shell/prompts.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.getpass", "rank",
-             "getpass answered in the notebook (engine/kernel.py, engine/prompts.py)"),
+             "getpass answered in the notebook (engine/kernel.py, engine/shell/prompts.py)"),
     Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
-             "!cmd without a fork in a threaded process (engine/kernel.py, engine/commands.py)"),
+             "!cmd without a fork in a threaded process (engine/kernel.py, engine/shell/commands.py)"),
     Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
              "rank", "a cell's census digest, JAX_* changes and output count in its reply's "
              "metadata (engine/kernel.py)"),
@@ -180,12 +180,12 @@ INTERNALS = [
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.execute_request", "rank",
              "a counted cell's outputs, counted into its reply (engine/kernel.py)"),
     *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
-               "an empty stream's flush skips its IOPub thread round trip (engine/streams.py)")
+               "an empty stream's flush skips its IOPub thread round trip (engine/shell/streams.py)")
       for name in ("_flush", "_subprocess_flush_pending")],
     # ipykernel and debugpy, on a rank that JupyterLab's debugger debugs (checked when it
     # starts there: start-up hides debugpy)
     *[Internal(project, module, path, "rank", "JupyterLab's debugger on the ranks "
-               "(engine/debugging.py)", required=False) for project, module, path in (
+               "(engine/shell/debugging.py)", required=False) for project, module, path in (
         ("ipykernel", "ipykernel.debugger", "Debugger"),
         ("ipykernel", "ipykernel.debugger", "_is_debugpy_available"),
         ("ipykernel", "ipykernel.debugger", "Debugger.debugpy_client"),
@@ -206,36 +206,36 @@ INTERNALS = [
              "the ranks' debug events, shown to JupyterLab (kernel/shown.py)"),
     # jax, in the notebook (read where jax is imported already: never imported to look)
     Internal("jax", "jax._src.xla_bridge", "_backends", "notebook",
-             "a warning that the notebook itself started jax's backends (magics/lifecycle.py)",
+             "a warning that the notebook itself started jax's backends (magics/commands/lifecycle.py)",
              required=False),
     # jax, on every rank
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
-             "which jitted calls span processes, for the census (engine/census.py)",
+             "which jitted calls span processes, for the census (engine/watch/census.py)",
              required=False),
     *[Internal("jax", "jax._src.array", f"ArrayImpl.{name}", "rank",
                "print(x) of an array over several processes, shown as one process prints it "
-               "(engine/printed.py)", required=False)
+               "(engine/arrays/printed.py)", required=False)
       for name in ("__repr__", "__str__", "__format__")],
     Internal("jax", "jax._src.compiler", "_cache_write", "rank",
-             "every rank writes its own compilation-cache entries (engine/jit_cache.py)",
+             "every rank writes its own compilation-cache entries (engine/join/jit_cache.py)",
              required=False),
     Internal("jax", "jax._src.xla_bridge", "_backends", "rank",
              "whether jax made its backend before the rank's GPUs were chosen, in the start's "
              "timeline (engine/bootstrap.py)", required=False),
     Internal("jax", "jax._src.pjit", "_fun", "rank",
-             "where a jitted function was defined, for the census (engine/census.py)",
+             "where a jitted function was defined, for the census (engine/watch/census.py)",
              required=False),
     *[Internal("jax", module, path, "rank",
                "device_put of a float64 numpy value the same on every process, which jax's "
                f"check calls different with x64 off (jax {_PUT_CHECK}, the versions with that "
-               "fault; engine/device_put.py)",
+               "fault; engine/arrays/device_put.py)",
                required=False, versions=_PUT_CHECK, fault=_PUT_CHECK_FAULT)
       for module, path in (("jax._src.dispatch", "_device_put_sharding_impl"),
                            ("jax.experimental.multihost_utils", "assert_equal"))],
     # torch, on a rank that shows a DTensor's shards
     Internal("torch", "torch.distributed.tensor._utils",
              "_compute_local_shape_and_global_offset", "rank",
-             "which block of a DTensor each rank holds (engine/torch_shards.py)",
+             "which block of a DTensor each rank holds (engine/arrays/torch_shards.py)",
              required=False),
 ]
 

@@ -6,7 +6,7 @@ coloured by the process that holds it and labelled with the device; a block held
 devices (replication) is split into one stripe per holder. A text/plain form lists the same
 facts, for saved notebooks and for reading.
 
-Works on the plain-data layouts of ``spmd.engine.shards`` (no jax needed here).
+Works on the plain-data layouts of ``spmd.engine.arrays.shards`` (no jax needed here).
 """
 
 from __future__ import annotations

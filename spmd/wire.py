@@ -31,26 +31,26 @@ CELL_REPLIES = "spmd_cell_replies"
 
 # True: the rank counts the IOPub messages it sends for this cell, puts the count in its reply
 # (IOPUB_COUNT) and sends no ``status: idle``. Set by the notebook (lockstep/run.py), read by
-# the rank (engine/kernel.py, engine/quiet.py).
+# the rank (engine/kernel.py, engine/shell/quiet.py).
 COUNTED = "spmd_counted"
 
 # -- an execute or apply reply's metadata (rank -> controller -> notebook) --------------------
 
 # How many IOPub messages the rank sent for a COUNTED request: the notebook has the rank's
-# outputs all once it has that many. Sent by the rank (engine/quiet.py), read by the notebook
+# outputs all once it has that many. Sent by the rank (engine/shell/quiet.py), read by the notebook
 # (channel/cell_routes.py).
 IOPUB_COUNT = "spmd_iopub"
 # The cell's census digest, [count, hash] of the cross-process launches it made (absent: it
-# made none). Sent by the rank (engine/census.py), read by the notebook
+# made none). Sent by the rank (engine/watch/census.py), read by the notebook
 # (channel/cell_routes.py), which compares the ranks' digests (lockstep/census.py).
 CENSUS_DIGEST = "spmd_census"
 # The JAX_* and XLA_* variables changed on the rank since it started, {name: value, or None
-# where removed}, in the first reply after a change. Sent by the rank (engine/import_env.py),
+# where removed}, in the first reply after a change. Sent by the rank (engine/join/import_env.py),
 # read by the notebook (channel/cell_routes.py), which gives them to the next restart.
 ENV_CHANGED = "spmd_env"
 # The arrays over several processes this cell printed, {mark: the parts of its printed form
-# this rank holds} (absent: none). Sent by the rank (engine/printed.py), read by the notebook
-# (channel/cell_routes.py, magics/printed.py), which puts each printed array together where
+# this rank holds} (absent: none). Sent by the rank (engine/arrays/printed.py), read by the notebook
+# (channel/cell_routes.py, magics/arrays/printed.py), which puts each printed array together where
 # marks (PRINTED_BEGIN, PRINTED_MARK) surround its placeholder in the rank's output text.
 PRINTED_ARRAYS = "spmd_printed"
 # What the controller's fan-out keeps of each rank's reply metadata for the notebook.
@@ -91,10 +91,10 @@ PROMPT_ANSWER_REPLY = "spmd_prompt_answer_reply"
 # -- MIME types in a rank's display data (rank -> notebook, on IOPub) ------------------------
 
 # A prompt (input(), getpass, or whether to stop at a breakpoint), as a display message of its
-# own: {id, kind, prompt, password}. Sent by the rank (engine/prompts.py), read by the
+# own: {id, kind, prompt, password}. Sent by the rank (engine/shell/prompts.py), read by the
 # notebook (lockstep/run.py), which asks the person and answers with PROMPT_ANSWER.
 PROMPT_MIME = "application/vnd.spmd.prompt+json"
 # A cell's value that is one array over several processes: the parts of its printed form this
-# rank holds. Sent by the rank (engine/results.py), read by the notebook (lockstep/outputs.py,
-# magics/values.py), which prints the array once.
+# rank holds. Sent by the rank (engine/arrays/results.py), read by the notebook (lockstep/outputs.py,
+# magics/arrays/values.py), which prints the array once.
 GLOBAL_ARRAY_MIME = "application/vnd.spmd.global-array+json"

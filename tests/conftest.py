@@ -88,7 +88,7 @@ def session(shell: InteractiveShell):
 
 def report(result: CellResult) -> str:
     """The text a notebook shows for a cell that failed on the ranks."""
-    from spmd.magics.render import RankErrors
+    from spmd.magics.cells.render import RankErrors
 
     assert isinstance(result.error, RankErrors), result.error
     return "\n".join(result.error._render_traceback_())

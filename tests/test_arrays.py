@@ -347,7 +347,7 @@ def test_a_display_of_a_global_array_shows_what_one_process_shows(cluster):
     """display(x) shows the array as one process of all the devices displays it, the same on
     every rank: once. Its corners go with the cell's reply (as a print's), once however often
     it is displayed; the display's own bundle holds no parts."""
-    from spmd.engine.results import MIME
+    from spmd.engine.arrays.results import MIME
 
     reference = one_process_reprs(["arr_sharded", "big2"], BIG2)
     out = run(cluster, "from IPython.display import display\ndisplay(arr_sharded)\n"
@@ -397,7 +397,7 @@ def test_print_to_stderr_and_what_the_program_sees_stay_jaxs(cluster, tmp_path):
 
 
 def test_print_of_arrays_a_loop_makes_is_bounded_and_says_so(cluster):
-    from spmd.engine.printed import MAX_ARRAYS
+    from spmd.engine.arrays.printed import MAX_ARRAYS
 
     setup = "v8 = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh8, P('x')))"
     assert run(cluster, setup).error is None
@@ -454,7 +454,7 @@ def test_a_value_shown_before_a_restart_is_not_taken_for_one_shown_after(shell):
     must not take for the old one. (Run here in the notebook's own process, as rank 0.)"""
     import numpy as np
 
-    from spmd.engine import shards
+    from spmd.engine.arrays import shards
 
     out = shell.user_ns.setdefault("Out", {})
     count = max(out, default=0) + 1000

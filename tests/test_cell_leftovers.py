@@ -11,7 +11,7 @@ import psutil
 import pytest
 from conftest import run, session, wait_until_gone
 
-from spmd.magics.render import RankErrors
+from spmd.magics.cells.render import RankErrors
 
 pytestmark = pytest.mark.timeout(120)
 

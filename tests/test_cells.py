@@ -8,7 +8,7 @@ import psutil
 import pytest
 from conftest import ready_cluster, run, wait_until_gone
 
-from spmd.magics.render import RankErrors
+from spmd.magics.cells.render import RankErrors
 
 pytestmark = pytest.mark.timeout(120)
 

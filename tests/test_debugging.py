@@ -194,7 +194,7 @@ def test_a_cells_folder_another_user_made_first_is_refused(tmp_path):
     another user made first, or a link, is refused with a sentence (before: used as found)."""
     import os
 
-    from spmd.engine.debugging import own_folder
+    from spmd.engine.shell.debugging import own_folder
 
     mine = tmp_path / "ipykernel_1"
     assert own_folder(str(mine)) == str(mine)

@@ -51,7 +51,7 @@ def test_every_command_the_magic_lists_has_its_entry():
 
 @pytest.mark.parametrize("parser_of", ["start", "log", "export", "cell"])
 def test_every_option_of_a_magics_parser_is_on_its_page(parser_of):
-    from spmd.magics.arguments import _cell_parser
+    from spmd.magics.start.arguments import _cell_parser
 
     parser = _cell_parser() if parser_of == "cell" else magics._parsers()[parser_of]
     page = magics.page()
@@ -66,8 +66,8 @@ def test_every_option_of_a_magics_parser_is_on_its_page(parser_of):
 def test_every_option_of_a_magics_parser_is_in_its_help(parser_of):
     """`%spmd?` (the magic's docstring) names each option by one of its spellings (`-n` or
     `--processes`): it left out export's `--raw-output`."""
-    from spmd.magics.arguments import _cell_parser
     from spmd.magics.magics import SpmdMagics
+    from spmd.magics.start.arguments import _cell_parser
 
     parser = _cell_parser() if parser_of == "cell" else magics._parsers()[parser_of]
     help_text = SpmdMagics.spmd.__doc__

@@ -22,7 +22,7 @@ from conftest import (
 from IPython.core.error import UsageError
 
 from spmd.cluster.lockstep import where
-from spmd.magics.render import LiveView
+from spmd.magics.cells.render import LiveView
 
 pytestmark = pytest.mark.timeout(180)
 

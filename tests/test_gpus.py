@@ -10,7 +10,7 @@ import pytest
 from conftest import run
 from IPython.core.error import UsageError
 
-from spmd.engine.placement import GpuError, share_gpus
+from spmd.engine.join.placement import GpuError, share_gpus
 
 pytestmark = pytest.mark.timeout(180)
 

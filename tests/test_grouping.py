@@ -9,7 +9,13 @@ from spmd.cluster.lockstep.outputs import (
     same_on_every_rank,
 )
 from spmd.cluster.lockstep.run import rank_label, rank_set
-from spmd.magics.render import RankResults, group_errors, group_outputs, group_results, labelled
+from spmd.magics.cells.render import (
+    RankResults,
+    group_errors,
+    group_outputs,
+    group_results,
+    labelled,
+)
 
 
 def cells(*per_rank):
@@ -220,7 +226,7 @@ def test_the_same_error_groups_although_the_ranks_count_their_cells_differently(
 
 
 def test_the_panel_of_256_ranks_is_a_row_per_state_and_of_16_a_row_per_rank():
-    from spmd.magics.panel import panel_html, panel_text
+    from spmd.magics.cells.panel import panel_html, panel_text
 
     def rows(n, stragglers):
         return [dict(rank=r, state="straggler" if r in stragglers else "done",

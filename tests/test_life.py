@@ -367,9 +367,9 @@ def test_a_shutdown_while_the_main_thread_takes_the_kernels_start_raises_nothing
     that reads ``pending``, before the next one runs."""
     import linecache
 
-    from spmd.magics.arguments import start_settings
-    from spmd.magics.background import BackgroundStart
-    from spmd.magics.lifecycle import Lifecycle
+    from spmd.magics.commands.lifecycle import Lifecycle
+    from spmd.magics.start.arguments import start_settings
+    from spmd.magics.start.background import BackgroundStart
 
     magics = fresh.magics_manager.registry["SpmdMagics"]
     _opts, settings = start_settings(["-n", "2", "--backend", "none"])

@@ -85,14 +85,14 @@ def rank_logs_with(text: str) -> int:
 def wait_for_the_ranks_to_see_the_notebook_gone(ranks: int = 2) -> None:
     """Until every rank has found its notebook gone (the line it writes to its log then: its
     watch looks every second)."""
-    from spmd.engine.unattended import GONE_LINE
+    from spmd.engine.life.unattended import GONE_LINE
 
     wait_for(lambda: rank_logs_with(GONE_LINE) >= ranks, "the ranks finding the notebook gone")
 
 
 def wait_for_the_cell_to_end_unattended(ranks: int = 2) -> None:
     """Until every rank has written, to its log, how its cell ended with no notebook."""
-    from spmd.engine.unattended import CELL_ENDED
+    from spmd.engine.life.unattended import CELL_ENDED
 
     wait_for(lambda: rank_logs_with(CELL_ENDED) >= ranks, "the cell's end in the ranks' logs")
 
@@ -286,7 +286,7 @@ def test_a_kernel_killed_while_its_shutdown_waits_leaves_nothing_lingering(runti
         assert started
         from spmd.cluster import linger
         from spmd.cluster.launchers import profiles
-        from spmd.engine.orphans import read_owner
+        from spmd.engine.life.orphans import read_owner
 
         (record,) = linger.every()  # (held by the kernel)
         owner = os.path.join(record.profile_dir, profiles.OWNER_FILE)
@@ -495,7 +495,7 @@ def test_an_attach_from_a_folder_with_an_owner_file_takes_the_cluster(
 def on_the_lock(folder: str) -> tuple[set[int], set[int]]:
     """(the processes holding, those waiting for) the lock on the cluster folder's lock file,
     as /proc/locks lists them."""
-    from spmd.engine.orphans import LOCK_FILE
+    from spmd.engine.life.orphans import LOCK_FILE
 
     found = os.stat(os.path.join(folder, LOCK_FILE))
     device = (os.major(found.st_dev), os.minor(found.st_dev))
@@ -522,7 +522,7 @@ def test_an_attach_as_the_linger_ends_keeps_the_cluster(runtime):
     it reads the new owner, and stays (before: it read the old one, and ended)."""
     from spmd.cluster import linger
     from spmd.cluster.launchers import profiles
-    from spmd.engine.orphans import folder_lock
+    from spmd.engine.life.orphans import folder_lock
 
     km, kc = kernel(runtime)
     try:
@@ -650,7 +650,7 @@ def test_a_kernel_shut_down_while_its_attach_fails_starts_no_cluster(monkeypatch
     from spmd.cluster import attach, linger
     from spmd.cluster.ranks import Settings, StartError
     from spmd.cluster.session import Session
-    from spmd.magics.background import BackgroundStart
+    from spmd.magics.start.background import BackgroundStart
 
     settings = Settings(n=2, backend="none")
     record = linger.Record(
@@ -687,7 +687,7 @@ def test_the_folder_lock_is_not_inherited_by_a_fork_and_an_attach_waits_for_it_a
 
     from spmd.cluster import linger
     from spmd.cluster.launchers import profiles
-    from spmd.engine.orphans import folder_lock, started_at
+    from spmd.engine.life.orphans import folder_lock, started_at
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the folder made in it)
     folder = profiles.owned_folder("spmd-test-")
@@ -742,7 +742,7 @@ def test_an_attach_that_finds_a_process_ended_leaves_the_owner_file_as_it_was(
     whole linger more once the attach gave the cluster back)."""
     from spmd.cluster import linger
     from spmd.cluster.launchers import profiles
-    from spmd.engine.orphans import read_owner, started_at
+    from spmd.engine.life.orphans import read_owner, started_at
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the folder made in it)
     folder = profiles.owned_folder("spmd-test-")
@@ -806,8 +806,8 @@ def test_the_attach_reads_only_what_follows_this_deaths_mark(monkeypatch):
     import types
 
     from spmd.cluster.adopted import Adopted
-    from spmd.engine.unattended import GONE_LINE, GONE_STAMP
-    from spmd.magics import away
+    from spmd.engine.life.unattended import GONE_LINE, GONE_STAMP
+    from spmd.magics.start import away
 
     now = time.time()
 

@@ -15,7 +15,7 @@ import types
 import pytest
 from conftest import ready_cluster, report, run
 
-from spmd.magics.render import RankErrors
+from spmd.magics.cells.render import RankErrors
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -114,8 +114,8 @@ def test_the_hint_names_the_array_the_failing_rank_could_not_print(two):
 def test_the_sentence_names_every_process_that_holds_none():
     """On 4 processes, a mesh of processes 0-1's devices: processes 2-3 hold none (the rank
     asked answers which processes hold the mesh; the notebook names the others)."""
-    from spmd.engine import meshes as engine_meshes
-    from spmd.magics import meshes
+    from spmd.engine.arrays import meshes as engine_meshes
+    from spmd.magics.arrays import meshes
 
     class FourRanks:
         settings = types.SimpleNamespace(n=4)
@@ -139,7 +139,7 @@ def test_a_jax_whose_device_put_check_moved_fails_the_start_in_one_sentence():
         import dataclasses, jax
         from jax.experimental import multihost_utils
         from spmd import internals
-        from spmd.engine import device_put
+        from spmd.engine.arrays import device_put
 
         kept = list(internals.INTERNALS)
         def use(which, **change):
@@ -165,7 +165,7 @@ def test_a_jax_whose_device_put_check_moved_fails_the_start_in_one_sentence():
     assert said.startswith(f"jax {jax_version()} has no jax._src.dispatch."
                            "_device_put_sharding_impl_gone, which jupyter-spmd needs for "
                            "device_put of a float64 numpy value"), said
-    assert "(jax 0.6-0.10, the versions with that fault; engine/device_put.py)" in said, said
+    assert "(jax 0.6-0.10, the versions with that fault; engine/arrays/device_put.py)" in said, said
     assert said.count("has no") == 1, said
     assert (outside, inside) == ("False", "True")
 

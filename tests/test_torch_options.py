@@ -12,7 +12,7 @@ import pytest
 from conftest import run, spmd_processes
 from IPython.core.error import UsageError
 
-from spmd.engine import torch_group
+from spmd.engine.join import torch_group
 
 pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
 

@@ -8,14 +8,14 @@ channel/client.py): only notebooks send the ranks requests, and the one before t
 dead. Which requests were running is the hub's word, asked at the attach (its queue status);
 one has ended when its ``status: idle`` came, or when the hub no longer lists it.
 
-What a rank printed before the attach read its log (magics/away.py) is in that log: a rank
+What a rank printed before the attach read its log (magics/start/away.py) is in that log: a rank
 copies the output of the cell that ran when its notebook died to its log until that cell ends
-(engine/unattended.py). So streams are held until the attach has read the logs (``release``);
+(engine/life/unattended.py). So streams are held until the attach has read the logs (``release``);
 there a held stream goes that reached this client before the read of its rank's log began
 (``reading``: a rank writes its log before it sends), and the others are kept: a line twice is
 better than one lost. Later streams, the
 cell's error and its displays join the client's late outputs, which the next cell shows,
-labelled as this cell's (late.py, magics/cell.py), and the ranks' logs keep.
+labelled as this cell's (late.py, magics/cells/cell.py), and the ranks' logs keep.
 
 Session keeps it in its generation (``gen.adopted``); the functions at the end are what the
 session and the magics ask of it: which ranks still run it, an interrupt of it, what it
@@ -64,7 +64,7 @@ class Adopted:
         self._dropped_unread: dict[int, int] = {}  # engine id -> held ones dropped, in its log
         self._dropped = 0  # outputs lost (too many to keep), for the late outputs to say
         # When the controller found the notebook gone (gone.json, read by the attach before it
-        # took the cluster; None: not yet): magics/away.py reads only the ranks' logs since.
+        # took the cluster; None: not yet): magics/start/away.py reads only the ranks' logs since.
         self.gone_at: float | None = None
 
     @classmethod

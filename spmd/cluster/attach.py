@@ -23,7 +23,7 @@ from spmd.cluster import linger, stopping
 from spmd.cluster.adopted import Adopted
 from spmd.cluster.launchers import profiles
 from spmd.cluster.linger import AttachError, Record, check, give_back, remove, take, taken
-from spmd.engine.orphans import started_at
+from spmd.engine.life.orphans import started_at
 
 
 def _same(record: Record, pid: int) -> bool:
@@ -101,7 +101,7 @@ def attach(session, record: Record):
 
     The new client connects before the owner files name this process: a rank copies what
     it prints to its log until it finds a notebook back (or, for the cell that ran when the
-    notebook died, until that cell ends: engine/unattended.py), and the client hears it from
+    notebook died, until that cell ends: engine/life/unattended.py), and the client hears it from
     its connection on, so nothing printed between is lost. The cell the ranks still run
     becomes this session's (adopted.py)."""
     import atexit

@@ -3,7 +3,7 @@ record through which a new notebook process attaches to it.
 
 When the notebook's process is killed (out of memory, a crash in a C extension, a kernel
 killed by mistake), the ranks keep what they hold: each process watches the cluster folder's
-owner file (engine/orphans.py) and ends once no live notebook process has held the cluster for
+owner file (engine/life/orphans.py) and ends once no live notebook process has held the cluster for
 the whole linger. A clean stop, a kernel shutdown and a user's kernel restart still end the
 ranks at once.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from spmd.cluster.launchers import profiles, remote
 from spmd.cluster.ranks import Rank, Settings
-from spmd.engine.orphans import GONE_FILE, folder_lock, read_owner, runs, started_at
+from spmd.engine.life.orphans import GONE_FILE, folder_lock, read_owner, runs, started_at
 
 RECORD_PREFIX = "spmd-cluster-"
 DEFAULT_LINGER = Settings.linger  # seconds (10m)
@@ -143,7 +143,7 @@ class Record:
 
     def held_by(self) -> int:
         """The live notebook process that holds the cluster now (0: none)."""
-        from spmd.engine.orphans import owner_alive, owner_pid
+        from spmd.engine.life.orphans import owner_alive, owner_pid
 
         return owner_pid(self.owner_file) if owner_alive(self.owner_file) else 0
 
@@ -414,7 +414,7 @@ def process_env(settings: Settings, profile_dir: str, controller: bool = False,
     """The environment that makes a cluster's process linger (orphans.Linger); for the
     controller, also what it removes when the linger is over (the cluster's folders, its
     record)."""
-    from spmd.engine import orphans
+    from spmd.engine.life import orphans
 
     if not lingers(settings):
         return {}

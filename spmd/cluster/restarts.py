@@ -21,7 +21,7 @@ from spmd.engine import bootstrap as engine
 def keep_rank_env(client, ranks: list) -> str:
     """The variables jax reads at import that cells changed on the ranks (``%env
     JAX_ENABLE_X64=1`` in auto mode) become the notebook's, which every rank of this
-    restart, forked or afresh, starts with (engine/import_env.py); only those that every one
+    restart, forked or afresh, starts with (engine/join/import_env.py); only those that every one
     of ``ranks`` (rank rows) changed alike: the restart starts them all with one environment.
     One sentence on those left out ('' when none)."""
     engine_ids = [r.engine_id for r in ranks]

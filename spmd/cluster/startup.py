@@ -28,8 +28,8 @@ from spmd.cluster.lockstep.watchdog import last_lines
 from spmd.cluster.ranks import Rank, Running, StartError
 from spmd.controller.start import CURVE_ENV
 from spmd.engine import bootstrap as engine
-from spmd.engine.address import coordinator_addresses
-from spmd.engine.import_env import read_at_import as import_time_env
+from spmd.engine.join.address import coordinator_addresses
+from spmd.engine.join.import_env import read_at_import as import_time_env
 from spmd.engine.server import modules_for as server_modules
 
 

@@ -13,7 +13,7 @@ import secrets
 import sys
 import tempfile
 
-from spmd.engine.orphans import note_gone, watch_parent
+from spmd.engine.life.orphans import note_gone, watch_parent
 
 
 def save_connection_dict(self, fname: str, cdict: dict) -> None:

@@ -23,10 +23,11 @@ from importlib.metadata import version
 from typing import Any
 
 from spmd import internals
-from spmd.engine import jit_cache, placement, torch_group, unattended
-from spmd.engine.address import address_toward, coordinator_addresses, wait_listening
-from spmd.engine.orphans import exit_now, watch_parent
-from spmd.engine.stacks import listen_for_where
+from spmd.engine.join import jit_cache, placement, torch_group
+from spmd.engine.join.address import address_toward, coordinator_addresses, wait_listening
+from spmd.engine.life import unattended
+from spmd.engine.life.orphans import exit_now, watch_parent
+from spmd.engine.watch.stacks import listen_for_where
 
 BACKEND_ENV = placement.BACKEND_ENV
 CPU_DEVICES_ENV = placement.CPU_DEVICES_ENV

@@ -38,19 +38,11 @@ from jupyter_client.session import Session
 from traitlets import Type
 
 from spmd import wire
-from spmd.engine import (
-    census,
-    commands,
-    control,
-    device_put,
-    import_env,
-    printed,
-    prompts,
-    quiet,
-    results,
-    started,
-    unattended,
-)
+from spmd.engine.arrays import device_put, printed, results
+from spmd.engine.join import import_env, started
+from spmd.engine.life import unattended
+from spmd.engine.shell import commands, prompts, quiet
+from spmd.engine.watch import census, control
 
 
 class RankSession(Session):

@@ -58,7 +58,7 @@ import sys
 import threading
 import time
 
-from spmd.engine.orphans import REMOTE_LINGER_ENV, Linger
+from spmd.engine.life.orphans import REMOTE_LINGER_ENV, Linger
 
 # How often another host's lingering server tries its controller's port (seconds), and how
 # long one try waits for an answer.
@@ -76,7 +76,7 @@ BACKEND_MODULES = {"jax": ("jax", "jax.numpy"), "torch": ("torch", "torch.distri
 OPTIONAL_MODULES = ("numpy", "sqlite3", "tornado.platform.asyncio", "tornado.gen",
                     "tornado.queues", "tornado.locks", "IPython.core.oinspect",
                     "IPython.core.completerlib", "IPython.extensions.storemagic",
-                    "IPython.utils.wildcard", "spmd.engine.streams")
+                    "IPython.utils.wildcard", "spmd.engine.shell.streams")
 
 
 def modules_for(backend: str, preload: list[str]) -> list[str]:
@@ -267,7 +267,7 @@ class Server:
             if not request.get("keep_env"):
                 os.environ.clear()
             os.environ.update(request["env"])
-            from spmd.engine.orphans import PARENT_ENV
+            from spmd.engine.life.orphans import PARENT_ENV
 
             os.environ[PARENT_ENV] = str(os.getppid())  # (it watches this server)
             if request.get("cwd"):

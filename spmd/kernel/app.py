@@ -24,7 +24,7 @@ def settings_from_argv(argv: list[str]):
     from IPython.core.error import UsageError
 
     from spmd import options
-    from spmd.magics.arguments import start_settings
+    from spmd.magics.start.arguments import start_settings
 
     given = dict(_DEFAULTS)
     for arg in argv:
@@ -41,7 +41,7 @@ def main() -> None:
     # ``kill -USR2 PID`` writes every thread's stack to the kernel's log (its stderr): for a
     # kernel that seems stuck, what it is waiting for.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    from spmd.magics.background import BackgroundStart
+    from spmd.magics.start.background import BackgroundStart
 
     settings = settings_from_argv(sys.argv[1:])
     from spmd.cluster import linger

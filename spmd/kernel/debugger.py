@@ -2,7 +2,7 @@
 
 JupyterLab speaks DAP to the kernel (``debug_request`` on the control channel, ``debug_event``
 on IOPub). The cells run on the ranks, so the ranks are the debuggees: each runs debugpy and
-ipykernel's own Debugger (spmd/engine/debugging.py), reached on ipyparallel's control channel
+ipykernel's own Debugger (spmd/engine/shell/debugging.py), reached on ipyparallel's control channel
 (signed, encrypted off the loopback). This relay shows them to JupyterLab as one debuggee
 whose threads are the ranks' threads:
 
@@ -45,7 +45,7 @@ import time
 
 from IPython.core.inputtransformer2 import leading_empty_lines
 
-from spmd.engine import debugging
+from spmd.engine.shell import debugging
 from spmd.kernel.dap import reply, with_arguments
 from spmd.kernel.references import References
 from spmd.kernel.shown import PICK, Shown, rank_of

@@ -26,10 +26,10 @@ from traitlets import Enum, Float, Integer, Unicode
 
 from spmd import __version__
 from spmd.cluster.session import Settings
-from spmd.engine import introspect
+from spmd.engine.shell import introspect
 from spmd.kernel import dap
 from spmd.kernel.debugger import RankDebugger
-from spmd.magics.arguments import start_settings
+from spmd.magics.start.arguments import start_settings
 from spmd.options import BACKENDS, TORCH_BACKENDS, start_args
 
 

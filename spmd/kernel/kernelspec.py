@@ -59,7 +59,7 @@ def _check_gpus(settings) -> None:
     (Other hosts' GPUs are checked by the start, there.)"""
     from IPython.core.error import UsageError
 
-    from spmd.engine.placement import GpuError, host_gpus, share_gpus
+    from spmd.engine.join.placement import GpuError, host_gpus, share_gpus
 
     if settings.where.launcher != "local" or settings.where.hosts:
         return
@@ -72,7 +72,7 @@ def _check_gpus(settings) -> None:
 def cluster_settings(processes: int, cluster: str, **settings):
     """The Settings a kernel with this ``cluster`` would start (UsageError, in %spmd start's
     words, for options it cannot use)."""
-    from spmd.magics.arguments import start_settings
+    from spmd.magics.start.arguments import start_settings
     from spmd.options import start_args
 
     args = start_args(processes, settings.get("devices_per_process"),

@@ -14,12 +14,10 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
 from spmd.cluster.lockstep.run import CellResult
 from spmd.cluster.session import Ran, Session
-from spmd.engine.census import KEPT_CELLS
-from spmd.magics import printed
-from spmd.magics.arguments import _cell_parser, _words
-from spmd.magics.automode import AutoMode
-from spmd.magics.background import BackgroundStart
-from spmd.magics.cell import (
+from spmd.engine.watch.census import KEPT_CELLS
+from spmd.magics.arrays import printed
+from spmd.magics.cells.automode import AutoMode
+from spmd.magics.cells.cell import (
     cell_failure,
     cell_value,
     check_ranks,
@@ -33,12 +31,14 @@ from spmd.magics.cell import (
     show_cell,
     warn_if_launches_differ,
 )
-from spmd.magics.inspection import Inspection
-from spmd.magics.lifecycle import Lifecycle
-from spmd.magics.panel import Panel
-from spmd.magics.render import LiveView, RankResults, group_errors, group_results, write
-from spmd.magics.say import NOT_RUNNING, say
-from spmd.magics.transfers import Transfers
+from spmd.magics.cells.panel import Panel
+from spmd.magics.cells.render import LiveView, RankResults, group_errors, group_results, write
+from spmd.magics.commands.inspection import Inspection
+from spmd.magics.commands.lifecycle import Lifecycle
+from spmd.magics.commands.say import NOT_RUNNING, say
+from spmd.magics.commands.transfers import Transfers
+from spmd.magics.start.arguments import _cell_parser, _words
+from spmd.magics.start.background import BackgroundStart
 
 
 @magics_class

@@ -6,7 +6,7 @@ outputs still come one by one through the IOPub relay, and go straight to the ce
 through ipyparallel's futures and its per-request record of every stream).
 
 A rank has finished its cell when its reply has come and as many outputs as the reply says
-it sent (``wire.IOPUB_COUNT``, engine/quiet.py). A rank whose reply carries no count sends its
+it sent (``wire.IOPUB_COUNT``, engine/shell/quiet.py). A rank whose reply carries no count sends its
 ``status: idle`` instead, and has finished when that has come too. The cell then hears
 ``(rank, DONE, {"census": its census digest, "printed": its printed arrays' parts})``; the outputs as ``(rank, msg_type, content)``.
 A rank that has finished leaves the routes: what it prints later (a thread of the cell) is a
@@ -53,7 +53,7 @@ class _Route:
         self.sent: int | None = None  # how many it sent (its reply's count); None: no reply yet
         self.idle = False  # its status: idle came (a rank that did not count)
         self.census = None
-        self.printed = None  # the parts of the arrays its cell printed (engine/printed.py)
+        self.printed = None  # the parts of the arrays its cell printed (engine/arrays/printed.py)
 
 
 class CellRoutes:
@@ -63,7 +63,7 @@ class CellRoutes:
         self.client = client
         self.routes: dict[str, _Route] = {}  # a rank's request id -> its route
         # The variables jax reads at import that cells changed on each rank, by engine id
-        # (None: removed), engine/import_env.py: replaced whole by the IO thread, taken by a
+        # (None: removed), engine/join/import_env.py: replaced whole by the IO thread, taken by a
         # restart (which keeps only what every rank changed alike).
         self.rank_env: dict[int, dict[str, str | None]] = {}
         self.stream: ZMQStream | None = None

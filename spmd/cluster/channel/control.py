@@ -1,4 +1,4 @@
-"""The notebook's side of ``spmd.engine.control``: requests on ipyparallel's control channel.
+"""The notebook's side of ``spmd.engine.watch.control``: requests on ipyparallel's control channel.
 
 For ranks with no process handle on this machine (SSH, mpiexec, srun): their stacks and
 their signals travel on the channel ipyparallel already signs (and encrypts off the loopback).

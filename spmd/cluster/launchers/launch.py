@@ -22,9 +22,9 @@ from traitlets.config import Config
 from spmd.cluster.channel.client import SpmdClient
 from spmd.cluster.launchers import remote, ssh
 from spmd.engine import bootstrap as engine
-from spmd.engine import placement
-from spmd.engine.orphans import PARENT_ENV
-from spmd.engine.stacks import STACK_FILE_ENV
+from spmd.engine.join import placement
+from spmd.engine.life.orphans import PARENT_ENV
+from spmd.engine.watch.stacks import STACK_FILE_ENV
 
 LOOPBACK = remote.LOOPBACK
 # How much of a rank's output ``output_of`` reads by default (the death reports' last lines
@@ -173,13 +173,13 @@ def cluster_config(
     engine_args = [
         "--log-level=WARN",
         # The nanny is one more process per engine, for signals sent through the controller;
-        # ranks take signals on their own control channel instead (spmd.engine.control).
+        # ranks take signals on their own control channel instead (spmd.engine.watch.control).
         "--IPEngine.enable_nanny=False",
         # A rank whose controller is gone (the notebook was killed: its controller ends with
         # it) exits after 20 missed checks (~12-16 s), not ipyparallel's 50: a batch job or
         # an mpiexec whose ranks nothing watches then ends instead of holding its nodes.
         "--IPEngine.max_heartbeat_misses=20",
-        "--IPEngine.out_stream_factory=spmd.engine.streams.OutStream",
+        "--IPEngine.out_stream_factory=spmd.engine.shell.streams.OutStream",
     ]
     python = where.python or sys.executable
     engine_cmd = [*(ssh.python_there(python) if where.launcher != "local" else [python]),

@@ -20,8 +20,8 @@ import tempfile
 
 import psutil
 
-from spmd.engine import orphans
-from spmd.engine.orphans import started_at
+from spmd.engine.life import orphans
+from spmd.engine.life.orphans import started_at
 
 PROFILE_PREFIX = "spmd-"
 OWNER_FILE = "owner.json"  # which notebook process made a profile folder

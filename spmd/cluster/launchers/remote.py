@@ -24,7 +24,7 @@ from traitlets import Any, Bool, Dict, Float, Integer, List, Unicode
 from traitlets.config import Config
 
 from spmd.cluster.launchers import ssh
-from spmd.engine.address import address_toward
+from spmd.engine.join.address import address_toward
 
 LOOPBACK = "127.0.0.1"
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")

@@ -27,7 +27,7 @@ import psutil
 
 from spmd.cluster.launchers import ssh
 from spmd.cluster.launchers.processes import how_it_ended
-from spmd.engine.orphans import PARENT_ENV, REMOTE_LINGER_ENV
+from spmd.engine.life.orphans import PARENT_ENV, REMOTE_LINGER_ENV
 
 
 class ServerUnavailable(RuntimeError):

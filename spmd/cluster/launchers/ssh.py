@@ -18,7 +18,7 @@ from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 from ipyparallel.cluster.shellcmd import ShellCommandSend
 
 from spmd.cluster.launchers.profiles import owned_folder
-from spmd.engine import placement
+from spmd.engine.join import placement
 
 
 class _Once:
@@ -151,9 +151,9 @@ class RankedSSHEngineLauncher(SSHEngineLauncher):
 
     def wait_one(self, timeout) -> int:
         """ipyparallel's remote wait, with ours on the host, which sees a zombie as ended
-        (see ``spmd.engine.hostwait``)."""
+        (see ``spmd.engine.life.hostwait``)."""
         out = self.ssh_sender.check_output_python_code(
-            f"from spmd.engine.hostwait import wait; wait({self.pid}, timeout={timeout})"
+            f"from spmd.engine.life.hostwait import wait; wait({self.pid}, timeout={timeout})"
         )
         values = _ssh_outputs(out)
         if "process_running" not in values:

@@ -1,7 +1,7 @@
 """Why the ranks diverged: the first place where their cells' launches differ.
 
 Every rank records the cross-process programs and collectives its cell launched
-(spmd/engine/census.py). Here the records of the ranks are compared, and the first launch
+(spmd/engine/watch/census.py). Here the records of the ranks are compared, and the first launch
 where they part is named in words a student can act on: the same program with other shapes,
 other programs at the same place, or a rank that launched fewer; with the usual fix. The
 watchdog asks the same of ranks still running past the grace (``launched_ahead``): a rank
@@ -17,7 +17,7 @@ from __future__ import annotations
 from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.lockstep.run import rank_words
-from spmd.engine.census import TORCH_COLLECTIVES
+from spmd.engine.watch.census import TORCH_COLLECTIVES
 
 HINTS = {
     "shapes": "Pad every process's input to a size agreed by every process (a constant, not "

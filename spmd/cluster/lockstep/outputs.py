@@ -200,7 +200,7 @@ def output_from_message(msg_type: str, content: dict) -> Output | None:
         return Output(kind=content["name"], text=same_on_every_rank(content["text"]))
     if msg_type == "display_data":
         # (a global array's parts are for a cell's value only: a display of one is marked as
-        # a print of it is, its parts sent with the cell's reply: engine/printed.py)
+        # a print of it is, its parts sent with the cell's reply: engine/arrays/printed.py)
         data = {k: v for k, v in content["data"].items() if k != wire.GLOBAL_ARRAY_MIME}
         return Output("display", data=data, metadata=content.get("metadata", {}))
     if msg_type == "execute_result":

@@ -59,8 +59,8 @@ class CellRun:
     # Those of them inside a call of jax or torch at the watchdog's last look: rank -> (its
     # where.Stack, since when it is in that same call, time.monotonic()).
     inside: dict = field(default_factory=dict)
-    census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/census.py)
-    printed: dict = field(default_factory=dict)  # rank -> its printed arrays (engine/printed.py)
+    census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/watch/census.py)
+    printed: dict = field(default_factory=dict)  # rank -> its printed arrays (engine/arrays/printed.py)
     requests: dict = field(default_factory=dict)  # rank -> the msg_id of its execute request
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _pending: set = field(default_factory=set)  # ranks not finished
@@ -229,8 +229,8 @@ class CellResult:
     cells: Mapping[int, RankCell]  # rank -> its part: outputs, error, seconds, done
     engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
     requests: Mapping[int, str]  # rank -> the msg_id of its execute request
-    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/census.py)
-    # rank -> the parts of the arrays it printed, from its reply (engine/printed.py)
+    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)
+    # rank -> the parts of the arrays it printed, from its reply (engine/arrays/printed.py)
     printed: Mapping[int, dict]
     # A watchdog.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
     # when the wait ended before every rank finished; None when every rank did.

@@ -1,6 +1,6 @@
 """Where a busy rank is: its main thread's Python stack, read without its cooperation.
 
-Each engine registers faulthandler on a signal (see ``spmd.engine.stacks``): the notebook
+Each engine registers faulthandler on a signal (see ``spmd.engine.watch.stacks``): the notebook
 sends the signal and reads the dump the rank appends to its stack file. This works while the
 rank is blocked in a collective, in C++ that holds the GIL, or in a loop, because faulthandler
 writes from inside the signal handler. The notebook asks this way only a rank that did not
@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from spmd.engine.stacks import WHERE_SIGNAL
+from spmd.engine.watch.stacks import WHERE_SIGNAL
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
