@@ -1,6 +1,7 @@
 """The package's shape: folders import downward only, no module imports itself back through
-others, and modules and classes stay small enough to read (docs/development/layout.md); the
-last two, and a layout page that names every module, hold for benchmarks/ too.
+others, and folders, modules and classes stay small enough to read
+(docs/development/layout.md); the last two, and a layout page that names every module,
+hold for benchmarks/ too.
 
 Read from the source with ``ast``: every import counts, also those inside a function (a lazy
 import is still an arrow, and a circle through one is still a circle).
@@ -18,19 +19,33 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
 BENCHMARKS = ROOT.parent / "benchmarks"  # (make bench: its parts, and run.py that runs them)
 
 # Each layer may import from the layers after it in this list (and from itself), never from
-# those before it. engine/ runs inside every rank, with none of the notebook's code.
+# those before it: a folder's own modules sit above its subfolders, and each subfolder is one
+# floor. engine/ runs inside every rank, with none of the notebook's code; the controller's
+# process imports from engine/ only.
 LAYERS = [
     ("spmd.kernel", "the Jupyter kernel"),
-    ("spmd.magics", "the notebook surface"),
+    ("spmd.magics", "the notebook surface: %spmd's table of commands, %%spmd, %%local"),
+    ("spmd.magics.commands", "the %spmd commands by what they do"),
+    ("spmd.magics.export", "%spmd export: the cells as a job"),
+    ("spmd.magics.start", "a cluster's start as the notebook shows it, its options"),
+    ("spmd.magics.cells", "a %%spmd cell in the notebook"),
+    ("spmd.magics.arrays", "arrays over several processes, in the notebook"),
     ("spmd.cluster", "the cluster's life"),
     ("spmd.cluster.lockstep", "cells in lockstep"),
     ("spmd.cluster.launchers", "how processes get started"),
     ("spmd.cluster.channel", "the notebook's channel to its ranks"),
+    ("spmd.controller", "what runs in ipyparallel's controller process"),
+    ("spmd.engine", "what runs inside every rank: its entry points and its kernel"),
+    ("spmd.engine.shell", "a rank's shell"),
+    ("spmd.engine.arrays", "a rank's part of arrays over several processes"),
+    ("spmd.engine.watch", "what the notebook asks a rank while it watches"),
+    ("spmd.engine.life", "a rank's process and its end"),
+    ("spmd.engine.join", "a rank joining the job"),
 ]
-# engine/ and the shared top-level modules sit below every notebook layer.
-BELOW_ALL = ("spmd.engine", "spmd.controller", "spmd.picture", "spmd.options", "spmd.internals",
-             "spmd.wire", "spmd")
+# The shared top-level modules sit below every layer.
+BELOW_ALL = ("spmd.picture", "spmd.options", "spmd.internals", "spmd.wire", "spmd")
 
+MODULES_PER_FOLDER = 20
 MODULE_LINES = 500
 CLASS_LINES = 300
 
@@ -110,6 +125,14 @@ def test_no_import_runs_back_up(graph):
     assert not upward, "imports that run back up:\n" + "\n".join(sorted(upward))
 
 
+def test_every_folder_is_a_floor():
+    """Each folder under spmd/ is named in LAYERS, so its arrows are checked as its own floor's
+    (a folder left out would pass as part of the one above it)."""
+    folders = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
+    named = {prefix for prefix, _ in LAYERS}
+    assert folders - {"spmd"} <= named, sorted(folders - {"spmd"} - named)
+
+
 def _circles(graph: dict[str, set[str]]) -> list[str]:
     """Every circle of imports in ``graph``, as "a -> b -> a"."""
     circles = []
@@ -165,6 +188,18 @@ def _too_big(root: pathlib.Path) -> list[str]:
 def test_modules_and_classes_stay_small(root):
     too_big = _too_big(root)
     assert not too_big, "over the size limits:\n" + "\n".join(too_big)
+
+
+@pytest.mark.parametrize("root", [ROOT, BENCHMARKS], ids=["spmd", "benchmarks"])
+def test_no_folder_holds_over_20_modules(root):
+    """A folder a newcomer can read through: at most 20 modules (its ``__init__.py`` aside;
+    its subfolders are counted in their own right)."""
+    crowded = []
+    for folder in sorted({p.parent for p in root.rglob("*.py")}):
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MODULES_PER_FOLDER:
+            crowded.append(f"{folder.relative_to(ROOT.parent)}/: {len(modules)} modules")
+    assert not crowded, (f"folders over {MODULES_PER_FOLDER} modules:\n" + "\n".join(crowded))
 
 
 def test_the_layout_page_names_every_folder_and_module():
