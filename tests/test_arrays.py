@@ -347,12 +347,13 @@ def test_a_display_of_a_global_array_shows_what_one_process_shows(cluster):
     """display(x) shows the array as one process of all the devices displays it, the same on
     every rank: once. Its corners go with the cell's reply (as a print's), once however often
     it is displayed; the display's own bundle holds no parts."""
-    from spmd.engine.arrays.results import MIME
+    from spmd.wire import GLOBAL_ARRAY_MIME
 
     reference = one_process_reprs(["arr_sharded", "big2"], BIG2)
     out = run(cluster, "from IPython.display import display\ndisplay(arr_sharded)\n"
                        "display(arr_sharded)\n"
-                       f"print({MIME!r} in get_ipython().display_formatter.format(arr_sharded)[0])")
+                       f"print({GLOBAL_ARRAY_MIME!r} in "
+                       "get_ipython().display_formatter.format(arr_sharded)[0])")
     assert out.error is None, out.error
     assert out.stdout.endswith("[ranks 0-3] False\n"), out.stdout
     assert [o.get("text/plain") for o in out.outputs] == [reference["arr_sharded"]] * 2, out.outputs

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(120)
 def usage_error(shell, line: str) -> str:
     out = run(shell, line)
     assert isinstance(out.error, UsageError), f"{line!r} gave {out.error!r}"
-    assert not spmd_processes(), f"{line!r} left processes running"
+    left = spmd_processes()
+    assert not left, f"{line!r} left processes running: {[p.cmdline() for p in left]}"
     return str(out.error)
 
 
@@ -136,27 +137,40 @@ def test_jax_initialized_in_the_notebook_warns(shell):
         run(shell, "%spmd stop")
 
 
+@pytest.mark.parametrize("hub", ["ignores", "ends"])
 def test_a_controller_that_does_not_answer_fails_the_start_with_its_last_lines(
-        shell, tmp_path, monkeypatch):
-    # The controller's hub takes connection requests and answers none: the start ends at
-    # the hub's wait and says what the controller wrote, not ipyparallel's bare timeout.
+        shell, tmp_path, monkeypatch, hub):
+    # The controller's hub takes a connection request and answers none, or ends its process
+    # there: the start ends at the hub's wait and says whether the controller runs and what
+    # it wrote, not ipyparallel's bare timeout.
     (tmp_path / "sitecustomize.py").write_text(
-        "import sys\n"
+        "import os, sys\n"
         "if b'spmd.controller' in open('/proc/self/cmdline', 'rb').read():\n"
         "    from ipyparallel.controller import hub\n"
-        "    def ignore(self, client_id, msg):\n"
-        "        print('the hub ignores a connection request', file=sys.stderr, flush=True)\n"
-        "    hub.Hub.connection_request = ignore\n"
+        "    def request(self, client_id, msg):\n"
+        f"        print('the hub {hub} at a connection request', file=sys.stderr, flush=True)\n"
+        f"        {'os._exit(7)' if hub == 'ends' else 'pass'}\n"
+        "    hub.Hub.connection_request = request\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     from spmd.cluster import startup
 
     monkeypatch.setattr(startup, "HUB_SECONDS", 3)
-    message = usage_error(shell, "%spmd start -n 2 --backend none")
+    out = run(shell, "%spmd start -n 2 --backend none")
+    assert isinstance(out.error, UsageError), out.error
+    message = str(out.error)
+    # (a controller that ended by itself leaves its heart monitor, which ends within 0.5 s
+    # of it: hearts.py)
+    deadline = time.monotonic() + 5
+    while spmd_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not spmd_processes()
     assert message.startswith(
         "The controller did not answer the notebook within 3 s (its process still runs): "
-        "start again."), message
-    assert "the hub ignores a connection request" in message
+        "start again." if hub == "ignores" else
+        "The controller's process ended during start-up (exit code 7): start again."
+    ), message
+    assert f"the hub {hub} at a connection request" in message
 
 
 @pytest.mark.parametrize("handle", ["taken", "too late"])

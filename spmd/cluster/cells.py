@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from spmd.cluster import interrupts
 from spmd.cluster.channel import control
+from spmd.cluster.launchers import processes
 from spmd.cluster.lockstep import census, where
 from spmd.cluster.lockstep.outputs import Output
 from spmd.cluster.lockstep.run import CellResult, CellRun
@@ -33,6 +34,9 @@ from spmd.cluster.ranks import OutOfStep
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5
 
+# How long a rank on this machine has to answer "where are you?" on its control channel (a
+# few ms when it can) before it is asked by signal instead (it holds the GIL).
+LOCAL_ANSWER_SECONDS = 0.5
 # How long ranks let go from JupyterLab's debugger by an interrupt are sent it again.
 RESUMED_SECONDS = 10.0
 
@@ -335,20 +339,20 @@ class CellRunner:
         # C, or stuck): its signal handler dumps the stacks from C. Only then, because a
         # dump that reads other threads' frames while they run can crash the rank
         # (CPython #116008, a SIGSEGV once a second's looks); with the GIL held, none runs.
-        engine_ids = {r: self._gen.ranks[r].engine_id for r in ranks}
-        by_engine = control.stacks(self._client, list(engine_ids.values()))
-        found = {}
-        for r, engine_id in engine_ids.items():
-            frames = by_engine.get(engine_id)
-            found[r] = None if frames is None else [where.Frame(*f) for f in frames]
+        local = {r: self._gen.launchers[r].process for r in ranks if r in self._gen.launchers}
+        gone = {r for r, process in local.items() if processes.exited(process)}
+        asked = {r: self._gen.ranks[r].engine_id for r in ranks if r not in gone}
+        found: dict[int, list[where.Frame] | None] = dict.fromkeys(gone)
+        if asked:  # (one request for all; the longer wait where a rank is on another host)
+            timeout = LOCAL_ANSWER_SECONDS if set(asked) <= set(local) else 1.0
+            by_engine = control.stacks(self._client, list(asked.values()), timeout)
+            for r, engine_id in asked.items():
+                frames = by_engine.get(engine_id)
+                found[r] = None if frames is None else [where.Frame(*f) for f in frames]
         silent = {
-            r: (
-                self._gen.launchers[r].process,
-                self._gen.launchers[r].stack_file,
-                self._gen.ranks[r].main_thread,
-            )
-            for r in ranks
-            if found[r] is None and r in self._gen.launchers
+            r: (local[r], self._gen.launchers[r].stack_file, self._gen.ranks[r].main_thread)
+            for r in asked
+            if found[r] is None and r in local
         }
         if silent:
             found.update(where.dump(silent))

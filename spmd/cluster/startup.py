@@ -405,29 +405,44 @@ def _client(cluster: SpmdCluster, profile_dir: str):
     try:
         return cluster._in_thread(cluster.connect_client, timeout=HUB_SECONDS)
     except TimeoutError:
-        raise StartError(_hub_silent(cluster, profile_dir)) from None
+        raise StartError(_controller_silent(cluster, profile_dir)) from None
+    except RuntimeError:  # (ipyparallel's "Controller stopped with ...")
+        if not _controller_ended(cluster):
+            raise
+        raise StartError(_controller_silent(cluster, profile_dir)) from None
 
 
-def _hub_silent(cluster: SpmdCluster, profile_dir: str) -> str:
-    """Why the notebook could not connect: whether the controller still runs, and the end of
-    what it wrote (its output, then its log: the log has the errors of its schedulers)."""
+def _controller_ended(cluster: SpmdCluster) -> bool:
+    process = getattr(cluster.controller, "process", None)
+    return process is not None and processes.exited(process)
+
+
+def _controller_silent(cluster: SpmdCluster, profile_dir: str) -> str:
+    """Why the notebook could not connect: the controller's process ended, or it runs and
+    did not answer; and the end of what it wrote (its output, and a log file where it keeps
+    one)."""
     controller = cluster.controller
-    process = getattr(controller, "process", None)
-    if process is not None and processes.exited(process):
-        state = f"its process exited with code {process.returncode}"
+    if _controller_ended(cluster):
+        code = _exit_code(controller)
+        ended = "" if code is None else f" ({processes.how_it_ended(code)})"
+        said = f"The controller's process ended during start-up{ended}: start again."
     else:
-        state = "its process still runs"
-    written = ""  # (not get_output(): it keeps its first read for good)
-    files = [getattr(controller, "output_file", None)]
-    files += sorted(glob.glob(os.path.join(profile_dir or "", "log", "ipcontroller-*.log")))
-    for path in filter(None, files):
-        with contextlib.suppress(OSError), open(path, errors="replace") as f:
-            written += f.read()[-20000:] + "\n"
+        said = (f"The controller did not answer the notebook within {HUB_SECONDS} s (its "
+                "process still runs): start again.")
+    # Its output file (get_output() would keep a first read made while it runs for good);
+    # once it ended, ipyparallel reads and removes the file, and get_output() has it.
+    written = ""
+    output = getattr(controller, "output_file", None)
+    logs = sorted(glob.glob(os.path.join(profile_dir or "", "log", "ipcontroller-*.log")))
+    for path in dict.fromkeys(filter(None, [output, *logs])):
+        try:
+            with open(path, errors="replace") as f:
+                written += f.read()[-20000:] + "\n"
+        except OSError:
+            if path == output:
+                written += controller.get_output()[-20000:] + "\n"
     tail = "\n".join(last_lines(written, count=8)) or "(nothing)"
-    return (
-        f"The controller did not answer the notebook within {HUB_SECONDS} s ({state}): "
-        f"start again. The last lines it wrote:\n{tail}"
-    )
+    return f"{said} The last lines it wrote:\n{tail}"
 
 
 def _exited_engines(cluster: SpmdCluster) -> str:

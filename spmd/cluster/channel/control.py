@@ -1,7 +1,9 @@
 """The notebook's side of ``spmd.engine.watch.control``: requests on ipyparallel's control channel.
 
-For ranks with no process handle on this machine (SSH, mpiexec, srun): their stacks and
-their signals travel on the channel ipyparallel already signs (and encrypts off the loopback).
+Every rank's stack is asked here first (a rank on this machine that does not answer is
+then asked by signal: cells.py), and the signals of ranks with no process handle on this
+machine (SSH, mpiexec, srun) travel here: on the channel ipyparallel already signs (and
+encrypts off the loopback).
 Requests go through the client's ``control`` and ``drop`` (client.py), called from any thread.
 """
 

@@ -24,8 +24,6 @@ import threading
 from spmd import wire
 from spmd.engine.arrays.shards import shown_token
 
-# (the notebook's magics/arrays/values.py and lockstep/outputs.py read it too)
-
 # numpy's print options that decide the printed form (the notebook prints with the rank's)
 _OPTIONS = ("edgeitems", "threshold", "linewidth", "precision", "suppress", "floatmode",
             "sign", "nanstr", "infstr", "legacy")

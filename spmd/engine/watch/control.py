@@ -21,11 +21,12 @@ import threading
 from spmd.engine.life.orphans import exit_now
 
 
-def stack_of(thread_id: int) -> list[list]:
-    """A thread's Python stack, outermost first: [file, line, function, source line]."""
+def stack_of(thread_id: int, most: int = 100) -> list[list]:
+    """A thread's Python stack, outermost first: [file, line, function, source line], its
+    innermost ``most`` frames (as faulthandler's dump keeps them)."""
     frame = sys._current_frames().get(thread_id)
     frames = []
-    while frame is not None:
+    while frame is not None and len(frames) < most:
         code = frame.f_code
         source = linecache.getline(code.co_filename, frame.f_lineno).strip()
         frames.append([code.co_filename, frame.f_lineno, code.co_name, source])
