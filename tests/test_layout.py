@@ -309,3 +309,14 @@ def test_no_engine_module_patches_a_live_kernel():
                     patches.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
                                    f"{ast.unparse(target)}")
     assert not patches, "a live kernel patched:\n" + "\n".join(patches)
+
+
+def test_the_paths_the_notebook_knows_rank_frames_by_are_real():
+    """Reports look through the rank's own machinery by its files' paths (where.py): every
+    module of spmd/engine/, in any subfolder, is matched, and the census's file exists."""
+    from spmd.cluster.lockstep import where
+
+    engine = [p for p in (ROOT / "engine").rglob("*.py")]
+    assert engine and all(where._ENGINE.search(str(p)) for p in engine)
+    assert not where._ENGINE.search(str(ROOT / "magics" / "magics.py"))
+    assert (ROOT.parent / where._CENSUS_FILE).is_file()

@@ -29,13 +29,13 @@ _CELL_FILE = re.compile(r"[/\\]ipykernel_\d+[/\\](\d+)\.py$")
 # Where installed packages live; frames there are "library" frames, collapsed in reports.
 _PACKAGES = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
 _STDLIB = os.path.dirname(os.__file__)
-_CENSUS_FILE = os.path.join("spmd", "engine", "census.py")
+_CENSUS_FILE = os.path.join("spmd", "engine", "watch", "census.py")
 
 # The libraries whose frames mean "waiting on the other ranks" when a rank is stuck in them.
 COLLECTIVE_LIBRARIES = ("jax", "jaxlib", "torch", "flax", "optax", "equinox")
 # The rank's own machinery between the user's code and jax (the census's wrapper of jax.jit,
 # the printing of global arrays): looked through, neither the user's code nor a library's.
-_ENGINE = re.compile(r"[/\\]spmd[/\\]engine[/\\][^/\\]+\.py$")
+_ENGINE = re.compile(r"[/\\]spmd[/\\]engine[/\\](?:[^/\\]+[/\\])*[^/\\]+\.py$")
 # Where jax and torch build a program (trace, lower, compile): a rank there works, not waits.
 _BUILDING = re.compile(
     r"[/\\]jax[/\\]_src[/\\](?:interpreters[/\\](?:partial_eval|mlir)|compiler"

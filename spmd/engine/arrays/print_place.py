@@ -17,6 +17,8 @@ import sys
 import threading
 import zlib
 
+import spmd
+
 
 def is_cell(name: str) -> bool:
     return "ipykernel_" in name or name.startswith("<ipython-input")
@@ -43,7 +45,7 @@ _EVENT_LOOP = os.path.join("asyncio", "events.py")
 _THREAD_COUNT = re.compile(r"^Thread-\d+")
 # Frames whose ``for`` loops are not the program's: Python's, the libraries', spmd's own.
 _LIBRARIES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix,
-                    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+                    os.path.dirname(os.path.abspath(spmd.__file__))})
 
 
 def place() -> str | None:
