@@ -320,3 +320,17 @@ def test_the_paths_the_notebook_knows_rank_frames_by_are_real():
     assert engine and all(where._ENGINE.search(str(p)) for p in engine)
     assert not where._ENGINE.search(str(ROOT / "magics" / "magics.py"))
     assert (ROOT.parent / where._CENSUS_FILE).is_file()
+
+
+def test_every_module_the_rank_server_preloads_is_there():
+    """The rank server imports these once for every rank it forks; one it cannot import is
+    skipped without a word (server.py), so a moved module would be imported by each rank
+    after its fork instead."""
+    import importlib
+
+    from spmd.engine import server
+
+    names = [m for m in server.ENGINE_MODULES + server.OPTIONAL_MODULES if m.startswith("spmd")]
+    assert names
+    for name in names:
+        importlib.import_module(name)

@@ -39,7 +39,7 @@ def owned_folder(prefix: str) -> str:
     this process, so that a later notebook removes it if this one is killed."""
     path = tempfile.mkdtemp(prefix=prefix)  # (made 0700)
     mark_owner(path)
-    # (what its processes and an attach lock: engine/orphans.folder_lock)
+    # (what its processes and an attach lock: engine/life/orphans.folder_lock)
     os.close(os.open(os.path.join(path, orphans.LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600))
     return path
 

@@ -32,7 +32,8 @@ class OutStream(iostream.OutStream):
         self._writes_lock = threading.Lock()
 
     def write(self, string: str):
-        # (jax's placeholder of an array over several processes gets its mark: engine/printed)
+        # (jax's placeholder of an array over several processes gets its mark:
+        # engine/arrays/printed)
         shown = string
         if isinstance(string, str):
             try:
