@@ -63,7 +63,7 @@ def write_job(folder: str, cells: list[str], backend: str = "jax", python: str =
     """The job of ``cells`` on 2 processes (one per host of ``hosts``, if given), launched by
     ``launcher``, written in ``folder``; the path of its launch."""
     from spmd.cluster.launchers.remote import Placement
-    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.cluster.records import Ran, Rank, Settings
     from spmd.magics.export.export import Job
 
     where = Placement(launcher=launcher if launcher in ("ssh", "mpi") else "local",

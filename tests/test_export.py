@@ -177,7 +177,7 @@ def test_an_sbatch_job_ends_when_one_task_fails(slurm, tmp_path):
 def test_an_sbatch_script_of_a_name_with_spaces(tmp_path):
     """A script named with spaces (and a %, #, quotes, a backslash): its sbatch job's name has
     none, and its output file is the script's name with the job's id."""
-    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.cluster.records import Ran, Rank, Settings
     from spmd.magics.export.export import Job
 
     name = "my 'first' \"job\" #1 100% a\\b"
@@ -234,7 +234,7 @@ def test_export_shares_gpus_as_the_cluster_did(tmp_path):
     showed it only its own (run for real, with Slurm's variables as srun sets them, on ranks
     that had 2 GPUs each)."""
     from spmd.cluster.launchers.remote import Placement
-    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.cluster.records import Ran, Rank, Settings
     from spmd.magics.export.export import Job
 
     settings = Settings(n=4, backend="none", where=Placement(launcher="slurm"))

@@ -56,7 +56,7 @@ def test_torchrun_on_hosts_of_different_sizes_gives_each_its_count_and_place(tmp
     The two hosts are played here by two launches on this machine, rank 0's address given."""
     pytest.importorskip("torch")
     from spmd.cluster.launchers.remote import Placement
-    from spmd.cluster.ranks import Ran, Rank, Settings
+    from spmd.cluster.records import Ran, Rank, Settings
     from spmd.magics.export.export import Job
 
     where = Placement(launcher="ssh", hosts=(("a", 1), ("b", 2)))

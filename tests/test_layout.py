@@ -32,6 +32,7 @@ LAYERS = [
     ("spmd.magics.arrays", "arrays over several processes, in the notebook"),
     ("spmd.cluster", "the cluster's life"),
     ("spmd.cluster.lockstep", "cells in lockstep"),
+    ("spmd.cluster.records", "the records that cross the cluster's face"),
     ("spmd.cluster.launchers", "how processes get started"),
     ("spmd.cluster.channel", "the notebook's channel to its ranks"),
     ("spmd.controller", "what runs in ipyparallel's controller process"),

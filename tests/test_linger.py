@@ -648,7 +648,7 @@ def test_a_kernel_shut_down_while_its_attach_fails_starts_no_cluster(monkeypatch
     import dataclasses
 
     from spmd.cluster import attach, linger
-    from spmd.cluster.ranks import Settings, StartError
+    from spmd.cluster.records import Settings, StartError
     from spmd.cluster.session import Session
     from spmd.magics.start.background import BackgroundStart
 

@@ -19,8 +19,7 @@ from spmd.cluster import interrupts
 from spmd.cluster.channel import control
 from spmd.cluster.launchers import processes
 from spmd.cluster.lockstep import census, where
-from spmd.cluster.lockstep.outputs import Output
-from spmd.cluster.lockstep.run import CellResult, CellRun
+from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import (
     DIED,
     DIVERGED,
@@ -29,7 +28,7 @@ from spmd.cluster.lockstep.watchdog import (
     TIMEOUT,
     Stall,
 )
-from spmd.cluster.ranks import OutOfStep
+from spmd.cluster.records import CellResult, OutOfStep, Output
 
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from spmd.cluster.launchers import profiles, remote
-from spmd.cluster.ranks import Rank, Settings
+from spmd.cluster.records import Rank, Settings
 from spmd.engine.life.orphans import GONE_FILE, folder_lock, read_owner, runs, started_at
 
 RECORD_PREFIX = "spmd-cluster-"

@@ -13,7 +13,7 @@ import psutil
 
 from spmd.cluster.launchers import processes, servers
 from spmd.cluster.lockstep.run import rank_words
-from spmd.cluster.ranks import StartError
+from spmd.cluster.records import StartError
 from spmd.cluster.startup import Launch, import_time_env, loopback_ports
 from spmd.engine import bootstrap as engine
 

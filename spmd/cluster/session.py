@@ -44,12 +44,13 @@ import time
 from spmd.cluster import adopted, interrupts, linger, restarts, stopping
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
 from spmd.cluster.deaths import DeathWatch
+from spmd.cluster.generation import Generation
 from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.run import CellResult, CellRun
+from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import Death
-from spmd.cluster.ranks import (
-    Generation,
+from spmd.cluster.records import (
+    CellResult,
     OutOfStep,
     Ran,
     Rank,

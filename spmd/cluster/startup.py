@@ -25,7 +25,7 @@ from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config,
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
 from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.lockstep.watchdog import last_lines
-from spmd.cluster.ranks import Rank, Running, StartError
+from spmd.cluster.records import Rank, Running, StartError
 from spmd.controller.start import CURVE_ENV
 from spmd.engine import bootstrap as engine
 from spmd.engine.join.address import coordinator_addresses

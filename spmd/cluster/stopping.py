@@ -9,8 +9,9 @@ import signal
 import threading
 
 from spmd.cluster.channel import control
+from spmd.cluster.generation import Generation
 from spmd.cluster.launchers import processes, servers, ssh
-from spmd.cluster.ranks import Generation, Running, Settings
+from spmd.cluster.records import Running, Settings
 
 
 def end_far_ranks(running: Running, gen: Generation) -> None:

@@ -12,7 +12,7 @@ import ast
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
-from spmd.cluster.lockstep.run import CellResult
+from spmd.cluster.records import CellResult
 from spmd.cluster.session import Ran, Session
 from spmd.engine.watch.census import KEPT_CELLS
 from spmd.magics.arrays import printed

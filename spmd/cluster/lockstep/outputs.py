@@ -5,9 +5,9 @@ from __future__ import annotations
 import collections
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from spmd import wire
+from spmd.cluster.records import Output
 
 # Gloo writes this to the C-level stdout of every process when it connects; it says nothing
 # the user asked for. Two device threads connecting at once interleave their lines, so any
@@ -34,44 +34,6 @@ def drop_chatter(text: str) -> str:
     if "[Gloo]" not in text and "Expected number of connected" not in text:
         return text
     return _GLOO_CHATTER.sub("", text)
-
-
-@dataclass
-class Output:
-    """One output of one rank: a stream chunk, a display, a result or an error.
-
-    ``kind`` is ``stdout``, ``stderr``, ``display``, ``result``, ``error`` or ``clear`` (a
-    ``clear_output``, with ``data["wait"]``). Streams carry
-    ``text``; displays and results carry a MIME bundle in ``data``; errors carry ``ename``,
-    ``evalue`` and the ``traceback`` lines.
-    """
-
-    kind: str
-    text: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    ename: str = ""
-    evalue: str = ""
-    traceback: list[str] = field(default_factory=list)
-
-    def key(self) -> Any:
-        """What makes two outputs 'the same' for grouping across ranks."""
-        if self.kind in ("stdout", "stderr"):
-            return (self.kind, self.text)
-        if self.kind == "error":
-            text = "\n".join(self.traceback) or f"{self.ename}: {self.evalue}"
-            # "Cell In[12]" counts the cells that rank ran: after a %%spmd --ranks cell the
-            # counts differ, but the error is the same
-            return (self.kind, _CELL_COUNT.sub(r"\1", text))
-        return (self.kind, _freeze(self.data))
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 @dataclass
@@ -181,8 +143,6 @@ def left_out_line(lines: int) -> str:
     """The same on every rank that left out as many lines, so that it groups."""
     return f"... {lines:,} lines left out here (%spmd log RANK shows a rank's whole output) ...\n"
 
-
-_CELL_COUNT = re.compile(r"(Cell\S* \S*In\[)\d+")
 
 # ipykernel names each cell's code after the process's pid (/tmp/ipykernel_4242/31337.py), so
 # a warning about line 1 of a cell would differ on every rank only by that name.

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.channel.cell_routes import DONE
-from spmd.cluster.lockstep.outputs import Output, RankCell, output_from_message, unmarked
+from spmd.cluster.lockstep.outputs import RankCell, output_from_message, unmarked
+from spmd.cluster.records import CellResult, Output
 
 
 @dataclass
@@ -219,30 +220,6 @@ class CellRun:
             if tick is not None:
                 tick(self)
         return True
-
-
-@dataclass(frozen=True)
-class CellResult:
-    """What one cell was, once the notebook's wait for it ended (``CellRun.result``)."""
-
-    code: str
-    cells: Mapping[int, RankCell]  # rank -> its part: outputs, error, seconds, done
-    engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
-    requests: Mapping[int, str]  # rank -> the msg_id of its execute request
-    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)
-    # rank -> the parts of the arrays it printed, from its reply (engine/arrays/printed.py)
-    printed: Mapping[int, dict]
-    # A watchdog.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
-    # when the wait ended before every rank finished; None when every rank did.
-    stall: object | None
-    started: float  # when it was sent (time.monotonic())
-    prompting: frozenset[int]  # ranks waiting at a prompt when the wait ended
-    in_debugger: tuple[int, ...]  # ranks still in it, paused in JupyterLab's debugger, then
-
-    @property
-    def ranks(self) -> list[int]:
-        """The ranks it ran on, lowest first."""
-        return sorted(self.engine_ids)
 
 
 def _as_it_is(cell: RankCell) -> RankCell:

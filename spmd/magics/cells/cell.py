@@ -14,8 +14,9 @@ from IPython.core.error import UsageError
 
 from spmd.cluster import adopted, interrupts
 from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.run import CellResult, rank_set, rank_words
+from spmd.cluster.lockstep.run import rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
+from spmd.cluster.records import CellResult
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics.arrays import arrays, meshes, values
 from spmd.magics.cells import widgets

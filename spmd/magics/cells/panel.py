@@ -14,7 +14,8 @@ import time
 import psutil
 from IPython.display import display
 
-from spmd.cluster.lockstep.run import CellResult, CellRun, rank_words
+from spmd.cluster.lockstep.run import CellRun, rank_words
+from spmd.cluster.records import CellResult
 from spmd.cluster.session import Session
 from spmd.magics.cells import grouped
 

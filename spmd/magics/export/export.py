@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from IPython.core.error import UsageError
 
-from spmd.cluster.ranks import Ran, Rank, Settings
+from spmd.cluster.records import Ran, Rank, Settings
 from spmd.magics.export.launch_file import LaunchFile
 from spmd.magics.export.to_python import defined_names, needs_person, plain
 from spmd.magics.start.arguments import _Parser

@@ -11,7 +11,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from spmd.cluster.ranks import Settings
+from spmd.cluster.records import Settings
 
 DEFAULT_PORT = 29500  # torch's own default MASTER_PORT
 

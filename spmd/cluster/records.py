@@ -1,17 +1,20 @@
-"""What a cluster is asked for and what it holds: its settings, what runs (Running), the
-rows of its rank table, and the two errors its life and its cells raise."""
+"""The records that cross the cluster's face (session.py): what a cluster is asked for (its
+settings), what runs (Running), the rows of its rank table, the cells that ran (for an
+export), what one cell was (its outputs and result), how a cell's run is watched (the
+observer), and the two errors its life and its cells raise.
+
+Records are made on the notebook's main thread and read anywhere: the frozen ones never
+change once made; a Rank row changes only under the face's lock (session.py says who may).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from spmd.cluster.launchers import remote
-
-if TYPE_CHECKING:
-    from spmd.cluster.adopted import Adopted
-    from spmd.cluster.lockstep.run import CellRun
-    from spmd.cluster.lockstep.watchdog import Death
 
 
 class OutOfStep(RuntimeError):
@@ -103,26 +106,84 @@ class Ran:
     showed_value: bool = False  # the ranks returned a value, shown as the cell's result
 
 
+# -- what a cell was ---------------------------------------------------------------------------
+
+# "Cell In[12]" and the cell's file name count the cells that rank ran: after a %%spmd --ranks
+# cell the counts differ, but the error is the same.
+CELL_COUNT = re.compile(r"(Cell\S* \S*In\[)\d+")
+
+
 @dataclass
-class Generation:
-    """The ranks of one start or restart and what became of them. Session replaces it whole,
-    in one assignment, at start, restart and stop, so no reader ever sees old ranks beside
-    new handles; inside one generation only cells change it (a rank's state, the unfinished
-    cell, out_of_step), and a death."""
+class Output:
+    """One output of one rank: a stream chunk, a display, a result or an error.
 
-    ranks: list[Rank] = field(default_factory=list)
-    launchers: dict = field(default_factory=dict)  # local ranks: rank -> process launcher
-    ssh: dict = field(default_factory=dict)  # ranks started over ssh: rank -> launcher
-    vanished: dict[int, float] = field(default_factory=dict)  # other ranks, gone since when
-    unfinished: CellRun | None = None  # a cell some ranks still run after the notebook gave up
-    death: Death | None = None  # the first rank to die; the cluster was stopped after it
-    out_of_step: str = ""  # why cells are refused until a restart ('' when they are not)
-    # After an attach: the cell that ran when the notebook before this one died (adopted.py).
-    adopted: Adopted | None = None
+    ``kind`` is ``stdout``, ``stderr``, ``display``, ``result``, ``error`` or ``clear`` (a
+    ``clear_output``, with ``data["wait"]``). Streams carry
+    ``text``; displays and results carry a MIME bundle in ``data``; errors carry ``ename``,
+    ``evalue`` and the ``traceback`` lines.
+    """
 
-    def ended(self) -> Generation:
-        """The same rows once the processes are gone: no handles, every live rank stopped."""
-        rows = [
-            replace(r, state=r.state if r.state == "died" else "stopped") for r in self.ranks
-        ]
-        return Generation(ranks=rows, death=self.death, out_of_step=self.out_of_step)
+    kind: str
+    text: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+
+    def key(self) -> Any:
+        """What makes two outputs 'the same' for grouping across ranks."""
+        if self.kind in ("stdout", "stderr"):
+            return (self.kind, self.text)
+        if self.kind == "error":
+            text = "\n".join(self.traceback) or f"{self.ename}: {self.evalue}"
+            return (self.kind, CELL_COUNT.sub(r"\1", text))
+        return (self.kind, _freeze(self.data))
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What one cell was, once the notebook's wait for it ended (``CellRun.result``)."""
+
+    code: str
+    cells: Mapping[int, Any]  # rank -> its lockstep.outputs.RankCell: outputs, error, seconds
+    engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
+    requests: Mapping[int, str]  # rank -> the msg_id of its execute request
+    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)
+    # rank -> the parts of the arrays it printed, from its reply (engine/arrays/printed.py)
+    printed: Mapping[int, dict]
+    # A watchdog.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
+    # when the wait ended before every rank finished; None when every rank did.
+    stall: object | None
+    started: float  # when it was sent (time.monotonic())
+    prompting: frozenset[int]  # ranks waiting at a prompt when the wait ended
+    in_debugger: tuple[int, ...]  # ranks still in it, paused in JupyterLab's debugger, then
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks it ran on, lowest first."""
+        return sorted(self.engine_ids)
+
+
+class CellObserver(Protocol):
+    """What watches one cell while it runs, on the notebook's main thread (the magics' live
+    view): every output of every rank as it comes, a tick about ten times a second, and a
+    rank's prompt (input, getpass, pdb) to answer."""
+
+    def output(self, rank: int, out: Output) -> None:
+        """One output of ``rank`` (a stream chunk, a display, a result, an error)."""
+
+    def tick(self, run) -> None:
+        """The cell still runs (``run``: the live lockstep.run.CellRun, read only)."""
+
+    def prompt(self, rank: int, request: dict, run) -> dict:
+        """``rank`` asks the person (``request``: its prompt); the answer, ``{"text": ...}``
+        or ``{"error": why}``. A KeyboardInterrupt ends every rank's prompt."""
