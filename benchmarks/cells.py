@@ -22,7 +22,7 @@ def per_cell(bench, n: int, cells: int) -> None:
     """A trivial cell, %px and a bare zmq round trip, alternated on the same n engines."""
     bench.cell(f"%spmd start -n {n} --backend jax")
     session = bench.magics.session
-    view = session.client[[r.engine_id for r in session.ranks]]
+    view = session.record().client[[r.engine_id for r in session.ranks]]
     view.block = True
     view.activate()  # %px on the very same engines
     echo = EchoServers(n)
@@ -69,7 +69,7 @@ def output(bench, lines: int, rounds: int) -> None:
     through ``%%px``; how each arrived (whole, in rank order) is recorded as a fact."""
     bench.cell("%spmd start -n 4 --backend none")
     session = bench.magics.session
-    view = session.client[[r.engine_id for r in session.ranks]]
+    view = session.record().client[[r.engine_id for r in session.ranks]]
     view.block = True
     view.activate()
     code = f"import os\nr = os.environ['SPMD_RANK']\nfor i in range({lines}): print(r, i)"

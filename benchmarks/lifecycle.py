@@ -70,10 +70,10 @@ def _memory(bench) -> None:
     server, ranks), and of the ranks alone: what the rest costs on top of the ranks."""
     session = bench.magics.session
     ranks = [psutil.Process(r.pid) for r in session.ranks]
-    others = [session.cluster.controller.process]
-    if session.rank_server is not None:
-        others.append(psutil.Process(session.rank_server.process.pid))
-    others += session.cluster.controller.process.children(recursive=True)
+    others = [session.record().cluster.controller.process]
+    if session.record().rank_server is not None:
+        others.append(psutil.Process(session.record().rank_server.process.pid))
+    others += session.record().cluster.controller.process.children(recursive=True)
 
     def pss(processes) -> float:
         return sum(p.memory_full_info().pss for p in processes) / 2**20

@@ -46,7 +46,7 @@ def cells(bench, n: int, count: int) -> None:
     try:
         session = bench.magics.session
         notebook = psutil.Process()
-        controller = psutil.Process(session.cluster.controller.process.pid)
+        controller = psutil.Process(session.record().cluster.controller.process.pid)
         ranks = [psutil.Process(r.pid) for r in session.ranks]
         for _ in range(5):
             bench.cell("x = 1")
@@ -75,7 +75,7 @@ def cells(bench, n: int, count: int) -> None:
 
 def px(bench, session, n: int, count: int) -> None:
     """The same trivial cell through plain ipyparallel (``%px``) on the very same ranks."""
-    view = session.client[[r.engine_id for r in session.ranks]]
+    view = session.record().client[[r.engine_id for r in session.ranks]]
     view.block = True
     view.activate()
     auto, bench.magics.auto.on = bench.magics.auto.on, False

@@ -3,7 +3,7 @@ on the notebook's side, from the magic to the ranks and back, and where the walk
 and forth between two of them.
 
 It is not a timing: ``python -m benchmarks.walk`` prints the modules in the order the cell
-first enters them, the calls between modules, and the pairs of modules that call each other
+first enters them (a module counts where code written in its file runs), the calls between modules, and the pairs of modules that call each other
 (a callback climbing back up, or two modules handing a cell between them). The cell is one
 a student writes: a print, and a value.
 
@@ -22,8 +22,13 @@ CELL = "x = jax.process_index() + 1\nprint(x)\nx"
 
 
 def _module(frame) -> str | None:
+    """The project's module whose code the frame runs (None for a library's, and for code
+    that no file holds: a dataclass's generated ``__init__`` runs in its module's namespace,
+    but no one reads it there)."""
     name = frame.f_globals.get("__name__", "")
-    return name if name.startswith("spmd.") else None
+    if not name.startswith("spmd.") or frame.f_code.co_filename != frame.f_globals.get("__file__"):
+        return None
+    return name
 
 
 def walk(bench: Bench, cell: str = CELL) -> dict:

@@ -346,7 +346,7 @@ def client_connection(session) -> dict:
     """The cluster's client connection file (its key, its ports)."""
     import json
 
-    security = os.path.join(session.cluster.profile_dir, "security")
+    security = os.path.join(session.record().cluster.profile_dir, "security")
     name = next(n for n in os.listdir(security) if n.endswith("-client.json"))
     with open(os.path.join(security, name)) as f:
         return json.load(f)

@@ -38,7 +38,7 @@ def test_a_cell_that_ends_early_leaves_no_routes_behind(fresh):
     a rank that died in it."""
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     s = session(fresh)
-    routes = s.client.cells.routes
+    routes = s.record().client.cells.routes
     out = run(fresh, "%%spmd --timeout 1\nimport time\ntime.sleep(100)")
     assert isinstance(out.error, RankErrors)
     assert no_routes_within(routes)
@@ -46,7 +46,7 @@ def test_a_cell_that_ends_early_leaves_no_routes_behind(fresh):
     out = run(fresh, STUBBORN)
     assert isinstance(out.error, RankErrors)
     # (its ranks still run it: a later poll, %spmd status, hears them finish)
-    assert s.unfinished is not None and all(i in routes for i in s.unfinished.requests.values())
+    assert s.gen.unfinished is not None and all(i in routes for i in s.gen.unfinished.requests.values())
     assert run(fresh, "%spmd restart").error is None
     assert no_routes_within(routes)
     out = run(fresh, "import os, time\nif os.environ['SPMD_RANK'] == '1':\n    os._exit(3)\n"

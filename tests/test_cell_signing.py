@@ -20,7 +20,7 @@ def test_a_cell_request_not_signed_with_the_clusters_key_runs_on_no_rank(fresh):
     s = session(fresh)
     info = client_connection(s)
     assert info["interface"] == "tcp://127.0.0.1"  # (a local cluster: the loopback only)
-    rank_0 = s.client._engines[s.ranks[0].engine_id]
+    rank_0 = s.record().client._engines[s.ranks[0].engine_id]
     assert not fanout_answers(info, rank_0, "forged = True", key="0" * 64, wait=1)
     # (the fan-out's own word that it dropped it: no reply can follow, however late)
     assert logged(s, BAD_SIGNATURE, 1) == 1
@@ -63,7 +63,7 @@ def logged(s, warning: str, expected: int, within: float = 30.0) -> int:
     that hangs, or never drops it, takes that long)."""
     deadline = time.monotonic() + within
     while True:
-        with open(s.cluster.controller.output_file) as f:
+        with open(s.record().cluster.controller.output_file) as f:
             found = f.read().count(warning)
         if found >= expected or time.monotonic() > deadline:
             return found
@@ -87,7 +87,7 @@ def test_a_replayed_cell_request_runs_on_no_rank_even_after_a_flood(fresh):
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     s = session(fresh)
     info = client_connection(s)
-    rank_0 = s.client._engines[s.ranks[0].engine_id]
+    rank_0 = s.record().client._engines[s.ranks[0].engine_id]
     signer = signer_of(info)
     cell = signed_request(signer, [[rank_0, f"probe-{time.time()}"]], COUNT_RUNS)
     with controller_socket(info, info[CELLS_PORT], curve=False) as sock:

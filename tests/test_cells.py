@@ -173,7 +173,7 @@ def test_status_lists_every_rank(cluster):
 def test_stop_ends_every_process_fast_and_turns_auto_mode_off(cluster):
     magics = cluster.magics_manager.registry["SpmdMagics"]
     session = magics.session
-    pids = [r.pid for r in session.ranks] + [session.cluster.controller.process.pid]
+    pids = [r.pid for r in session.ranks] + [session.record().cluster.controller.process.pid]
     out = run(cluster, "%spmd stop")
     assert out.error is None and "Stopped 2 processes" in out.stdout
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)

@@ -126,14 +126,14 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
 
     session = magics(fresh).session
     # The controller listens for ranks on the bridge's address only, not on all interfaces.
-    bridge = session.address
+    bridge = session.record().address
     assert bridge not in ("127.0.0.1", "0.0.0.0") and bridge.rsplit(".", 1)[0] in hosts.addresses[0]
-    controller = psutil.Process(session.cluster.controller.process.pid)
+    controller = psutil.Process(session.record().cluster.controller.process.pid)
     listening = {c.laddr.ip for c in controller.net_connections() if c.status == "LISTEN"}
     # (its schedulers talk to each other on the loopback, which no other host reaches)
     assert listening - {"127.0.0.1"} == {bridge}
     # CurveZMQ encrypts, and the key still signs every message.
-    security = os.path.join(session.cluster.profile_dir, "security")
+    security = os.path.join(session.record().cluster.profile_dir, "security")
     client_file = next(n for n in os.listdir(security) if n.endswith("-client.json"))
     with open(os.path.join(security, client_file)) as f:
         info = json.load(f)
@@ -143,7 +143,7 @@ def test_ssh_psum_across_two_hosts_on_an_encrypted_signed_channel(fresh, hosts):
     assert not hub_answers(info, curve=False)
     assert hub_answers(info, curve=True)
     # So does the fan-out that sends a cell to the ranks.
-    rank_0 = session.client._engines[session.ranks[0].engine_id]
+    rank_0 = session.record().client._engines[session.ranks[0].engine_id]
     assert not fanout_answers(info, rank_0, "pass", curve=False, wait=3)
     assert fanout_answers(info, rank_0, "pass", curve=True)
 
@@ -296,7 +296,7 @@ def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
     and the ranks it forked there: no Python per rank."""
     out = run(fresh, ssh_start(hosts, n=4, extra="--backend none --preload colorsys"))
     assert out.error is None, out.stdout + out.stderr
-    servers = magics(fresh).session.rank_server.servers
+    servers = magics(fresh).session.record().rank_server.servers
     pids = {host: server.pid for host, server in servers.items()}
     status = run(fresh, "%spmd status").stdout
     assert f"rank servers: node1 pid {pids['node1']}, node2 pid {pids['node2']}" in status, status
@@ -325,7 +325,7 @@ def test_ssh_ranks_are_forked_by_one_rank_server_per_host(fresh, hosts):
 def test_ssh_a_rank_server_killed_on_its_host_is_named_and_restart_starts_afresh(fresh, hosts):
     assert run(fresh, ssh_start(hosts)).error is None
     assert run(fresh, SETUP).error is None
-    server = magics(fresh).session.rank_server.of("node2")
+    server = magics(fresh).session.record().rank_server.of("node2")
     hosts.ssh("node2", f"kill -KILL {server.pid}")
     out = run(fresh, "time.sleep(3)\n" + PSUM)
     text = report(out)
@@ -349,7 +349,7 @@ def test_ssh_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh, ho
         "The rank server could not be used (on node1, ModuleNotFoundError: No module named "
         "'no_such_module_for_spmd'): each rank started its own Python."
     ], out.stdout
-    assert magics(fresh).session.rank_server is None
+    assert magics(fresh).session.record().rank_server is None
     out = run(fresh, "import socket\nprint(socket.gethostname())")
     assert out.stdout == "[rank 0] node1\n[rank 1] node2\n", out.stdout
     assert run(fresh, "%spmd stop").error is None
@@ -605,7 +605,7 @@ def test_ssh_stop_leaves_no_file_on_the_hosts_and_their_files_are_private(
     # (each host has its own /tmp, as on a cluster: the notebook's clean-up cannot reach it)
     out = run(fresh, ssh_start(hosts, extra=f"--rank-server {rank_server}"))
     assert out.error is None, out.stdout + out.stderr
-    profile = magics(fresh).session.profile_dir
+    profile = magics(fresh).session.record().profile_dir
     for name in hosts.names:
         assert hosts.ssh(name, f"stat -c %a {profile}").strip() == "700"
         assert hosts.ssh(name, f"ls {profile}/log").count("ipengine-") == 1
@@ -730,7 +730,7 @@ def test_mpi_with_a_host_file_listens_where_other_machines_reach_it(fresh, tmp_p
     out = run(fresh, f'%spmd start -n 2 --launcher mpi --launcher-arg "mpi_args=-f {hostfile}"')
     assert out.error is None, out.stdout + out.stderr
     session = magics(fresh).session
-    assert session.address != "127.0.0.1"
+    assert session.record().address != "127.0.0.1"
     assert session.settings.where.leaves_machine  # (so CurveZMQ is on)
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
@@ -773,7 +773,7 @@ def test_slurm_psum_with_ranks_from_srun_and_sbatch_options(fresh, slurm):
     )
     assert out.error is None, out.stdout + out.stderr
     session = magics(fresh).session
-    with open(f"{session.cluster.profile_dir}/engines.sbatch") as f:
+    with open(f"{session.record().cluster.profile_dir}/engines.sbatch") as f:
         script = f.read()
     # Slurm's own option names reach the batch script
     for line in ("#SBATCH --partition=debug", "#SBATCH --time=10", "#SBATCH --comment=spmd-test"):
@@ -889,7 +889,7 @@ def test_slurm_on_two_nodes_by_sbatch_places_reports_and_restarts(nodes, hosts, 
     out = run(fresh, start)
     assert out.error is None, out.stdout + out.stderr
     # the controller listens on the bridge, where the nodes reach it
-    assert magics(fresh).session.address.rsplit(".", 1)[0] in hosts.addresses[0]
+    assert magics(fresh).session.record().address.rsplit(".", 1)[0] in hosts.addresses[0]
     assert run(fresh, SETUP).error is None
     out = run(fresh, PLACED)
     assert out.stdout == ON_TWO_NODES, out.stdout + out.stderr

@@ -165,7 +165,7 @@ def test_paused_ranks_that_cannot_answer_are_let_go_together_and_leave_no_future
 
     cluster = ready_cluster(module_shell, "start -n 2 --backend none")
     session = cluster.magics_manager.registry["SpmdMagics"].session
-    client, ranks = session.client, session.ranks
+    client, ranks = session.record().client, session.ranks
     engine_ids = [r.engine_id for r in ranks]
     for r in ranks:
         os.kill(r.pid, signal.SIGSTOP)

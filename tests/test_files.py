@@ -54,7 +54,7 @@ KILLED_NOTEBOOK = textwrap.dedent(
     shell.run_cell("print('a line for the log')")
     magics = shell.magics_manager.registry["SpmdMagics"]
     s = magics.session
-    print("FOLDERS", s.profile_dir, s.cache_dir, s.logs.folder, flush=True)
+    print("FOLDERS", s.record().profile_dir, s.record().cache_dir, s.logs.folder, flush=True)
     import time
     time.sleep(600)
     """

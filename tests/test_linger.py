@@ -138,7 +138,7 @@ def test_a_linger_never_attached_ends_every_process_folder_and_record(runtime):
     try:
         run_ok(kc, "%load_ext spmd\n%spmd start -n 2 --linger 3s")
         folders = run_ok(kc, "%%local\ns = get_ipython().magics_manager.registry['SpmdMagics'].session\n"
-                             "print(s.profile_dir, s.cache_dir)").split()
+                             "print(s.record().profile_dir, s.record().cache_dir)").split()
         assert all(os.path.isdir(f) for f in folders)
     finally:
         pid = kill(km, kc)
@@ -384,7 +384,7 @@ def test_what_the_cell_from_before_an_attach_prints_and_how_it_ends_reach_the_no
         assert "printed after the attach 1" in run_ok(kc, "%spmd log 1")
         # (the rank copied it to its own log too, and how the cell ended)
         log = run_ok(kc, "%%local\ns = get_ipython().magics_manager.registry['SpmdMagics']"
-                         ".session\nprint(open(s.cluster.rank_launchers()[1].output_file)"
+                         ".session\nprint(open(s.record().cluster.rank_launchers()[1].output_file)"
                          ".read())")
         assert "printed after the attach 1" in log, log
         assert "--- the cell ended: ValueError: rank 1 failed after the attach | import os" in log

@@ -17,12 +17,12 @@ better than one lost. Later streams, the
 cell's error and its displays join the client's late outputs, which the next cell shows,
 labelled as this cell's (late.py, magics/cells/cell.py), and the ranks' logs keep.
 
-Session keeps it in its generation (``gen.adopted``); the functions at the end are what the
-session and the magics ask of it: which ranks still run it, an interrupt of it, what it
-printed since the last look and how it ended.
+The face (session.py) keeps it in its generation (``gen.adopted``) and asks it, for the
+magics: which ranks still run it, what it printed since the last look and how it ended; the
+function at the end interrupts it.
 
 Threads: the main thread makes it at the attach and asks it (``busy_ranks``, ``news`` and the
-functions below); the client's IO thread calls ``heard``. ``_lock`` guards what both touch,
+function below); the client's IO thread calls ``heard``. ``_lock`` guards what both touch,
 and every addition to the client's late outputs (so that they stay in the order heard).
 """
 
@@ -198,42 +198,20 @@ class Adopted:
                 + "; ".join(said) + ".")
 
 
-# -- what Session and the magics ask (the main thread) ---------------------------------------
+# -- what the face asks (the main thread, under its lock) ------------------------------------
 
 
-def busy(session) -> list[int]:
-    """The ranks still running the cell from before the attach ([] without one)."""
-    adopted = session.gen.adopted
-    return adopted.busy_ranks(session.client) if adopted is not None else []
-
-
-def interrupt(session) -> tuple[list[int], list[int]]:
-    """Session.interrupt after an attach: a cell the notebook stopped waiting for first (the
-    cell runner's), else the cell from before the attach: (the ranks sent SIGINT, those
-    still in it ``INTERRUPT_SECONDS`` later)."""
-    sent, still = session.cells.interrupt()
-    if sent:
-        return sent, still
-    with session.life:
-        sent = busy(session)
-        if not sent:
-            return [], []
-        session.cells.signal(signal.SIGINT, sent)
-        until = time.monotonic() + INTERRUPT_SECONDS
-        while (still := busy(session)) and time.monotonic() < until:
-            time.sleep(0.05)
-        return sent, still
-
-
-def from_before(session, with_news: bool = True) -> tuple[list, str]:
-    """What the cell from before the attach printed since the last look (as late.py keeps
-    it, short), and (``with_news``), once, one line on how it ended ('' before that)."""
-    adopted = session.gen.adopted
-    if adopted is None:  # (every cell asks)
-        return [], ""
-    news = adopted.news(session.client) if with_news else ""
-    session.collect_late()  # (its error came before its end: shown with the line)
-    return session.late.take_before(session.settings.max_output), news
+def interrupt(gen, client, signal_ranks) -> tuple[list[int], list[int]]:
+    """The cell from before the attach (``gen.adopted``), interrupted: (the ranks sent SIGINT,
+    those still in it ``INTERRUPT_SECONDS`` later). ``signal_ranks``: the cell runner's."""
+    sent = gen.adopted.busy_ranks(client)
+    if not sent:
+        return [], []
+    signal_ranks(gen, signal.SIGINT, sent)
+    until = time.monotonic() + INTERRUPT_SECONDS
+    while (still := gen.adopted.busy_ranks(client)) and time.monotonic() < until:
+        time.sleep(0.05)
+    return sent, still
 
 
 def _pending(client) -> dict[str, int] | None:

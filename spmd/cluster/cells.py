@@ -2,10 +2,11 @@
 when the wait ends early (a death, a divergence, a timeout, an interrupt); the ranks' stacks
 and signals.
 
-A part of Session (session.py). The main thread runs cells, under Session's lock (a cell's
-report may end ranks). Its own state: the recent cells' text (``sources``, for stack
-dumps), touched under Session's lock only. It reads the generation and what
-the launch runs through its session.
+A part of the face (session.py), given what it needs: the launch (its client and cluster),
+the death watch, the ranks' logs, the settings, the face's ``stopping`` event and what the
+face does when a rank died (``on_death``). Each cell runs on the generation the face hands it,
+under the face's lock, on the main thread (a cell's report may end ranks). Its own state: the
+recent cells' text (``sources``, for stack dumps), touched under the face's lock only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from spmd.cluster.lockstep.watchdog import (
     TIMEOUT,
     Stall,
 )
-from spmd.cluster.records import CellResult, OutOfStep, Output
+from spmd.cluster.records import CellObserver, CellResult, OutOfStep
 
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5
@@ -108,38 +109,36 @@ class _Late:
 
 
 class CellRunner:
-    """Cells on the session's ranks (see the module's opening comment)."""
+    """Cells on the ranks of a generation (see the module's opening comment)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, launch, deaths, logs, settings, stopping,
+                 on_death: Callable[[list], None]) -> None:
+        self.launch, self.deaths, self.logs = launch, deaths, logs
+        self.settings, self.stopping, self.on_death = settings, stopping, on_death
         # The text of recent cells, to show the lines of a stack dump (where.with_sources).
         self.sources: collections.deque = collections.deque(maxlen=200)
 
     @property
-    def _gen(self):
-        return self.session.gen  # (read afresh each time: start, restart and stop replace it)
-
-    @property
     def _client(self):
-        return self.session.launch.client
+        return self.launch.client  # (read afresh: a start or an attach sets it)
 
     def stack(self, rank: int, frames: list[where.Frame]) -> where.Stack:
         """A rank's frames from the cell on, with the lines of the cells this session sent."""
         return where.Stack(rank, where.with_sources(where.from_cell_on(frames), self.sources))
 
-    def run_cell(
+    def run(
         self,
+        gen,
         code: str,
+        observer: CellObserver | None = None,
         ranks: list[int] | None = None,
         timeout: float | None = None,
         grace: float | None = None,
-        on_output: Callable[[int, Output], None] | None = None,
-        tick: Callable[[CellRun], None] | None = None,
         max_output: int | None = 0,
-        on_prompt: Callable[[int, dict, CellRun], dict] | None = None,
         breakpoints: str = "lowest",
     ) -> CellResult:
-        """Send ``code`` to the ranks and wait until every one has finished (lockstep).
+        """Send ``code`` to the ranks of ``gen`` (in step: the face checked) and wait until
+        every one has finished (lockstep), ``observer`` seeing the cell as it runs.
 
         The wait ends early when a rank dies, when ranks still busy ``grace`` seconds after
         another finished launched what it never did, or all stay inside one call of jax or
@@ -148,70 +147,60 @@ class CellRunner:
         the busy ranks were.
         ``max_output``: stream lines kept per rank (0: the settings'; None: all of them).
         """
-        s = self.session
-        with s.life:
-            s.check_alive()
-            if s.gen.out_of_step:
-                raise OutOfStep(s.gen.out_of_step)
-            targets = {r.rank: r.engine_id for r in s.gen.ranks if ranks is None or r.rank in ranks}
-            run = CellRun(
-                s.launch.client,
-                targets,
-                code,
-                on_output=on_output,
-                max_lines=s.settings.max_output if max_output == 0 else max_output,
-                log=s.logs,
-                on_prompt=on_prompt,
-                breakpoints=breakpoints,
-            )
-            self.sources.append(code)
-            s.logs.begin_cell(code)
-            for rank in targets:
-                s.gen.ranks[rank].state = "busy"
-            # From the send on, a SIGINT either ends the wait (the report follows) or waits
-            # for the report: people press Interrupt twice, and a second one must not cut the
-            # report short and leave the ranks busy without the out-of-step guard.
-            timeout = timeout or s.settings.cell_timeout
-            grace = s.settings.grace if grace is None else grace
-            try:
-                with interrupts.held("the report"):
-                    run.send()
-                    try:
-                        with interrupts.interruptible():
-                            reason, seconds = self._wait(run, timeout, grace or None, tick)
-                    except KeyboardInterrupt:
-                        reason, seconds = INTERRUPTED, None
-                        if run.prompt_interrupted:
-                            # Interrupted at a rank's prompt: the ranks at prompts raise
-                            # KeyboardInterrupt themselves. If that ends the cell everywhere, the
-                            # ranks are still in step: the cell just failed.
-                            run.wait(until=time.monotonic() + 2.0, poll=0.02)
-                            reason = "" if run.finished else reason
-                    if reason == STOPPED:
-                        raise OutOfStep(
-                            "the kernel is shutting down: the cell's wait ended and the cluster "
-                            "is being stopped."
-                        )
-                    if reason:
-                        run.stall = self._stop_waiting(run, reason, seconds)
-            finally:
-                self.session.logs.flush()
-                for rank, cell in run.cells.items():
-                    if cell.done and self._gen.ranks[rank].state == "busy":
-                        self._gen.ranks[rank].state = "idle"
-                        self._gen.ranks[rank].last_seconds = cell.seconds
-            return run.result()  # (the live run stays the generation's, if ranks still run it)
+        targets = {r.rank: r.engine_id for r in gen.ranks if ranks is None or r.rank in ranks}
+        run = CellRun(
+            self._client,
+            targets,
+            code,
+            observer=observer,
+            max_lines=self.settings.max_output if max_output == 0 else max_output,
+            log=self.logs,
+            breakpoints=breakpoints,
+        )
+        self.sources.append(code)
+        self.logs.begin_cell(code)
+        for rank in targets:
+            gen.ranks[rank].state = "busy"
+        # From the send on, a SIGINT either ends the wait (the report follows) or waits
+        # for the report: people press Interrupt twice, and a second one must not cut the
+        # report short and leave the ranks busy without the out-of-step guard.
+        timeout = timeout or self.settings.cell_timeout
+        grace = self.settings.grace if grace is None else grace
+        try:
+            with interrupts.held("the report"):
+                run.send()
+                try:
+                    with interrupts.interruptible():
+                        reason, seconds = self._wait(gen, run, timeout, grace or None)
+                except KeyboardInterrupt:
+                    reason, seconds = INTERRUPTED, None
+                    if run.prompt_interrupted:
+                        # Interrupted at a rank's prompt: the ranks at prompts raise
+                        # KeyboardInterrupt themselves. If that ends the cell everywhere, the
+                        # ranks are still in step: the cell just failed.
+                        run.wait(until=time.monotonic() + 2.0, poll=0.02)
+                        reason = "" if run.finished else reason
+                if reason == STOPPED:
+                    raise OutOfStep(
+                        "the kernel is shutting down: the cell's wait ended and the cluster "
+                        "is being stopped."
+                    )
+                if reason:
+                    run.stall = self._stop_waiting(gen, run, reason, seconds)
+        finally:
+            self.logs.flush()
+            for rank, cell in run.cells.items():  # (gen's rows: a death's end copies them)
+                if cell.done and gen.ranks[rank].state == "busy":
+                    gen.ranks[rank].state = "idle"
+                    gen.ranks[rank].last_seconds = cell.seconds
+        return run.result()  # (the live run stays the generation's, if ranks still run it)
 
     def _wait(
-        self,
-        run: CellRun,
-        timeout: float | None,
-        grace: float | None,
-        tick: Callable[[CellRun], None] | None,
+        self, gen, run: CellRun, timeout: float | None, grace: float | None
     ) -> tuple[str, float | None]:
         """Poll the cell until it finishes ('', None) or a reason to stop waiting."""
         last = time.monotonic()
-        late = _Late(self._client, run, self.stacks)
+        late = _Late(self._client, run, lambda ranks: self.stacks(gen, ranks))
         while not run.finished:
             now = time.monotonic()
             if run.debugger_paused() and not run.prompting:  # (a prompt counts itself)
@@ -223,9 +212,9 @@ class CellRunner:
             last = now
             # (the time a person spent at a prompt does not count)
             until = None if timeout is None else run.started + run.paused + timeout
-            if self.session.stopping.is_set():  # (a shutdown from ipykernel's control thread)
+            if self.stopping.is_set():  # (a shutdown from ipykernel's control thread)
                 return STOPPED, None
-            if self.session.deaths.any():
+            if self.deaths.any():
                 return DIED, None
             if until is not None and now >= until:
                 return TIMEOUT, timeout
@@ -251,15 +240,15 @@ class CellRunner:
                 look_at = late.next_look(grace_ends, grace)
             wake = min(t for t in (until, look_at, now + 0.1) if t is not None)
             run.poll(max(0.0, wake - now))
-            if tick is not None:
-                tick(run)
+            if run.observer is not None:
+                run.observer.tick(run)
         # A rank that died at the very end: its death is the cell's news.
-        return (DIED, None) if self.session.deaths.any() else ("", None)
+        return (DIED, None) if self.deaths.any() else ("", None)
 
-    def _stop_waiting(self, run: CellRun, reason: str, seconds: float | None) -> Stall:
-        deaths = self.session.deaths.deaths()
-        if reason == DIED and deaths and "torch" in self.session.settings.backend:
-            self._let_survivors_finish(run, {d.rank for d in deaths})
+    def _stop_waiting(self, gen, run: CellRun, reason: str, seconds: float | None) -> Stall:
+        deaths = self.deaths.deaths()
+        if reason == DIED and deaths and "torch" in self.settings.backend:
+            self._let_survivors_finish(gen, run, {d.rank for d in deaths})
         ahead = [r for r in run.busy_ranks if r not in run.stragglers]
         now = time.monotonic()
         inside = {r: (stack, now - since) for r, (stack, since) in run.inside.items()
@@ -269,25 +258,25 @@ class CellRunner:
                          inside=inside if reason == DIVERGED and not ahead else {})
         busy = stall.busy
         # Where the busy ranks are, before an interrupt moves them.
-        stall.stacks = self.stacks(busy)
+        stall.stacks = self.stacks(gen, busy)
         stall.in_debugger = run.debugger_paused()
         # Why, before an interrupt or a death's end takes the ranks' records with them.
         stall.census = census.for_report(self._client, run.engine_ids, stall, run.requests)
         if reason == DIED:
-            self.session.end_after_death(stall.deaths)
+            self.on_death(stall.deaths)
             return stall
-        stall.unresponsive = self._interrupt(run, busy)
+        stall.unresponsive = self._interrupt(gen, run, busy)
         what = {DIVERGED: "diverged", INTERRUPTED: "was interrupted"}.get(reason)
         what = what or f"timed out after {seconds:g} s"
         # Ranks stopped in the middle of a cell may be in the middle of a collective, or past
         # one the others never reached: the next collective would hang or mix up data. Only
         # a restart brings them back together.
-        self._gen.out_of_step = (
+        gen.out_of_step = (
             f"the last cell {what}, so the ranks are out of step: %spmd restart before going on."
         )
         return stall
 
-    def _let_survivors_finish(self, run: CellRun, dead: set[int]) -> None:
+    def _let_survivors_finish(self, gen, run: CellRun, dead: set[int]) -> None:
         """gloo raises at once in the other ranks when a peer's connection drops (jax's
         ranks stay blocked, so a jax death report does not wait for them). Their errors belong
         in the death report, not stacks caught half-way through formatting them: wait a
@@ -300,37 +289,37 @@ class CellRunner:
             until = time.monotonic() + seconds
             while (
                 time.monotonic() < until
-                and not self.session.stopping.is_set()
+                and not self.stopping.is_set()
                 and any(not run.cells[r].done for r in ranks)
             ):
                 run.poll(0.02)
 
         wait(busy(), AFTER_DEATH_SECONDS)
-        stacks = self.stacks(busy())
+        stacks = self.stacks(gen, busy())
         wait([r for r, s in stacks.items() if s is not None and not s.at_cell_line], 5.0)
 
-    def _interrupt(self, run: CellRun, busy: list[int], grace: float = 0.5) -> list[int]:
+    def _interrupt(self, gen, run: CellRun, busy: list[int], grace: float = 0.5) -> list[int]:
         """SIGINT to the busy ranks; the ones still busy after ``grace`` seconds. Ranks
         paused in JupyterLab's debugger go on first: paused, they would never see it."""
         paused = run.debugger_paused()
         if paused:
-            control.resume_debugged(self._client, [self._gen.ranks[r].engine_id for r in paused])
-        self.signal(signal.SIGINT, busy)
+            control.resume_debugged(self._client, [gen.ranks[r].engine_id for r in paused])
+        self.signal(gen, signal.SIGINT, busy)
         run.wait(until=time.monotonic() + grace, poll=0.02)
         # A SIGINT that lands while debugpy is still letting a paused rank go is swallowed
         # by it, and on a busy machine that takes a while: again, until it reaches the cell.
         until = time.monotonic() + RESUMED_SECONDS
         again = [r for r in run.busy_ranks if r in paused]
         while again and time.monotonic() < until:
-            self.signal(signal.SIGINT, again)
+            self.signal(gen, signal.SIGINT, again)
             run.wait(until=time.monotonic() + grace, poll=0.02)
             again = [r for r in run.busy_ranks if r in paused]
         left = [r for r in run.busy_ranks if r in busy]
-        self._gen.unfinished = run if left else None
+        gen.unfinished = run if left else None
         return left
 
-    def stacks(self, ranks: list[int]) -> dict[int, where.Stack | None]:
-        """The main-thread Python stack of each rank (None: it did not answer)."""
+    def stacks(self, gen, ranks: list[int]) -> dict[int, where.Stack | None]:
+        """The main-thread Python stack of each rank of ``gen`` (None: it did not answer)."""
         if not ranks or self._client is None:
             return {}
         # Every rank is asked on its control channel first: its control thread reads the
@@ -338,9 +327,9 @@ class CellRunner:
         # C, or stuck): its signal handler dumps the stacks from C. Only then, because a
         # dump that reads other threads' frames while they run can crash the rank
         # (CPython #116008, a SIGSEGV once a second's looks); with the GIL held, none runs.
-        local = {r: self._gen.launchers[r].process for r in ranks if r in self._gen.launchers}
+        local = {r: gen.launchers[r].process for r in ranks if r in gen.launchers}
         gone = {r for r, process in local.items() if processes.exited(process)}
-        asked = {r: self._gen.ranks[r].engine_id for r in ranks if r not in gone}
+        asked = {r: gen.ranks[r].engine_id for r in ranks if r not in gone}
         found: dict[int, list[where.Frame] | None] = dict.fromkeys(gone)
         if asked:  # (one request for all; the longer wait where a rank is on another host)
             timeout = LOCAL_ANSWER_SECONDS if set(asked) <= set(local) else 1.0
@@ -349,7 +338,7 @@ class CellRunner:
                 frames = by_engine.get(engine_id)
                 found[r] = None if frames is None else [where.Frame(*f) for f in frames]
         silent = {
-            r: (local[r], self._gen.launchers[r].stack_file, self._gen.ranks[r].main_thread)
+            r: (local[r], gen.launchers[r].stack_file, gen.ranks[r].main_thread)
             for r in asked
             if found[r] is None and r in local
         }
@@ -357,37 +346,31 @@ class CellRunner:
             found.update(where.dump(silent))
         return {r: None if frames is None else self.stack(r, frames) for r, frames in found.items()}
 
-    def interrupt(self) -> tuple[list[int], list[int]]:
-        """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
-        with self.session.life:
-            busy = self.busy_ranks()
-            if not busy:
-                return [], []
-            return busy, self._interrupt(self._gen.unfinished, busy)
+    def interrupt(self, gen) -> tuple[list[int], list[int]]:
+        """SIGINT to the ranks of ``gen`` still running a cell the notebook stopped waiting
+        for: (the ones sent it, the ones still busy). (Under the face's lock.)"""
+        busy = self.busy_ranks(gen)
+        if not busy:
+            return [], []
+        return busy, self._interrupt(gen, gen.unfinished, busy)
 
-    def call(self, rank: int, fn, *args, timeout: float):
-        """``fn(*args)`` on one rank (through ipyparallel's signed ``apply``): its answer.
-        Raises the rank's error, or ipyparallel's TimeoutError after ``timeout`` seconds."""
-        ar = self._client[self._gen.ranks[rank].engine_id].apply_async(fn, *args)
-        return ar.get(timeout)
+    def busy_ranks(self, gen) -> list[int]:
+        """Ranks of ``gen`` still running a cell the notebook stopped waiting for. (Under the
+        face's lock.)"""
+        run = gen.unfinished
+        if run is None:
+            return []
+        run.poll(0, answer=False)  # (a prompt is left for a person, not a keypress)
+        for rank, cell in run.cells.items():
+            if cell.done and gen.ranks[rank].state == "busy":
+                gen.ranks[rank].state = "idle"
+        if run.finished:
+            gen.unfinished = None
+        return run.busy_ranks
 
-    def busy_ranks(self) -> list[int]:
-        """Ranks still running a cell the notebook stopped waiting for."""
-        with self.session.life:
-            gen = self._gen
-            run = gen.unfinished
-            if run is None:
-                return []
-            run.poll(0, answer=False)  # (a prompt is left for a person, not a keypress)
-            for rank, cell in run.cells.items():
-                if cell.done and gen.ranks[rank].state == "busy":
-                    gen.ranks[rank].state = "idle"
-            if run.finished:
-                gen.unfinished = None
-            return run.busy_ranks
-    def signal(self, signum: int = signal.SIGINT, ranks: list[int] | None = None) -> None:
-        """Send a signal to the processes of some ranks (default: all)."""
-        cluster, gen = self.session.launch.cluster, self._gen
+    def signal(self, gen, signum: int, ranks: list[int] | None = None) -> None:
+        """Send a signal to the processes of some ranks of ``gen`` (default: all)."""
+        cluster = self.launch.cluster
         if cluster is None:
             return
         chosen = [r.rank for r in gen.ranks] if ranks is None else ranks
@@ -395,4 +378,3 @@ class CellRunner:
         far = [gen.ranks[r].engine_id for r in chosen if r not in gen.launchers]
         if far and self._client is not None:
             control.signal(self._client, far, signum)
-

@@ -1,8 +1,10 @@
 """The death watch: which ranks ended or vanished, and what is known of how.
 
-A part of Session (session.py). It keeps no state of its own beyond the generation's
-``vanished`` table: it reads the generation and what the launch runs, on whichever thread
-asks (cells' waits and reports on the main thread; the debugger's control thread asks
+A part of the face (session.py), given what it needs: the launch (its client and cluster),
+the ranks' logs, the generation now (read afresh: start, restart and stop replace it), how a
+rank's frames become a stack with its cells' lines, and the face's ``collect_late``. It keeps
+no state of its own beyond the generation's ``vanished`` table: it reads the generation and
+what the launch runs, on whichever thread asks (cells' waits and reports on the main thread; the debugger's control thread asks
 ``dead_ranks``, which copies the watched table in one step). Ending the others after a death
 is Session's (it changes the cluster's life).
 """
@@ -20,10 +22,11 @@ from spmd.cluster.lockstep.watchdog import Death, last_lines, with_hint
 
 
 class DeathWatch:
-    """Which of the session's ranks died (see the module's opening comment)."""
+    """Which ranks died (see the module's opening comment)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, launch, logs, generation, stack, collect_late) -> None:
+        self.launch, self.logs, self._generation = launch, logs, generation
+        self._stack, self._collect_late = stack, collect_late
 
     def any(self) -> bool:
         """Whether a rank has ended or vanished (every poll of every cell asks)."""
@@ -34,7 +37,7 @@ class DeathWatch:
     @property
     def _watched(self) -> dict:
         """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
-        gen = self.session.gen
+        gen = self._generation()
         return {**gen.ssh, **gen.launchers}
 
     def dead_ranks(self) -> set[int]:
@@ -45,13 +48,13 @@ class DeathWatch:
 
     def local_ranks(self) -> set[int]:
         """Ranks with a process on this machine that the notebook started."""
-        return set(self.session.gen.launchers)
+        return set(self._generation().launchers)
 
     def _vanished(self) -> dict[int, float]:
         """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
         lost: their engine missed its heartbeats and was unregistered. (A rank over ssh is
         watched by its wait on the host too; a host cut off answers neither.)"""
-        gen, running = self.session.gen, self.session.launch
+        gen, running = self._generation(), self.launch
         unwatched = [r for r in gen.ranks if r.rank not in gen.launchers and r.rank not in gen.ssh]
         far = unwatched + [
             r for r in gen.ranks if r.rank in gen.ssh and gen.ssh[r.rank].exited_at is None
@@ -71,9 +74,9 @@ class DeathWatch:
 
     def deaths(self) -> list[Death]:
         """Ranks whose processes ended while the cluster runs, first to die first."""
-        session = self.session
-        session.collect_late()  # (what a rank's threads printed last belongs in its log)
-        ranks, cluster = session.gen.ranks, session.launch.cluster
+        self._collect_late()  # (what a rank's threads printed last belongs in its log)
+        gen = self._generation()
+        ranks, cluster = gen.ranks, self.launch.cluster
         gone = [ln for ln in self._watched.values() if ln.exited_at is not None]
         deaths = [
             Death(
@@ -82,7 +85,7 @@ class DeathWatch:
                 ln.exit_code,
                 ln.exited_at,
                 last_lines(cluster.output_of(ln.rank)),
-                self._crash_stack(ln) if ln.rank in session.gen.launchers else None,
+                self._crash_stack(gen, ln) if ln.rank in gen.launchers else None,
                 host=ranks[ln.rank].host,
                 cause=self._cause(ln),
             )
@@ -99,7 +102,7 @@ class DeathWatch:
                 rank, row.pid, None, at, last_lines(output), host=row.host,
                 cause=(
                     "it stopped answering (its host, or the network to it, may be down)"
-                    if rank in session.gen.ssh
+                    if rank in gen.ssh
                     else "it stopped answering the controller's heartbeat"
                 ),
             )
@@ -114,7 +117,7 @@ class DeathWatch:
             deaths.append(death)
         deaths.sort(key=lambda d: d.at)
         for d in deaths:  # (every line it printed stays there until the next %spmd start)
-            path = session.logs.path(d.rank)
+            path = self.logs.path(d.rank)
             d.log = path if path is not None and os.path.exists(path) else ""
         return deaths
 
@@ -122,7 +125,7 @@ class DeathWatch:
         """A rank over ssh that stopped answering the controller, whose host's wait saw no
         end: the host is cut off, and the stop sends it no command (each would wait for
         ssh's connect timeout). (A forked one's rank server knows.)"""
-        far = self.session.gen.ssh.get(death.rank)
+        far = self._generation().ssh.get(death.rank)
         if (
             far is not None and death.exit_code is None and far.exited_at is None
             and not isinstance(far, ForkedSSHEngineLauncher)
@@ -134,7 +137,7 @@ class DeathWatch:
         if getattr(launcher, "lost", False):
             return "its host stopped answering"
         if isinstance(launcher, (ForkedEngineLauncher, ForkedSSHEngineLauncher)) and (
-            self.session.launch.rank_server is not None and launcher.exit_code is None
+            self.launch.rank_server is not None and launcher.exit_code is None
         ):
             server = launcher.server
             if server.ended_how():
@@ -147,7 +150,7 @@ class DeathWatch:
                 )
         return "its process ended"
 
-    def _crash_stack(self, launcher: RankedEngineLauncher) -> where.Stack | None:
+    def _crash_stack(self, gen, launcher: RankedEngineLauncher) -> where.Stack | None:
         """Where a rank was when it crashed, from faulthandler's dump in its stack file."""
         try:
             with open(launcher.stack_file, errors="replace") as f:
@@ -157,5 +160,5 @@ class DeathWatch:
         at = text.rfind("Fatal Python error")
         if at < 0:
             return None
-        frames = where.parse_dump(text[at:], self.session.gen.ranks[launcher.rank].main_thread)
-        return self.session.cells.stack(launcher.rank, frames) if frames else None
+        frames = where.parse_dump(text[at:], gen.ranks[launcher.rank].main_thread)
+        return self._stack(launcher.rank, frames) if frames else None

@@ -75,6 +75,7 @@ class Running:
     hash_seed: str = ""  # the ranks' PYTHONHASHSEED where a rank server forks them
     coordinator: str = ""  # rank 0's address for the others (jax's, else torch's)
     torch_method: str = ""  # torch's init method as the ranks got it
+    fell_back: str = ""  # why the ranks started without the rank server ('' if not)
 
 
 @dataclass

@@ -1,6 +1,11 @@
-"""A Session: one SPMD cluster's life, its rank table, and cells run on it in lockstep.
+"""The cluster's one face: a Session is one SPMD cluster from its start to its stop, and its
+verbs are all the notebook asks of it: ``start``, ``run_cell`` (observed through one
+records.CellObserver), ``interrupt``, ``restart``, ``stop`` (and ``shutdown`` from another
+thread), ``attach``, ``call`` (a function on one rank), ``stacks`` and ``signal``. What comes
+back are the records of records.py; what runs is read as one frozen ``record()``.
 
-Session keeps the lock and the generation, and delegates to parts it owns:
+Session keeps the lock and the generation, and hands its parts what each needs (never
+itself):
 
 - ``launch`` (startup.py, Launch): the processes, started in named steps, re-forked by a
   restart (restarts.py), ended by a stop (stopping.py); ``record()`` is a frozen copy of what
@@ -41,15 +46,15 @@ import shutil
 import threading
 import time
 
-from spmd.cluster import adopted, interrupts, linger, restarts, stopping
+from spmd.cluster import adopted, attach, interrupts, linger, restarts, stopping
 from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
 from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.generation import Generation
 from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.lockstep.watchdog import Death
 from spmd.cluster.records import (
+    CellObserver,
     CellResult,
     OutOfStep,
     Ran,
@@ -78,7 +83,7 @@ PORT_TAKEN = ("Failed to start RPC server", "Failed to add port to server")
 
 class Session:
     def __init__(self, settings: Settings, cache_dir: str | None = None,
-                 logs: RankLogs | None = None) -> None:
+                 logs: RankLogs | None = None, progress=None) -> None:
         self.settings = settings
         self.gen = Generation()  # the ranks now (see above)
         self.life = threading.RLock()
@@ -88,13 +93,19 @@ class Session:
         # Set by shutdown only: every wait of the main thread gives up (a cell's, a restart's).
         self.stopping = threading.Event()
         # ``cache_dir``: a restart's compilation cache, so compiled cells stay compiled.
+        # ``progress(stage, done, of, coordinator)`` hears how the start goes.
         self.launch = Launch(settings, self.cancelled, cache_dir=cache_dir)
-        self.deaths = DeathWatch(self)
-        self.cells = CellRunner(self)
-        self.late = LateOutputs()
+        self.launch.progress = progress
         self.logs = logs if logs is not None else RankLogs()  # (a restart's go on)
+        self.late = LateOutputs()
+        self.cells = CellRunner(self.launch, None, self.logs, settings, self.stopping,
+                                on_death=self.end_after_death)
+        self.deaths = DeathWatch(self.launch, self.logs, lambda: self.gen,
+                                 stack=self.cells.stack, collect_late=self.collect_late)
+        self.cells.deaths = self.deaths
         # The cells since the start or the last restart, in the order they ran, and how each
-        # went (ranks.Ran), for %spmd export. The main thread only: it runs cells and restarts.
+        # went (records.Ran), for %spmd export. The main thread only: it runs cells and
+        # restarts.
         self.ran: list[Ran] = []
         self.start_seconds = 0.0
         self.afresh_because = ""  # why a restart started afresh ('' when it did not)
@@ -115,50 +126,13 @@ class Session:
         return self.gen.out_of_step
 
     @property
-    def unfinished(self) -> CellRun | None:
-        return self.gen.unfinished
-
-    @property
     def running(self) -> bool:
         """Whether the ranks run (after a death they do not, though the controller may)."""
         return self.launch.cluster is not None and self.gen.death is None
 
-    cluster = property(lambda self: self.launch.cluster)
-    client = property(lambda self: self.launch.client)
-
-    @property
-    def rank_server(self):
-        """The rank server that forks the ranks (None where there is none)."""
-        return self.launch.rank_server
-
-    @property
-    def cache_dir(self) -> str | None:
-        """The compilation cache the ranks share (kept across restarts)."""
-        return self.launch.cache_dir
-
-    @property
-    def address(self) -> str:
-        """Where the controller listens."""
-        return self.launch.address
-
-    # (the cluster's folder, the ranks' PYTHONHASHSEED, rank 0's address for the others,
-    # why the ranks started without the rank server)
-    profile_dir = property(lambda self: self.launch.profile_dir)
-    hash_seed = property(lambda self: self.launch.hash_seed)
-    coordinator = property(lambda self: self.launch.coordinator)
-    fell_back = property(lambda self: self.launch.fell_back)
-
-    @property
-    def progress(self):
-        return self.launch.progress
-
-    @progress.setter
-    def progress(self, tell) -> None:
-        """``tell(stage, done, of, coordinator)`` hears how a start goes."""
-        self.launch.progress = tell
-
     def record(self) -> Running:
-        """What runs now, as a frozen copy."""
+        """What runs now (the client, the controller, the rank server, the folders), as a
+        frozen copy."""
         return self.launch.record()
 
     def busy(self) -> bool:
@@ -199,11 +173,18 @@ class Session:
                 except BaseException:
                     self.stop()
                     raise
+            self.launch.progress = None  # (the start's: a restart tells no one)
         self.start_seconds = time.perf_counter() - t0
 
     def cancel(self) -> None:
         """Make a ``start`` running on another thread give up soon, stopping what it began."""
         self.cancelled.set()
+
+    def attach(self, record) -> Session:
+        """Hold the lingering cluster of ``record`` (linger.Record) instead of starting one,
+        or leave everything as it was (attach.AttachError): it lingers on. (The new
+        Session's own, before any other verb: attach.py takes the lock.)"""
+        return attach.attach(self, record)
 
     def _new_generation(self, engine_ids: list[int]) -> None:
         """The ranks are these engines, in this order (rank = position: ids change after a
@@ -298,14 +279,6 @@ class Session:
 
     # Deaths.
 
-    def dead_ranks(self) -> set[int]:
-        """Ranks whose process has ended, or that the controller lost (any thread)."""
-        return self.deaths.dead_ranks()
-
-    def local_ranks(self) -> set[int]:
-        """Ranks with a process on this machine that the notebook started."""
-        return self.deaths.local_ranks()
-
     def notice_deaths(self) -> None:
         """If a rank died since the last look, stop the others and say so from now on."""
         with self.life:
@@ -339,30 +312,58 @@ class Session:
 
     # Cells (cells.py), and what ranks print after them (late.py).
 
-    def run_cell(self, code: str, **how) -> CellResult:
-        """Send ``code`` to the ranks and wait until every one has finished (lockstep); see
-        CellRunner.run_cell for ``how``."""
-        return self.cells.run_cell(code, **how)
+    def run_cell(self, code: str, observer: CellObserver | None = None, **how) -> CellResult:
+        """Send ``code`` to the ranks and wait until every one has finished (lockstep),
+        ``observer`` seeing it as it runs; refused (OutOfStep) after a death or a cell that
+        left the ranks out of step. ``how``: see CellRunner.run."""
+        with self.life:
+            self.check_alive()
+            if self.gen.out_of_step:
+                raise OutOfStep(self.gen.out_of_step)
+            return self.cells.run(self.gen, code, observer, **how)
 
     def interrupt(self) -> tuple[list[int], list[int]]:
-        """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy)."""
-        return self.cells.interrupt() if self.gen.adopted is None else adopted.interrupt(self)
+        """SIGINT to the ranks still running a cell: (the ones sent it, the ones still busy).
+        After an attach, the cell from before it when no later one runs."""
+        with self.life:
+            sent, still = self.cells.interrupt(self.gen)
+            if sent or self.gen.adopted is None:
+                return sent, still
+            return adopted.interrupt(self.gen, self.launch.client, self.cells.signal)
 
     def busy_ranks(self) -> list[int]:
         """Ranks still running a cell the notebook stopped waiting for (or from before)."""
-        return sorted({*self.cells.busy_ranks(), *adopted.busy(self)})
+        with self.life:
+            return sorted({*self.cells.busy_ranks(self.gen), *self.busy_before_attach()})
+
+    def busy_before_attach(self) -> list[int]:
+        """The ranks still running the cell from before the attach ([] without one)."""
+        held = self.gen.adopted
+        return held.busy_ranks(self.launch.client) if held is not None else []
+
+    def outputs_before_attach(self, with_news: bool = True) -> tuple[list, str]:
+        """What the cell from before the attach printed since the last look (short), and
+        (``with_news``), once, one line on how it ended ('' before that)."""
+        held = self.gen.adopted
+        if held is None:  # (every cell asks)
+            return [], ""
+        news = held.news(self.launch.client) if with_news else ""
+        self.collect_late()  # (its error came before its end: shown with the line)
+        return self.late.take_before(self.settings.max_output), news
 
     def stacks(self, ranks: list[int]):
         """The main-thread Python stack of each rank (None: it did not answer)."""
-        return self.cells.stacks(ranks)
+        return self.cells.stacks(self.gen, ranks)
 
     def signal(self, signum: int, ranks: list[int] | None = None) -> None:
         """Send a signal to the processes of some ranks (default: all)."""
-        self.cells.signal(signum, ranks)
+        self.cells.signal(self.gen, signum, ranks)
 
     def call(self, rank: int, fn, *args, timeout: float):
-        """``fn(*args)`` on one rank: its answer (raises the rank's error, or a timeout)."""
-        return self.cells.call(rank, fn, *args, timeout=timeout)
+        """``fn(*args)`` on one rank (through ipyparallel's signed ``apply``): its answer.
+        Raises the rank's error, or ipyparallel's TimeoutError after ``timeout`` seconds."""
+        engine = self.launch.client[self.gen.ranks[rank].engine_id]
+        return engine.apply_async(fn, *args).get(timeout)
 
     def collect_late(self) -> None:
         """Take what the client kept of the ranks' late outputs: streams into the logs now
@@ -373,5 +374,9 @@ class Session:
     def late_outputs(self) -> list:
         """What ranks printed after their cell had ended (a thread, a callback) since the
         last cell, in order and kept short as a cell's output is (--max-output)."""
+        client = self.launch.client
+        if not (self.late.taken or getattr(client, "late", None)
+                or getattr(client, "adopted", None) is not None):
+            return []  # (most cells: nothing came after the last one)
         self.collect_late()
         return self.late.take(self.settings.max_output)

@@ -136,7 +136,7 @@ class Launch:
             cluster=self.cluster, client=self.client, rank_server=self.rank_server,
             address=self.address, profile_dir=self.profile_dir, cache_dir=self.cache_dir,
             hash_seed=self.hash_seed, coordinator=self.coordinator,
-            torch_method=self.torch_method,
+            torch_method=self.torch_method, fell_back=self.fell_back,
         )
 
     def hand_over(self) -> Running:

@@ -149,7 +149,7 @@ class RankDebugger(Shown):
         return session
 
     def _listening(self, session) -> bool:
-        return self._gen is session.gen and self._client is session.client
+        return self._gen is session.gen and self._client is session.record().client
 
     async def before_cell(self) -> None:
         """(the kernel's main thread, before a cell while the debugger is on) Ranks started
@@ -173,7 +173,7 @@ class RankDebugger(Shown):
         try:
             if self._listening(session):  # (the other thread did it meanwhile)
                 return
-            client = session.client
+            client = session.record().client
             client.on_debug_event = self._on_event
             with self._lock:
                 self._stopped.clear()
@@ -320,8 +320,8 @@ class RankDebugger(Shown):
         before a rank's request is sent. Nothing is sent where a rank has ended or is left out
         (it did not answer lately); one wait for all the replies, which a rank's end cuts
         short. Raises NoRanks, its text one sentence."""
-        client = session.client
-        dead, now = session.dead_ranks(), time.monotonic()
+        client = session.record().client
+        dead, now = session.deaths.dead_ranks(), time.monotonic()
         engines = {}
         for rank in requests:
             try:
@@ -375,11 +375,11 @@ async def _wait(session, futures: dict, seconds: float) -> list[int]:
     while waiting and time.monotonic() < deadline:
         await asyncio.wait(list(waiting), timeout=min(0.25, deadline - time.monotonic()))
         waiting = {w: rank for w, rank in waiting.items() if not w.done()}
-        gone = session.dead_ranks() & set(waiting.values()) if waiting else set()
+        gone = session.deaths.dead_ranks() & set(waiting.values()) if waiting else set()
         if gone:
-            _drop(session.client, futures, waiting)
+            _drop(session.record().client, futures, waiting)
             raise NoRanks(ended(sorted(gone)))
-    _drop(session.client, futures, waiting)
+    _drop(session.record().client, futures, waiting)
     return sorted(waiting.values())
 
 

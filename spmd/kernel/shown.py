@@ -28,7 +28,7 @@ class Shown:
         session = self._live()
         client = self._client
         with self._lock:
-            if client is None or session is None or session.client is not client \
+            if client is None or session is None or session.record().client is not client \
                     or session.gen is not self._gen:
                 gone = list(self._stopped)
             else:

@@ -203,7 +203,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
     def _require_session(
         self, allow_stopped: bool = False, refused: str = "The cluster is stopped"
     ) -> Session:
-        self._take_pending()
+        if self.pending is not None:
+            self._take_pending()
         self._fresh = False
         s = self.session
         if s is None:
@@ -221,12 +222,14 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
     # -- cells ----------------------------------------------------------------------------
 
     def _run_cell(self, line: str, cell: str) -> RankResults | None:
-        return self._run(_cell_parser().parse_args(_words(f"%%spmd {line}", line)), cell)
+        words = _words(f"%%spmd {line}", line) if line.strip() else []
+        return self._run(_cell_parser().parse_args(words), cell)
 
     def _run(self, opts, cell: str, debugging: bool = False) -> RankResults | None:
         """One cell on the ranks, in the steps of cell.py: before it, the run, the
         bookkeeping, what is shown, then its value or its failure."""
-        started = self._take_pending()  # the kernel's start line, shown again after a live view
+        # the kernel's start line, shown again after a live view
+        started = self._take_pending() if self.pending is not None else ""
         session = self._require_session(refused="Cell not run")
         panel = Panel(session) if (self.panel or opts.panel) else None
         live = LiveView(where=session.stacks, panel=panel)
@@ -238,7 +241,8 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
         refuse_exit(cell)
         ran = run_on_ranks(session, self._as_sent(cell), opts, live,
                            opts.breakpoint or self.breakpoints)
-        not_rebuilt = printed.rebuild(ran)  # (print(x) of arrays over several processes)
+        # (print(x) of arrays over several processes: their placeholders come marked)
+        not_rebuilt = printed.rebuild(ran) if _marked(ran) else ""
         count = self.shell.displayhook.prompt_count
         self._keep_requests(count, ran)
         errors = group_errors(ran.cells, ignore=interrupted_by_us(ran.stall))
@@ -281,6 +285,15 @@ class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
             failed=how_it_failed(ran.stall, errors),
             showed_value=bool(results),
         ))
+
+
+def _marked(ran: CellResult) -> bool:
+    """Whether a rank printed an array over several processes in the cell (its placeholder
+    marked, engine/arrays/printed.py; the marks hold NULs, which printed.rebuild looks for
+    too): only then is there something to put together."""
+    return any("\x00" in (o.text if o.kind in ("stdout", "stderr")
+                           else (o.data or {}).get("text/plain", ""))
+               for c in ran.cells.values() for o in c.outputs)
 
 
 _EXPRESSION_COMMANDS = ("sharding", "gather")

@@ -7,8 +7,8 @@ no early output is missed). The IO thread only puts events on a queue: the noteb
 thread consumes them, which is where streaming to the notebook must happen (ipykernel routes
 output by the main thread's current cell).
 
-``CellRun`` is the cell while it runs: the session's cell runner polls it, the live view's
-``tick`` and the prompts' ``on_prompt`` see it, and the session keeps it while ranks are still
+``CellRun`` is the cell while it runs: the session's cell runner polls it, its observer (the
+live view) sees it, and the session keeps it while ranks are still
 busy in it (``unfinished``: a later interrupt polls it). ``CellResult`` is what the cell was
 once the notebook's wait for it ended (``CellRun.result``): a frozen record that the magics,
 the panel and the cell's report read, on the main thread.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -26,7 +26,7 @@ from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.channel.cell_routes import DONE
 from spmd.cluster.lockstep.outputs import RankCell, output_from_message, unmarked
-from spmd.cluster.records import CellResult, Output
+from spmd.cluster.records import CellObserver, CellResult
 
 
 @dataclass
@@ -37,12 +37,13 @@ class CellRun:
     client: object
     engine_ids: dict[int, int]  # rank -> ipyparallel engine id
     code: str
-    on_output: Callable[[int, Output], None] | None = None
+    # What watches the cell (records.CellObserver: the magics' live view): every output as
+    # it comes, and a rank's input(), getpass or pdb prompt to answer ({"text": ...} or
+    # {"error": why}); None: outputs are only kept, and ranks that ask get
+    # StdinNotImplementedError.
+    observer: CellObserver | None = None
     max_lines: int | None = None  # stream lines kept per rank (RankCell.max_lines)
     log: object | None = None  # a RankLogs: every stream line of every rank
-    # A rank's input(), getpass or pdb prompt: asks the person, returns the answer
-    # ({"text": ...} or {"error": why}); None: ranks get StdinNotImplementedError.
-    on_prompt: Callable[[int, dict, CellRun], dict] | None = None
     breakpoints: str = "lowest"  # which ranks stop at breakpoint(): the lowest, or all
     paused: float = 0.0  # seconds spent waiting for the person at a prompt
     prompting: set = field(default_factory=set)  # ranks waiting at a prompt
@@ -142,8 +143,8 @@ class CellRun:
         if self.log is not None and out.kind in ("stdout", "stderr"):
             self.log.write(rank, unmarked(out.text))  # (the log: the text as jax made it)
         cell.add(out)
-        if self.on_output is not None:
-            self.on_output(rank, out)
+        if self.observer is not None:
+            self.observer.output(rank, out)
 
     def _answer(self, rank: int, request: dict) -> None:
         """Answer one prompt: a breakpoint by the rule, input by the person."""
@@ -157,11 +158,11 @@ class CellRun:
                     # them), the lowest; a lower rank that comes later is not waited for
                     self._stopper = rank
                 answer = {"stop": self.breakpoints == "all" or rank == self._stopper}
-            elif self.on_prompt is None:
+            elif self.observer is None:
                 answer = {"error": "input was called on a rank, but nothing answers it."}
             else:
                 try:
-                    answer = self.on_prompt(rank, request, self)
+                    answer = self.observer.prompt(rank, request, self)
                 except KeyboardInterrupt:
                     # the rank's prompt ends too, and every other rank's: no rank is left
                     # waiting for an answer
@@ -209,7 +210,6 @@ class CellRun:
     def wait(
         self,
         until: float | None = None,
-        tick: Callable[[CellRun], None] | None = None,
         poll: float = 0.1,
     ) -> bool:
         """Wait until every rank finished (True) or the monotonic time ``until`` (False)."""
@@ -217,8 +217,6 @@ class CellRun:
             if until is not None and time.monotonic() >= until:
                 return False
             self.poll(poll if until is None else min(poll, max(0.0, until - time.monotonic())))
-            if tick is not None:
-                tick(self)
         return True
 
 

@@ -37,7 +37,7 @@ def ask(session: Session, fn, *args) -> dict[int, object]:
             f"{rank_words(sorted(busy)).capitalize()} still {'runs' if len(busy) == 1 else 'run'} "
             "a cell and cannot answer: %spmd restart first."
         )
-    client = session.client
+    client = session.record().client
     pending = {r: client[session.ranks[r].engine_id].apply_async(fn, *args) for r in targets}
     deadline = time.monotonic() + ANSWER_SECONDS
     for rank, ar in pending.items():
@@ -219,6 +219,7 @@ def _ways_out(what: str, holders: list[int], whole: bool) -> str:
 
 # What jax prints for an array no process holds whole (print(x), str(x), f"{x}")
 _PLACEHOLDER = re.compile(r"Array\(shape=\([\d, ]*\), dtype=\w+(?:, weak_type=True)?\)")
+PLACEHOLDER_BEGINS = "Array(shape=("  # (what a text holds before the pattern is worth trying)
 
 
 def placeholder_hint(session: Session, cell: str, printed: list[tuple[int, str]]) -> str:

@@ -1,3 +1,4 @@
 """A ``%%spmd`` cell in the notebook: its steps (cell.py), auto mode (automode.py), its
-per-rank outputs grouped (render.py), the live panel (panel.py) and rows of many ranks
-(grouped.py), a rank's prompt (prompts.py), and widgets' saved text (widgets.py)."""
+per-rank outputs grouped and its live view, which asks a rank's prompt (render.py), the
+live panel (panel.py) and rows of many ranks (grouped.py), and widgets' saved text
+(widgets.py)."""

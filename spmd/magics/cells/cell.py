@@ -12,17 +12,17 @@ import time
 
 from IPython.core.error import UsageError
 
-from spmd.cluster import adopted, interrupts
+from spmd.cluster import interrupts
 from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.run import rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics.arrays import arrays, meshes, values
+from spmd.magics.arrays.arrays import PLACEHOLDER_BEGINS
 from spmd.magics.cells import widgets
-from spmd.magics.cells.automode import is_exit
+from spmd.magics.cells.automode import EXITS
 from spmd.magics.cells.panel import Panel
-from spmd.magics.cells.prompts import Prompter
 from spmd.magics.cells.render import (
     LiveView,
     RankErrors,
@@ -32,6 +32,7 @@ from spmd.magics.cells.render import (
     show_outputs,
     write,
 )
+from spmd.wire import GLOBAL_ARRAY_MIME
 
 # -- before the run ---------------------------------------------------------------------------
 
@@ -44,7 +45,7 @@ def show_before(live: LiveView, session: Session, started: str | None) -> None:
         live.reprint("stdout", started + "\n")
     wait_for_the_cell_from_before(live, session)
     show_late(live, session.late_outputs())
-    before, news = adopted.from_before(session)
+    before, news = session.outputs_before_attach()
     show_late(live, before, "in a cell from before the attach")
     if news:
         live.note("stdout", news + "\n")
@@ -55,14 +56,14 @@ def wait_for_the_cell_from_before(live: LiveView, session: Session) -> None:
     one died has ended on every rank (sent behind it, it would start on a rank that ended
     that one first, and look diverged there), showing what that cell prints meanwhile. An
     interrupt stops that cell, and this one is not sent."""
-    busy = adopted.busy(session)
+    busy = session.busy_before_attach()
     if not busy:
         return
     live.note("stdout", f"Waiting for the cell from before the attach to end on "
                         f"{rank_words(busy)} (Interrupt stops it)...\n")
     try:
-        while adopted.busy(session):
-            show_late(live, adopted.from_before(session, with_news=False)[0],
+        while session.busy_before_attach():
+            show_late(live, session.outputs_before_attach(with_news=False)[0],
                       "in a cell from before the attach")
             time.sleep(0.1)
     except KeyboardInterrupt:
@@ -103,7 +104,7 @@ def check_ranks(ranks: list[int] | None, n: int, live: LiveView, debugging: bool
 
 def refuse_exit(cell: str) -> None:
     """``exit`` is not sent to the ranks."""
-    if is_exit(cell):
+    if cell.strip() in EXITS:
         raise UsageError(
             "exit on the ranks would end each rank's process, and the next cell would find "
             "them dead: %spmd stop ends the cluster, and exit in a cell of its own ends "
@@ -122,13 +123,11 @@ def run_on_ranks(
     try:
         run = session.run_cell(
             code,
+            live,
             ranks=opts.ranks,
             timeout=opts.timeout,
             grace=opts.grace,
-            on_output=live.add,
-            tick=live.tick,
             max_output=opts.max_output,
-            on_prompt=Prompter(live),
             breakpoints=breakpoints,
         )
     except OutOfStep as exc:
@@ -162,7 +161,7 @@ def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> 
     # (part of the cell's report: a ^C in its wait for the records would drop the errors
     # below)
     with interrupts.held("the cell's report"):
-        said = census.warning(census.fetch(session.client, ran.engine_ids, ran.requests),
+        said = census.warning(census.fetch(session.record().client, ran.engine_ids, ran.requests),
                               raised=raised)
     if said:
         write("stderr", said + "\n")
@@ -171,7 +170,9 @@ def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> 
 def hint_placeholders(session: Session, cell: str, ran: CellResult) -> None:
     """A hint when the ranks printed jax's placeholder for a global array."""
     printed = [(rank, o.text) for rank, c in ran.cells.items() for o in c.outputs
-               if o.kind == "stdout"]
+               if o.kind == "stdout" and PLACEHOLDER_BEGINS in o.text]
+    if not printed:  # (most cells: nothing to look up on the ranks)
+        return
     hint = arrays.placeholder_hint(session, cell, printed)
     if hint:
         write("stderr", hint + "\n")
@@ -183,6 +184,9 @@ def cell_value(
     """The value of a cell that failed nowhere: an array one rank holds (said once), a global
     array (printed once), or the ranks' results grouped (a label where not every rank
     returned it). ``label``: the cell's ``Out[n]``."""
+    if not any(o.kind == "result" and GLOBAL_ARRAY_MIME in o.data
+               for c in ran.cells.values() for o in c.outputs):
+        return RankResults.of(results, n)  # (no rank's value is part of a global array)
     held = values.held_by_some(ran.cells)
     if held is not None:  # (shown once, as the processes that hold it print it)
         holders, out, part = held

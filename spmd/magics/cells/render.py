@@ -5,10 +5,16 @@ output of the others. Ranks whose k-th outputs are identical are shown once, und
 set (``[ranks 0-3]``); the others follow, each under its own ranks, in rank order. In SPMD
 every rank usually produces the same sequence of outputs, so this lines up what belongs
 together without any diffing.
+
+While the cell runs, ``LiveView`` is its observer (records.CellObserver): it shows a long
+cell's latest lines, and asks the person a rank's prompt. Main thread only: the cell runner
+calls it from its wait, where ipykernel routes output to the running cell.
 """
 
 from __future__ import annotations
 
+import builtins
+import getpass
 import sys
 import time
 from collections.abc import Callable
@@ -345,7 +351,10 @@ class LiveView:
         write(stream, text)
         self.reprint(stream, text)
 
-    def add(self, rank: int, out: Output) -> None:
+    # -- the cell's observer (records.CellObserver): the cell runner calls these while it runs
+
+    def output(self, rank: int, out: Output) -> None:
+        """One output of ``rank``: a widget at once, stream lines into the view."""
         if widget_id(out) is not None:
             # at once, so that a progress bar moves while the cell runs (its model is the
             # rank's; the comm messages that change it are relayed as they come)
@@ -371,7 +380,33 @@ class LiveView:
             write("stdout", text)
         self.prompted = True
 
+    def prompt(self, rank: int, request: dict, run) -> dict:
+        """``rank``'s ``input()``, ``getpass`` or pdb prompt, asked of the person with the
+        rank in the prompt (``[rank 1] (Pdb) ``), after what the rank printed since its last
+        one. It is the notebook's own ``input``/``getpass``, so it goes to the front end's
+        stdin like any prompt of the notebook; where the front end has none (nbclient,
+        papermill), that raises StdinNotImplementedError at once, and the rank raises the
+        same. A KeyboardInterrupt goes up: the cell run ends every rank's prompt."""
+        if self.panel is not None:  # (it cannot update while the person types)
+            self.panel.show_now(run)
+        self.show_rank(rank)  # what it printed since: pdb's lines come before its prompt
+        label = f"[rank {rank}] {request.get('prompt', '')}"
+        try:
+            if request.get("password"):
+                text = getpass.getpass(label)
+            else:
+                text = builtins.input(label)
+        except EOFError:
+            text = "\x04"
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # StdinNotImplementedError: no stdin in this front end
+            return {"error": str(exc) or type(exc).__name__}
+        return {"text": text}
+
     def tick(self, run=None) -> None:
+        """The cell still runs: the panel, the stragglers' lines, the busy ranks' lines after
+        ``look_after``, and the view itself at most every ``every`` seconds."""
         now = time.monotonic()
         if self.panel is not None and run is not None:
             self.panel.tick(run)

@@ -23,7 +23,7 @@ def refresh_texts(session: Session, cells: dict[int, RankCell], ranks: list[int]
         for rank in ranks
     }
     asks = {
-        rank: session.client[session.ranks[rank].engine_id].apply_async(text_forms, list(outs))
+        rank: session.record().client[session.ranks[rank].engine_id].apply_async(text_forms, list(outs))
         for rank, outs in wanted.items()
         if outs
     }

@@ -58,7 +58,7 @@ class Inspection:
                              f"whose launches the ranks keep ({which}).")
         engine_ids = {r.rank: r.engine_id for r in session.ranks}
         try:
-            records = census.fetch(session.client, engine_ids, kept[number], timeout=5.0)
+            records = census.fetch(session.record().client, engine_ids, kept[number], timeout=5.0)
         except KeyboardInterrupt:
             say(f"Interrupted: %spmd census stopped waiting for the ranks' launches of In "
                 f"[{number}]; run it again to list them.")
@@ -142,7 +142,7 @@ class Inspection:
                 else "The live panel is off (%%spmd --panel shows it for one cell)."
             )
             return
-        run = session.unfinished  # (a cell the notebook gave up on, some ranks still in it)
+        run = session.gen.unfinished  # (a cell the notebook gave up on, some ranks still in it)
         display(panel_bundle(Panel(session).rows(run), live=True if run else None), raw=True)
 
 

@@ -9,7 +9,7 @@ import time
 
 from IPython.core.error import UsageError
 
-from spmd.cluster import attach, interrupts, linger
+from spmd.cluster import interrupts, linger
 from spmd.cluster.lockstep.logs import RankLogs
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics.commands.say import say
@@ -107,7 +107,7 @@ class Lifecycle:
         try:
             record = linger.choose(args[0] if args else "")
             t0 = time.perf_counter()
-            session = attach.attach(Session(record.the_settings()), record)
+            session = Session(record.the_settings()).attach(record)
         except linger.AttachError as exc:
             raise UsageError(str(exc)) from None
         except KeyboardInterrupt:  # (attach.attach put the owner files back: it lingers on)
@@ -154,9 +154,8 @@ class Lifecycle:
                 file=sys.stderr,
             )
         # (a restart's compilation cache: compiled cells stay compiled; and its logs go on)
-        session = Session(settings, cache_dir=cache_dir, logs=logs)
         progress = StartProgress(settings.n, settings.backend)
-        session.progress = progress.update
+        session = Session(settings, cache_dir=cache_dir, logs=logs, progress=progress.update)
         progress.started = time.monotonic()  # (the same clock as the summary's seconds)
         # An interrupt may cancel the engines' start and join (the start then ends what it
         # began); once they have joined, the cluster is recorded here whatever comes.
@@ -178,7 +177,6 @@ class Lifecycle:
                         "Interrupted: the start was given up and nothing runs now; run "
                         "%spmd start again to start the cluster.") from None
                 raise
-            session.progress = None
             # (session first: a shutdown on the control thread looks at starting, then session)
             self.session = session
             self.starting = None
@@ -217,7 +215,7 @@ class Lifecycle:
         # (the wait for the new ranks to register can be interrupted; before it, not)
         with interrupts.held("the restart"):
             try:
-                forked = session.cluster is not None and session.restart()
+                forked = session.record().cluster is not None and session.restart()
             except StartError as exc:
                 raise UsageError(str(exc)) from None
             except KeyboardInterrupt:  # (it came while the new ranks joined: all stopped)
@@ -236,7 +234,7 @@ class Lifecycle:
                 say(f"The ranks start afresh, with a new rank server: "
                     f"{session.afresh_because}.")
             session.stop(keep_cache=True)
-        self._start(session.settings, cache_dir=session.cache_dir, logs=session.logs)
+        self._start(session.settings, cache_dir=session.record().cache_dir, logs=session.logs)
 
     def shutdown(self) -> None:
         """Stop whatever this notebook started, from any thread (ipykernel's control thread

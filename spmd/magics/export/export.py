@@ -456,8 +456,8 @@ def export(session, args: list[str]) -> str:
                          "on this machine: export with --launcher local, mpi, slurm or "
                          "torchrun, or start with --hosts.")
     job = Job(s, launcher, list(session.ranks), path, keep_failed=opts.cells == "all",
-              master=_address(session.coordinator), labels=not opts.raw_output,
-              hash_seed=session.hash_seed)
+              master=_address(session.record().coordinator), labels=not opts.raw_output,
+              hash_seed=session.record().hash_seed)
     launch_file = job.launch_file()
     script, launch = job.script(list(session.ran)), launch_file.text()
     replaced = [p for p in (job.path, job.launch_path) if os.path.exists(p)]

@@ -57,9 +57,9 @@ def _busy(session) -> list[int]:
     """Ranks whose engine still has a request queued or running (the controller knows)."""
     adopted = session.gen.adopted
     if adopted is not None:
-        return adopted.busy_ranks(session.client)
+        return adopted.busy_ranks(session.record().client)
     try:
-        status = session.client.queue_status_within()
+        status = session.record().client.queue_status_within()
     except Exception:
         return []
     if status is None:  # (no answer within a few seconds: nothing is known)
@@ -81,7 +81,7 @@ def _read_logs(session) -> tuple[dict[int, int], dict[int, tuple[str, str]]]:
         if adopted is not None:
             adopted.reading(rank)
         try:
-            text = session.cluster.output_of(rank, tail=ATTACH_TAIL)
+            text = session.record().cluster.output_of(rank, tail=ATTACH_TAIL)
         except Exception:
             continue
         at = text.rfind(GONE_LINE)
@@ -109,7 +109,7 @@ def _read_logs(session) -> tuple[dict[int, int], dict[int, tuple[str, str]]]:
     if printed:
         session.logs.flush()
     if adopted is not None:  # (what it held of these ranks is in what was read)
-        adopted.release(read, session.client.late)
+        adopted.release(read, session.record().client.late)
         adopted.told(set(ended))
     return printed, ended
 

@@ -17,7 +17,7 @@ import time
 
 from IPython.display import display
 
-from spmd.cluster import attach, linger
+from spmd.cluster import linger
 from spmd.cluster.session import Session, Settings, StartError
 from spmd.magics.start.status import summary
 
@@ -32,7 +32,8 @@ class BackgroundStart:
             attached = self.attach_to.the_settings() if self.attach_to else settings
         except linger.AttachError:  # (another version's: the kernel starts its own)
             self.attach_to, attached = None, settings
-        self.session = Session(attached)
+        self.progress = ""  # how the start goes, in a few words (set on the start's thread)
+        self.session = Session(attached, progress=self._tell)
         self.fresh_settings = settings  # (what starts where the attach fails)
         # Set by cancel (any thread); with _lock held, the start's thread makes no new
         # Session once it is set, and cancel cancels the Session there is.
@@ -40,8 +41,6 @@ class BackgroundStart:
         self._lock = threading.Lock()
         self.attached = ""  # the attach's line, once it attached ('' if it did not)
         self.error: StartError | None = None
-        self.progress = ""  # how the start goes, in a few words (set on the start's thread)
-        self.session.progress = self._tell
         self._thread = threading.Thread(target=self._run, name="spmd-start", daemon=True)
         self.refused = bool(refused)
         if refused:  # (the kernelspec's options: nothing starts, the first cell says why)
@@ -57,7 +56,7 @@ class BackgroundStart:
         if self.attach_to is not None:
             record, t0 = self.attach_to, time.perf_counter()
             try:
-                attach.attach(self.session, record)
+                self.session.attach(record)
             except Exception as exc:  # (it ended meanwhile: a new one starts)
                 with self._lock:
                     if self._cancelled:  # (the kernel shuts down: nothing starts)
@@ -65,8 +64,7 @@ class BackgroundStart:
                         return
                     self.attached = ("The notebook's earlier cluster could not be attached, "
                                      f"so a new one starts: {exc}")
-                    self.session = Session(self.fresh_settings)
-                    self.session.progress = self._tell
+                    self.session = Session(self.fresh_settings, progress=self._tell)
             else:
                 self.attached = attached_line(record, time.perf_counter() - t0)
                 return

@@ -14,8 +14,9 @@ def summary(session: Session, restarted: bool = False) -> str:
         if s.backend != "none"
         else ""
     )
-    how = ", forked by the rank server" if restarted and session.rank_server is not None else ""
-    fell_back = f"{session.fell_back}\n" if session.fell_back else ""
+    running = session.record()
+    how = ", forked by the rank server" if restarted and running.rank_server is not None else ""
+    fell_back = f"{running.fell_back}\n" if running.fell_back else ""
     return (
         f"{fell_back}Started {s.n} processes{devices} ({s.backend}) in {session.start_seconds:.1f} s{how}. "
         "Auto mode on: every cell now runs on all ranks."
@@ -87,12 +88,13 @@ def _cluster_lines(session: Session, auto_on: bool) -> list[str]:
     lines.append(
         f"cluster {state}, {session.settings.backend}, auto mode {'on' if auto_on else 'off'}"
     )
-    if session.rank_server is not None:
+    running = session.record()
+    if running.rank_server is not None:
         lines.append(
-            f"{session.rank_server.describe()} (imported the ranks' modules once; forks them at "
+            f"{running.rank_server.describe()} (imported the ranks' modules once; forks them at "
             "start and restart)"
         )
-    elif session.cluster is not None:
+    elif running.cluster is not None:
         lines.append("rank server: none (a Python per rank; %spmd restart starts afresh)")
     if session.out_of_step:
         lines.append(f"Cells are refused: {session.out_of_step}")
