@@ -86,7 +86,7 @@ def test_a_killed_notebooks_folders_are_removed_by_the_next_start(fresh, tmp_pat
     # ... until the next notebook starts a cluster
     assert run(fresh, "%spmd start -n 2 --backend none").error is None
     assert not any(os.path.exists(f) for f in folders), folders
-    mine = session(fresh).profile_dir
+    mine = session(fresh).record().profile_dir
     assert os.path.isdir(mine)  # (a live notebook's folders are not touched)
     pattern = os.path.join(tempfile.gettempdir(), "spmd-*", "owner.json")
     assert all(os.path.dirname(p) not in folders for p in glob.glob(pattern))

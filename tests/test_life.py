@@ -339,7 +339,7 @@ def test_a_rank_whose_registration_the_notebook_missed_is_found(fresh, monkeypat
     out = run(fresh, "%spmd start -n 2 --start-timeout 60")
     assert out.error is None, out.error
     assert hidden == [0]  # (it was hidden once, by one of the two paths)
-    assert session(fresh).client.ids == [0, 1]
+    assert session(fresh).record().client.ids == [0, 1]
     psum_runs(fresh)
 
 

@@ -821,10 +821,12 @@ def test_the_attach_reads_only_what_follows_this_deaths_mark(monkeypatch):
     written = {}
     adopted = Adopted({}, {0: 0, 1: 1, 2: 2})
     adopted.gone_at = now
+    client = _Client()
     session = types.SimpleNamespace(
         ranks=[0, 1, 2], gen=types.SimpleNamespace(adopted=adopted),
-        cluster=types.SimpleNamespace(output_of=lambda rank, tail: logs[rank]),
-        client=_Client(),
+        record=lambda: types.SimpleNamespace(
+            cluster=types.SimpleNamespace(output_of=lambda rank, tail: logs[rank]),
+            client=client),
         logs=types.SimpleNamespace(begin_cell=lambda title: None, flush=lambda: None,
                                    write=lambda rank, text: written.update({rank: text})))
     printed, ended = away._read_logs(session)

@@ -172,7 +172,7 @@ def logged(shell, rank: int, text: str, timeout: float = 30) -> None:
 def test_what_a_thread_prints_after_its_cell_ended_is_logged_and_shown_next(cluster):
     from conftest import session
 
-    client = session(cluster).client
+    client = session(cluster).record().client
     started = run(
         cluster,
         "import threading\nthreading.Timer(0.5, print, ('FROM-THREAD', rank)).start()",

@@ -26,7 +26,7 @@ PSUM = "print(psum(jnp.ones(jax.local_device_count())))"
 
 
 def server_of(shell) -> psutil.Process:
-    server = session(shell).rank_server
+    server = session(shell).record().rank_server
     assert server is not None, "no rank server"
     return psutil.Process(server.process.pid)
 
@@ -47,12 +47,12 @@ def restart_forks(shell) -> None:
     """%spmd restart ends the old ranks and the same server forks new ones, which register
     with the same controller; a psum works."""
     old = [r.pid for r in session(shell).ranks]
-    controller = session(shell).cluster.controller.process.pid
+    controller = session(shell).record().cluster.controller.process.pid
     server = server_of(shell).pid
     out = run(shell, "%spmd restart")
     assert out.error is None, out.stderr
     assert "forked by the rank server" in out.stdout, out.stdout
-    assert session(shell).cluster.controller.process.pid == controller
+    assert session(shell).record().cluster.controller.process.pid == controller
     assert server_of(shell).pid == server
     assert not {r.pid for r in session(shell).ranks} & set(old)
     forked_by_the_server(shell)
@@ -299,7 +299,7 @@ def test_a_rank_server_whose_imports_start_a_thread_does_not_fork(fresh, tmp_pat
         "The rank server could not be used (RuntimeError: its imports started a thread "
         "(telemetry), and a fork is unsafe): each rank started its own Python." in out.stdout
     ), out.stdout
-    assert session(fresh).rank_server is None
+    assert session(fresh).record().rank_server is None
     assert run(fresh, "x = 1").error is None
 
 
@@ -313,15 +313,15 @@ def test_a_rank_server_that_cannot_import_falls_back_with_one_line(fresh):
         "The rank server could not be used (ModuleNotFoundError: No module named "
         "'no_such_module_for_spmd'): each rank started its own Python."
     ], out.stdout
-    assert session(fresh).rank_server is None
+    assert session(fresh).record().rank_server is None
     for row in session(fresh).ranks:
         assert psutil.Process(row.pid).ppid() == os.getpid()
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
-    controller = session(fresh).cluster.controller.process.pid
+    controller = session(fresh).record().cluster.controller.process.pid
     out = run(fresh, "%spmd restart")
     assert out.error is None and "forked" not in out.stdout, out.stdout
-    assert session(fresh).cluster.controller.process.pid != controller
+    assert session(fresh).record().cluster.controller.process.pid != controller
     assert run(fresh, SETUP).error is None
     assert run(fresh, PSUM).stdout == "[ranks 0-1] [2.]\n"
 
