@@ -76,7 +76,7 @@ INTERNALS = [
              "an engine's identity, to reach one engine: a cell, a control request "
              "(channel/client.py)"),
     *[Internal("ipyparallel", "ipyparallel", f"Client.{name}", "notebook",
-               "the socket to the controller's cell fan-out (channel/cell_routes.py)")
+               "the socket to the controller's cell fan-out (channel/client.py)")
       for name in ("_setup_streams", "_context", "_config", "_closed", "curve_serverkey",
                    "curve_publickey", "curve_secretkey", "_unregister_engine")],
     *[Internal("ipyparallel", "ipyparallel.controller.app", f"IPController.{name}", "notebook",
@@ -103,7 +103,7 @@ INTERNALS = [
                "(channel/client.py)") for name in ("_query_stream", "_update_engines")],
     Internal("ipyparallel", "ipyparallel", "Client._io_loop", "notebook",
              "the IO thread that owns the client's engine tables (channel/client.py, "
-             "channel/cell_routes.py)"),
+             "channel/client.py)"),
     *[Internal("ipyparallel", "ipyparallel.controller.hub", f"Hub.{name}", "notebook",
                "the controller keeps of each request only its id (controller/hub.py)")
       for name in ("save_queue_request", "save_queue_result", "monitor_iopub_message",

@@ -12,7 +12,7 @@ Plain constants only: imported by all three sides, this module imports nothing.
 
 from __future__ import annotations
 
-# -- a cell, fanned out by the controller (controller/fanout.py, channel/cell_routes.py) --------
+# -- a cell, fanned out by the controller (controller/fanout.py, channel/client.py) --------
 
 # The key, in the client's connection file, of the port of the controller's fan-out socket.
 # Written by the controller (fanout.install), read by the notebook (CellRoutes.connect).
@@ -38,19 +38,19 @@ COUNTED = "spmd_counted"
 
 # How many IOPub messages the rank sent for a COUNTED request: the notebook has the rank's
 # outputs all once it has that many. Sent by the rank (engine/shell/quiet.py), read by the notebook
-# (channel/cell_routes.py).
+# (channel/client.py).
 IOPUB_COUNT = "spmd_iopub"
 # The cell's census digest, [count, hash] of the cross-process launches it made (absent: it
 # made none). Sent by the rank (engine/watch/census.py), read by the notebook
-# (channel/cell_routes.py), which compares the ranks' digests (lockstep/census.py).
+# (channel/client.py), which compares the ranks' digests (lockstep/census.py).
 CENSUS_DIGEST = "spmd_census"
 # The JAX_* and XLA_* variables changed on the rank since it started, {name: value, or None
 # where removed}, in the first reply after a change. Sent by the rank (engine/join/import_env.py),
-# read by the notebook (channel/cell_routes.py), which gives them to the next restart.
+# read by the notebook (channel/client.py), which gives them to the next restart.
 ENV_CHANGED = "spmd_env"
 # The arrays over several processes this cell printed, {mark: the parts of its printed form
 # this rank holds} (absent: none). Sent by the rank (engine/arrays/printed.py), read by the notebook
-# (channel/cell_routes.py, magics/arrays/printed.py), which puts each printed array together where
+# (channel/client.py, magics/arrays/printed.py), which puts each printed array together where
 # marks (PRINTED_BEGIN, PRINTED_MARK) surround its placeholder in the rank's output text.
 PRINTED_ARRAYS = "spmd_printed"
 # What the controller's fan-out keeps of each rank's reply metadata for the notebook.

@@ -186,7 +186,7 @@ def install() -> None:
     def init_hub_with_fanout(self) -> None:
         # (bound before the hub writes the connection files, which carry its port)
         cells = self.context.socket(zmq.ROUTER)
-        cells.router_handover = True  # (a notebook that reconnects keeps its identity: cell_routes.py)
+        cells.router_handover = True  # (a notebook that reconnects keeps its identity: client.py)
         if self.enable_curve:
             cells.curve_server = True
             cells.curve_secretkey = self.curve_secretkey

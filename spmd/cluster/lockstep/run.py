@@ -2,7 +2,7 @@
 
 The cell goes out once for all its ranks, through the controller's fan-out, and the client's
 IO thread hears each rank's outputs, in the order the rank produced them, and when the rank
-has finished (channel/cell_routes.py; its routes are in place before the request leaves, so
+has finished (channel/client.py; its routes are in place before the request leaves, so
 no early output is missed). The IO thread only puts events on a queue: the notebook's main
 thread consumes them, which is where streaming to the notebook must happen (ipykernel routes
 output by the main thread's current cell).
@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 from spmd import wire
 from spmd.cluster.channel import control
-from spmd.cluster.channel.cell_routes import DONE
+from spmd.cluster.channel.client import DONE
 from spmd.cluster.lockstep.outputs import RankCell, output_from_message, unmarked
 from spmd.cluster.records import CellObserver, CellResult
 
