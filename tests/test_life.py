@@ -193,7 +193,7 @@ def test_an_interrupt_at_any_point_of_a_restart_leaves_ranks_that_run(fresh, par
         assert "forked by the rank server" in out.stdout, out.stdout
         assert "Interrupt held until the restart finished" in out.stderr
     s = session(fresh)
-    assert s.running and not s.deaths.dead_ranks() and not s.out_of_step
+    assert s.running and not s.deaths.dead_ranks(s.gen) and not s.out_of_step
     # every rank in the table is a live process, and no old rank is left over
     live = {p.pid for p in spmd_processes()}
     assert {r.pid for r in s.ranks} <= live

@@ -214,7 +214,7 @@ class CellRunner:
             until = None if timeout is None else run.started + run.paused + timeout
             if self.stopping.is_set():  # (a shutdown from ipykernel's control thread)
                 return STOPPED, None
-            if self.deaths.any():
+            if self.deaths.any(gen):
                 return DIED, None
             if until is not None and now >= until:
                 return TIMEOUT, timeout
@@ -243,10 +243,10 @@ class CellRunner:
             if run.observer is not None:
                 run.observer.tick(run)
         # A rank that died at the very end: its death is the cell's news.
-        return (DIED, None) if self.deaths.any() else ("", None)
+        return (DIED, None) if self.deaths.any(gen) else ("", None)
 
     def _stop_waiting(self, gen, run: CellRun, reason: str, seconds: float | None) -> Stall:
-        deaths = self.deaths.deaths()
+        deaths = self.deaths.deaths(gen)
         if reason == DIED and deaths and "torch" in self.settings.backend:
             self._let_survivors_finish(gen, run, {d.rank for d in deaths})
         ahead = [r for r in run.busy_ranks if r not in run.stragglers]

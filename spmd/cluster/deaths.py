@@ -1,10 +1,11 @@
 """The death watch: which ranks ended or vanished, and what is known of how.
 
 A part of the face (session.py), given what it needs: the launch (its client and cluster),
-the ranks' logs, the generation now (read afresh: start, restart and stop replace it), how a
-rank's frames become a stack with its cells' lines, and the face's ``collect_late``. It keeps
-no state of its own beyond the generation's ``vanished`` table: it reads the generation and
-what the launch runs, on whichever thread asks (cells' waits and reports on the main thread; the debugger's control thread asks
+the ranks' logs, how a rank's frames become a stack with its cells' lines, and the face's
+``collect_late``; each question names the generation it is about (the caller reads the
+face's once: start, restart and stop replace it). It keeps no state of its own beyond the
+generation's ``vanished`` table: it reads the generation and what the launch runs, on
+whichever thread asks (cells' waits and reports on the main thread; the debugger's control thread asks
 ``dead_ranks``, which copies the watched table in one step). Ending the others after a death
 is Session's (it changes the cluster's life).
 """
@@ -24,37 +25,27 @@ from spmd.cluster.lockstep.watchdog import Death, last_lines, with_hint
 class DeathWatch:
     """Which ranks died (see the module's opening comment)."""
 
-    def __init__(self, launch, logs, generation, stack, collect_late) -> None:
-        self.launch, self.logs, self._generation = launch, logs, generation
+    def __init__(self, launch, logs, stack, collect_late) -> None:
+        self.launch, self.logs = launch, logs
         self._stack, self._collect_late = stack, collect_late
 
-    def any(self) -> bool:
-        """Whether a rank has ended or vanished (every poll of every cell asks)."""
-        return any(ln.exited_at is not None for ln in self._watched.values()) or bool(
-            self._vanished()
+    def any(self, gen) -> bool:
+        """Whether a rank of ``gen`` has ended or vanished (every poll of every cell asks)."""
+        return any(ln.exited_at is not None for ln in _watched(gen).values()) or bool(
+            self._vanished(gen)
         )
 
-    @property
-    def _watched(self) -> dict:
-        """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
-        gen = self._generation()
-        return {**gen.ssh, **gen.launchers}
-
-    def dead_ranks(self) -> set[int]:
+    def dead_ranks(self, gen) -> set[int]:
         """Ranks whose process has ended, or that the controller lost. (Any thread: the
         debugger's control thread asks too, so the table is copied in one step.)"""
-        ended = {r for r, ln in list(self._watched.items()) if ln.exited_at is not None}
-        return ended | set(self._vanished())
+        ended = {r for r, ln in list(_watched(gen).items()) if ln.exited_at is not None}
+        return ended | set(self._vanished(gen))
 
-    def local_ranks(self) -> set[int]:
-        """Ranks with a process on this machine that the notebook started."""
-        return set(self._generation().launchers)
-
-    def _vanished(self) -> dict[int, float]:
+    def _vanished(self, gen) -> dict[int, float]:
         """Ranks with no process handle here (other hosts, mpiexec, srun) that the controller
         lost: their engine missed its heartbeats and was unregistered. (A rank over ssh is
         watched by its wait on the host too; a host cut off answers neither.)"""
-        gen, running = self._generation(), self.launch
+        running = self.launch
         unwatched = [r for r in gen.ranks if r.rank not in gen.launchers and r.rank not in gen.ssh]
         far = unwatched + [
             r for r in gen.ranks if r.rank in gen.ssh and gen.ssh[r.rank].exited_at is None
@@ -72,12 +63,11 @@ class DeathWatch:
                 gen.vanished.setdefault(r.rank, time.monotonic())
         return gen.vanished
 
-    def deaths(self) -> list[Death]:
-        """Ranks whose processes ended while the cluster runs, first to die first."""
+    def deaths(self, gen) -> list[Death]:
+        """Ranks of ``gen`` whose processes ended while the cluster runs, first to die first."""
         self._collect_late()  # (what a rank's threads printed last belongs in its log)
-        gen = self._generation()
         ranks, cluster = gen.ranks, self.launch.cluster
-        gone = [ln for ln in self._watched.values() if ln.exited_at is not None]
+        gone = [ln for ln in _watched(gen).values() if ln.exited_at is not None]
         deaths = [
             Death(
                 ln.rank,
@@ -93,7 +83,7 @@ class DeathWatch:
         ]
         culprit = None
         ended = {d.rank for d in deaths}
-        for rank, at in self._vanished().items():
+        for rank, at in self._vanished(gen).items():
             if rank in ended:
                 continue
             row = ranks[rank]
@@ -121,11 +111,11 @@ class DeathWatch:
             d.log = path if path is not None and os.path.exists(path) else ""
         return deaths
 
-    def mark_lost(self, death: Death) -> None:
+    def mark_lost(self, gen, death: Death) -> None:
         """A rank over ssh that stopped answering the controller, whose host's wait saw no
         end: the host is cut off, and the stop sends it no command (each would wait for
         ssh's connect timeout). (A forked one's rank server knows.)"""
-        far = self._generation().ssh.get(death.rank)
+        far = gen.ssh.get(death.rank)
         if (
             far is not None and death.exit_code is None and far.exited_at is None
             and not isinstance(far, ForkedSSHEngineLauncher)
@@ -162,3 +152,8 @@ class DeathWatch:
             return None
         frames = where.parse_dump(text[at:], gen.ranks[launcher.rank].main_thread)
         return self._stack(launcher.rank, frames) if frames else None
+
+
+def _watched(gen) -> dict:
+    """Ranks whose launcher sees their process end (a local handle, a wait over ssh)."""
+    return {**gen.ssh, **gen.launchers}

@@ -9,7 +9,6 @@ change once made; a Rank row changes only under the face's lock (session.py says
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -109,11 +108,6 @@ class Ran:
 
 # -- what a cell was ---------------------------------------------------------------------------
 
-# "Cell In[12]" and the cell's file name count the cells that rank ran: after a %%spmd --ranks
-# cell the counts differ, but the error is the same.
-CELL_COUNT = re.compile(r"(Cell\S* \S*In\[)\d+")
-
-
 @dataclass
 class Output:
     """One output of one rank: a stream chunk, a display, a result or an error.
@@ -131,23 +125,6 @@ class Output:
     ename: str = ""
     evalue: str = ""
     traceback: list[str] = field(default_factory=list)
-
-    def key(self) -> Any:
-        """What makes two outputs 'the same' for grouping across ranks."""
-        if self.kind in ("stdout", "stderr"):
-            return (self.kind, self.text)
-        if self.kind == "error":
-            text = "\n".join(self.traceback) or f"{self.ename}: {self.evalue}"
-            return (self.kind, CELL_COUNT.sub(r"\1", text))
-        return (self.kind, _freeze(self.data))
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,8 @@ class Session:
         self.late = LateOutputs()
         self.cells = CellRunner(self.launch, None, self.logs, settings, self.stopping,
                                 on_death=self.end_after_death)
-        self.deaths = DeathWatch(self.launch, self.logs, lambda: self.gen,
-                                 stack=self.cells.stack, collect_late=self.collect_late)
+        self.deaths = DeathWatch(self.launch, self.logs, stack=self.cells.stack,
+                                 collect_late=self.collect_late)
         self.cells.deaths = self.deaths
         # The cells since the start or the last restart, in the order they ran, and how each
         # went (records.Ran), for %spmd export. The main thread only: it runs cells and
@@ -282,8 +282,9 @@ class Session:
     def notice_deaths(self) -> None:
         """If a rank died since the last look, stop the others and say so from now on."""
         with self.life:
-            if self.launch.cluster is not None and self.gen.death is None and self.deaths.any():
-                self.end_after_death(self.deaths.deaths())
+            gen = self.gen
+            if self.launch.cluster is not None and gen.death is None and self.deaths.any(gen):
+                self.end_after_death(self.deaths.deaths(gen))
 
     def check_alive(self) -> None:
         """Raise OutOfStep if a rank died (now, or earlier) and the cluster is stopped."""
@@ -302,7 +303,7 @@ class Session:
             )
             for d in deaths:
                 self.ranks[d.rank].state = "died"
-                self.deaths.mark_lost(d)
+                self.deaths.mark_lost(self.gen, d)
             if self.launch.rank_server is not None:
                 # the controller and the rank server stay, for a fast restart
                 stopping.end_ranks(self.launch.record(), self.gen)

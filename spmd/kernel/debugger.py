@@ -321,7 +321,7 @@ class RankDebugger(Shown):
         (it did not answer lately); one wait for all the replies, which a rank's end cuts
         short. Raises NoRanks, its text one sentence."""
         client = session.record().client
-        dead, now = session.deaths.dead_ranks(), time.monotonic()
+        dead, now = session.deaths.dead_ranks(session.gen), time.monotonic()
         engines = {}
         for rank in requests:
             try:
@@ -375,7 +375,7 @@ async def _wait(session, futures: dict, seconds: float) -> list[int]:
     while waiting and time.monotonic() < deadline:
         await asyncio.wait(list(waiting), timeout=min(0.25, deadline - time.monotonic()))
         waiting = {w: rank for w, rank in waiting.items() if not w.done()}
-        gone = session.deaths.dead_ranks() & set(waiting.values()) if waiting else set()
+        gone = session.deaths.dead_ranks(session.gen) & set(waiting.values()) if waiting else set()
         if gone:
             _drop(session.record().client, futures, waiting)
             raise NoRanks(ended(sorted(gone)))

@@ -70,7 +70,7 @@ class Panel:
         """One row per rank, for the cell ``run``, running or ended (None: as the ranks are
         between cells)."""
         now = time.monotonic()
-        dead = self.session.deaths.dead_ranks() if self.session.running else set()
+        dead = self.session.deaths.dead_ranks(self.session.gen) if self.session.running else set()
         cells = run.cells if run is not None else {}
         any_done = any(c.done for c in cells.values())
         if run is None:
@@ -111,7 +111,7 @@ class Panel:
 
     def _memory(self, rank) -> int:
         """Resident memory in bytes: read live for a process of this machine."""
-        if rank.rank not in self.session.deaths.local_ranks():
+        if rank.rank not in self.session.gen.launchers:
             return rank.memory
         proc = self._processes.get(rank.rank)
         try:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import builtins
 import getpass
+import re
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from IPython.display import clear_output, display
 
@@ -28,6 +30,28 @@ from spmd.cluster.records import Output
 from spmd.wire import GLOBAL_ARRAY_MIME
 
 Group = tuple[list[int], Output]
+
+# "Cell In[12]" and the cell's file name count the cells that rank ran: after a %%spmd --ranks
+# cell the counts differ, but the error is the same.
+_CELL_COUNT = re.compile(r"(Cell\S* \S*In\[)\d+")
+
+
+def same(out: Output) -> Any:
+    """What makes two outputs 'the same' for grouping across ranks."""
+    if out.kind in ("stdout", "stderr"):
+        return (out.kind, out.text)
+    if out.kind == "error":
+        text = "\n".join(out.traceback) or f"{out.ename}: {out.evalue}"
+        return (out.kind, _CELL_COUNT.sub(r"\1", text))
+    return (out.kind, _freeze(out.data))
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
 
 
 def _shown_outputs(cells: dict[int, RankCell]) -> dict[int, list[Output]]:
@@ -49,7 +73,7 @@ def _grouped(per_rank: dict[int, list[Output]]) -> list[Group]:
         at_k = {rank: outs[k] for rank, outs in per_rank.items() if k < len(outs)}
         by_key: dict[object, Group] = {}
         for rank, out in _split_common_lines(at_k):
-            by_key.setdefault(out.key(), ([], out))[0].append(rank)
+            by_key.setdefault(same(out), ([], out))[0].append(rank)
         groups.extend(by_key.values())  # dicts keep insertion order: lowest rank first
     return groups
 
@@ -62,7 +86,7 @@ def group_results(cells: dict[int, RankCell]) -> list[Group]:
         for out in cell.outputs:
             if out.kind == "result":
                 out = _without_parts(out)
-                by_key.setdefault(out.key(), ([], out))[0].append(rank)
+                by_key.setdefault(same(out), ([], out))[0].append(rank)
     return list(by_key.values())
 
 
@@ -146,7 +170,7 @@ def group_errors(cells: dict[int, RankCell], ignore: set[int] = frozenset()) -> 
     for rank, cell in sorted(cells.items()):
         err = cell.error
         if err is not None and not (rank in ignore and err.ename == "KeyboardInterrupt"):
-            by_key.setdefault(cell.error.key(), ([], cell.error))[0].append(rank)
+            by_key.setdefault(same(cell.error), ([], cell.error))[0].append(rank)
     return list(by_key.values())
 
 
@@ -193,7 +217,7 @@ def show_outputs(cells: dict[int, RankCell], tabs: bool = False) -> None:
         per_rank = _shown_outputs(cells)
         by_outputs: dict[object, list[int]] = {}
         for rank, outs in per_rank.items():
-            by_outputs.setdefault(tuple(o.key() for o in outs), []).append(rank)
+            by_outputs.setdefault(tuple(same(o) for o in outs), []).append(rank)
         if len(by_outputs) > 1:
             display(_tabs_bundle(list(by_outputs.values()), per_rank, groups), raw=True)
             return
