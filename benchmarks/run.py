@@ -7,7 +7,7 @@ round hold. Every figure is the median of its rounds, with the min-max. Results 
 
 The parts: bench.py (the notebook they drive and what they record), lifecycle.py (start,
 restart, stop), faults.py, cells.py (a cell's cost, output), arrays.py (a global array as a
-value and in print), many.py, census.py, attach.py, debugger.py, flood.py, kernel.py and
+value and in print), many.py, census_cost.py, attach.py, debugger.py, flood.py, kernel_start.py and
 floor.py (the floors); table.py sums up and shows what they recorded. This module only runs
 them in order and writes the results; it is the one module that imports the parts.
 """
@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import arrays, attach, cells, census, debugger, faults, flood, lifecycle, many
+from benchmarks import arrays, attach, cells, census_cost, debugger, faults, flood, lifecycle, many
 from benchmarks.bench import PSUM, Bench
 from benchmarks.floor import bare_processes, bare_torch_processes
-from benchmarks.kernel import KernelBench
+from benchmarks.kernel_start import KernelBench
 from benchmarks.table import RESULTS, carry_over, machine, summarize, summary
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -77,7 +77,7 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
     print("attach to a lingering cluster: 4 and 64 ranks", file=sys.stderr, flush=True)
     attach.measure(bench, rounds=1 if quick else 3)
     print("the census, 2 ranks", file=sys.stderr, flush=True)
-    census.measure(bench, blocks=4 if quick else 10)
+    census_cost.measure(bench, blocks=4 if quick else 10)
     print("a global array as a cell's value", file=sys.stderr, flush=True)
     arrays.value_cells(bench, cells=20 if quick else 50)
     if _has_torch():

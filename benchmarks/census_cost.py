@@ -14,7 +14,7 @@
   without the launch: the figure that says what it costs;
 - the hooks every cell pays (a record started and ended, no launch), per cell.
 
-``python -m benchmarks.census`` runs it alone; ``make bench`` runs it with the rest.
+``python -m benchmarks.census_cost`` runs it alone; ``make bench`` runs it with the rest.
 """
 
 from __future__ import annotations
