@@ -64,7 +64,7 @@ def write_job(folder: str, cells: list[str], backend: str = "jax", python: str =
     ``launcher``, written in ``folder``; the path of its launch."""
     from spmd.cluster.launchers.remote import Placement
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     where = Placement(launcher=launcher if launcher in ("ssh", "mpi") else "local",
                       hosts=hosts, launcher_args=launcher_args, python=python)

@@ -178,7 +178,7 @@ def test_an_sbatch_script_of_a_name_with_spaces(tmp_path):
     """A script named with spaces (and a %, #, quotes, a backslash): its sbatch job's name has
     none, and its output file is the script's name with the job's id."""
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     name = "my 'first' \"job\" #1 100% a\\b"
     job = Job(Settings(n=2, backend="none"), "slurm", [Rank(r, r) for r in range(2)],
@@ -235,7 +235,7 @@ def test_export_shares_gpus_as_the_cluster_did(tmp_path):
     that had 2 GPUs each)."""
     from spmd.cluster.launchers.remote import Placement
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     settings = Settings(n=4, backend="none", where=Placement(launcher="slurm"))
     ranks = [Rank(r, r, gpus=[str(2 * (r % 2)), str(2 * (r % 2) + 1)]) for r in range(4)]

@@ -24,7 +24,7 @@ def test_the_export_pages_listings_are_what_the_export_writes():
     from pathlib import Path
 
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     page = (Path(__file__).parents[1] / "docs" / "how-to" / "export.md").read_text()
     launch = page.split("Run it with: bash quickstart.sh\n\n")[1].split("\n```\n")[0] + "\n"
@@ -96,7 +96,7 @@ def test_every_kind_of_cell_leaves_a_script_that_compiles(tmp_path):
     """Cells whose plain form could break the script: a value with a comment after it, a
     --ranks cell of magics only, a failed cell that is not Python (kept with --cells all)."""
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     ranks = [Rank(r, r) for r in range(2)]
     job = Job(Settings(n=2, backend="none"), "local", ranks, str(tmp_path / "all.py"),
@@ -121,7 +121,7 @@ def test_a_value_with_non_ascii_text_and_a_comment_is_printed_whole(tmp_path):
     """ast gives columns in UTF-8 bytes: a value line with non-ASCII text and a comment after
     it was cut inside the comment, and the cell became a SyntaxError, commented out whole."""
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     job = Job(Settings(n=2, backend="none"), "local", [Rank(r, r) for r in range(2)],
               str(tmp_path / "text.py"))
@@ -137,7 +137,7 @@ def test_cells_that_read_the_notebooks_own_names_are_left_out(tmp_path):
     text commented for a person to rewrite (kept, it ended every process with a NameError); a
     magic the export translated is kept, as is a name the script itself defines."""
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     job = Job(Settings(n=2, backend="none"), "local", [Rank(r, r) for r in range(2)],
               str(tmp_path / "names.py"))

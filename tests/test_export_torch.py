@@ -57,7 +57,7 @@ def test_torchrun_on_hosts_of_different_sizes_gives_each_its_count_and_place(tmp
     pytest.importorskip("torch")
     from spmd.cluster.launchers.remote import Placement
     from spmd.cluster.records import Ran, Rank, Settings
-    from spmd.magics.export.export import Job
+    from spmd.magics.export.script import Job
 
     where = Placement(launcher="ssh", hosts=(("a", 1), ("b", 2)))
     job = Job(Settings(n=3, backend="torch", where=where), "torchrun",

@@ -33,16 +33,17 @@ from spmd.magics.cells.cell import (
 )
 from spmd.magics.cells.panel import Panel
 from spmd.magics.cells.render import LiveView, RankResults, group_errors, group_results, write
+from spmd.magics.commands.exporting import Exporting
 from spmd.magics.commands.inspection import Inspection
 from spmd.magics.commands.lifecycle import Lifecycle
 from spmd.magics.commands.say import NOT_RUNNING, say
-from spmd.magics.commands.transfers import Transfers
+from spmd.magics.commands.sharing import Sharing
 from spmd.magics.start.arguments import _cell_parser, _words
 from spmd.magics.start.background import BackgroundStart
 
 
 @magics_class
-class SpmdMagics(Lifecycle, Inspection, Transfers, Magics):
+class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
     """The notebook surface. One Session per IPython shell."""
 
     def __init__(self, shell) -> None:
@@ -311,10 +312,10 @@ _COMMANDS = {
     "interrupt": Inspection._cmd_interrupt,
     "where": Inspection._cmd_where,
     "census": Inspection._cmd_census,
-    "sharding": Transfers._cmd_sharding,
-    "gather": Transfers._cmd_gather,
-    "push": Transfers._cmd_push,
-    "export": Transfers._cmd_export,
+    "sharding": Sharing._cmd_sharding,
+    "gather": Sharing._cmd_gather,
+    "push": Sharing._cmd_push,
+    "export": Exporting._cmd_export,
     "on": SpmdMagics._cmd_on,
     "off": SpmdMagics._cmd_off,
 }

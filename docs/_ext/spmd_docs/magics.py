@@ -2,7 +2,7 @@
 
 The commands are the table the magic dispatches from (``spmd.magics.magics._COMMANDS``, the
 list an unknown command is answered with); each option's name, choices and default come from
-the command's argparse parser (``spmd/magics/start/arguments.py``, ``export.py``). What the parsers
+the command's argparse parser (``spmd/magics/start/arguments.py``, ``export/script.py``). What the parsers
 do not carry, a sentence for each command and option, is written here, and checked against
 them both ways (tables.Drift): a command or option added to the code without its sentence
 fails the docs build, and so does a sentence left behind by one removed.
@@ -130,7 +130,7 @@ def _cell_options() -> dict[str, Said]:
 def commands() -> dict[str, Command]:
     """A sentence (and a usage, where no parser writes one) for every ``%spmd`` command."""
     from spmd.engine.watch.census import KEPT_CELLS
-    from spmd.magics.arrays.arrays import DEFAULT_MAX_BYTES
+    from spmd.magics.arrays.transfers import DEFAULT_MAX_BYTES
 
     return {
         "start": Command(
@@ -215,7 +215,7 @@ def commands() -> dict[str, Command]:
 
 def _parsers() -> dict[str, object]:
     """The argparse parser of each command that has one."""
-    from spmd.magics.export import export
+    from spmd.magics.export import script as export
     from spmd.magics.start.arguments import _log_parser, _start_parser
 
     return {"start": _start_parser(), "log": _log_parser(), "export": export._parser()}

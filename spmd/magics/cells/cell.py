@@ -18,8 +18,8 @@ from spmd.cluster.lockstep.run import rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import OutOfStep, Session
-from spmd.magics.arrays import arrays, meshes, values
-from spmd.magics.arrays.arrays import PLACEHOLDER_BEGINS
+from spmd.magics.arrays import meshes, transfers, values
+from spmd.magics.arrays.transfers import PLACEHOLDER_BEGINS
 from spmd.magics.cells import widgets
 from spmd.magics.cells.automode import EXITS
 from spmd.magics.cells.panel import Panel
@@ -173,7 +173,7 @@ def hint_placeholders(session: Session, cell: str, ran: CellResult) -> None:
                if o.kind == "stdout" and PLACEHOLDER_BEGINS in o.text]
     if not printed:  # (most cells: nothing to look up on the ranks)
         return
-    hint = arrays.placeholder_hint(session, cell, printed)
+    hint = transfers.placeholder_hint(session, cell, printed)
     if hint:
         write("stderr", hint + "\n")
 
@@ -213,7 +213,7 @@ def global_value(session: Session, parts: dict[int, dict], label: str) -> values
         text,
         first["shape"],
         first["dtype"],
-        lambda: arrays.gather_shown(session, label, shown),
+        lambda: transfers.gather_shown(session, label, shown),
         received=sum(len(piece["data"]) * 3 // 4 for part in parts.values()
                      for piece in part["pieces"]),
         ranks=sorted(parts),
@@ -235,7 +235,7 @@ def cell_failure(
         if stall.deaths:
             details = ["", *stall.deaths[0].describe(headline=False), *details]
     else:
-        hints = [h for h in [arrays.gather_hint(session, cell, errors)
+        hints = [h for h in [transfers.gather_hint(session, cell, errors)
                              or meshes.mesh_hint(session, errors)] if h]
     dead = [d.rank for d in stall.deaths] if stall is not None else []
     return RankErrors(errors, sorted(ran.cells), notes, details, hints, dead, title)

@@ -1,2 +1,2 @@
-"""``%spmd export``: the cells the ranks ran as a script a job runs (export.py), each cell
+"""``%spmd export``: the cells the ranks ran as a script a job runs (script.py), each cell
 as plain Python (to_python.py), and the file that launches it (launch_file.py)."""

@@ -307,9 +307,9 @@ def _gather_options(text: str) -> tuple[str, str | None, int]:
     """'x[0] -o first --max-bytes 1e6' -> ('x[0]', 'first', 1000000)."""
     name = None
     # (numpy: not for %spmd start, nor a kernel's early start)
-    from spmd.magics.arrays import arrays
+    from spmd.magics.arrays import transfers
 
-    max_bytes = arrays.DEFAULT_MAX_BYTES
+    max_bytes = transfers.DEFAULT_MAX_BYTES
     if re.search(r"(?:^|\s)-o\s*$", text):
         raise UsageError("-o takes a variable name, like %spmd gather x -o full.")
     if re.search(r"(?:^|\s)--max-bytes\s*$", text):
