@@ -1,9 +1,9 @@
 """The controller's fan-out of a cell: one request in from the notebook, an execute request out
 to each rank, and the ranks' replies gathered back into one message.
 
-Through ipyparallel's client a cell was one signed request per rank out of the notebook, and
+Through ipyparallel's client a cell is one signed request per rank out of the notebook, and
 one reply per rank into it, each handled as a Python message with its futures: at 64 ranks
-most of the notebook's time in a trivial cell. Here (installed by start.py):
+that is most of the notebook's time in a trivial cell. Here (installed by start.py):
 
 - the notebook sends one ``wire.CELL_REQUEST`` to this ROUTER: the code, the request's
   metadata, and each rank's engine identity with the id its request gets;

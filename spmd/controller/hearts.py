@@ -1,9 +1,9 @@
 """The controller's heart monitor: a rank that starts is registered at its first heartbeat.
 
 ipyparallel's hub finishes an engine's registration once the heart monitor has heard the
-engine's heart. The monitor pings every heart each period (300 ms at 64 ranks), and took a
-pong from a heart it did not know as new only at the next beat: a registration waited one to
-two periods (0.7 s of a 64-rank restart). Here (installed by start.py):
+engine's heart. The monitor pings every heart each period (300 ms at 64 ranks), and takes a
+pong from a heart it does not know as new only at the next beat: a registration would wait
+one to two periods (0.7 s of a 64-rank restart). Here (installed by start.py):
 
 - a new heart's first pong to the current ping announces it to the hub at once;
 - when a heart has connected to the ping socket (its handshake done), the current ping is
