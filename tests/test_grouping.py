@@ -8,7 +8,6 @@ from spmd.cluster.lockstep.outputs import (
     left_out_line,
     same_on_every_rank,
 )
-from spmd.cluster.lockstep.run import rank_label, rank_set
 from spmd.magics.cells.render import (
     RankResults,
     group_errors,
@@ -16,6 +15,7 @@ from spmd.magics.cells.render import (
     group_results,
     labelled,
 )
+from spmd.words import rank_label, rank_set
 
 
 def cells(*per_rank):

@@ -44,7 +44,8 @@ LAYERS = [
     ("spmd.engine.join", "a rank joining the job"),
 ]
 # The shared top-level modules sit below every layer.
-BELOW_ALL = ("spmd.picture", "spmd.options", "spmd.internals", "spmd.wire", "spmd")
+BELOW_ALL = ("spmd.picture", "spmd.options", "spmd.internals", "spmd.wire", "spmd.words",
+             "spmd")
 
 MODULES_PER_FOLDER = 20
 MODULE_LINES = 500

@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 
-from spmd.cluster.lockstep.run import rank_words
+from spmd.words import rank_words
 
 # Marks, in an output's content, one from before the attach (late.py reads it).
 FROM_BEFORE = "_from_before_the_attach"

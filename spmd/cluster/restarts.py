@@ -12,10 +12,10 @@ import time
 import psutil
 
 from spmd.cluster.launchers import processes, servers
-from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.records import StartError
 from spmd.cluster.startup import Launch, import_time_env, loopback_ports
 from spmd.engine import bootstrap as engine
+from spmd.words import rank_words
 
 
 def keep_rank_env(client, ranks: list) -> str:

@@ -23,7 +23,6 @@ from spmd.cluster import linger
 from spmd.cluster.launchers import forks, processes, remote, servers, ssh
 from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config, cluster_log
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
-from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.lockstep.watchdog import last_lines
 from spmd.cluster.records import Rank, Running, StartError
 from spmd.controller.start import CURVE_ENV
@@ -31,6 +30,7 @@ from spmd.engine import bootstrap as engine
 from spmd.engine.join.address import coordinator_addresses
 from spmd.engine.join.import_env import read_at_import as import_time_env
 from spmd.engine.server import modules_for as server_modules
+from spmd.words import rank_words
 
 
 def loopback_ports(backend: str) -> dict[str, str]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from spmd import wire
 from spmd.cluster.channel import control
-from spmd.cluster.lockstep.run import rank_words
 from spmd.engine.watch.census import TORCH_COLLECTIVES
+from spmd.words import rank_words
 
 HINTS = {
     "shapes": "Pad every process's input to a size agreed by every process (a constant, not "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -233,35 +232,3 @@ def _as_it_is(cell: RankCell) -> RankCell:
         max_lines=cell.max_lines,
         left_out=cell.left_out,
     )
-
-
-def rank_set(ranks: Iterable[int]) -> str:
-    """'0-3', '0,2', '0-2,5': ranks written the short way."""
-    ranks = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
-def rank_words(ranks: Iterable[int]) -> str:
-    """'rank 2' or 'ranks 0-3', for sentences."""
-    return rank_label(ranks)[1:-1]
-
-
-def process_words(ranks: Iterable[int]) -> str:
-    """'process 0' or 'processes 0-1', for sentences about whose devices hold an array (a
-    rank is the process of that index)."""
-    ranks = sorted(set(ranks))
-    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {rank_set(ranks)}"
-
-
-def rank_label(ranks: Iterable[int]) -> str:
-    """'[rank 2]' or '[ranks 0-3]'."""
-    ranks = sorted(set(ranks))
-    return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {rank_set(ranks)}]"

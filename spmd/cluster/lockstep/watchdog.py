@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from spmd.cluster.launchers.processes import how_it_ended
 from spmd.cluster.lockstep.outputs import RankCell, drop_chatter
-from spmd.cluster.lockstep.run import rank_label, rank_words
 from spmd.cluster.lockstep.where import Stack
+from spmd.words import rank_label, rank_words, with_hint
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
 RESTART = "%spmd restart"
@@ -89,20 +89,6 @@ class Death:
                 "the next %spmd start)."
             )
         return lines
-
-
-def with_hint(how: str) -> str:
-    """``how``, with what usually sends that signal."""
-    return how + _SIGNAL_HINTS.get(how.removeprefix("killed by "), "")
-
-
-_SIGNAL_HINTS = {
-    "SIGKILL": " (sent by hand, or by the out-of-memory killer)",
-    "SIGSEGV": " (a crash in C code)",
-    "SIGABRT": " (it aborted: jax, XLA and torch's gloo do this on a fatal error, or when another "
-                "rank died)",
-    "SIGBUS": " (a crash in C code)",
-}
 
 
 # ipyparallel's own log lines in the engine's log file ("2026-11-22 00:11:36.959 [IPEngine]

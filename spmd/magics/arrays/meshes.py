@@ -14,9 +14,9 @@ Threads: ``mesh_hint`` runs on the notebook's main thread, as the cell's report 
 
 from __future__ import annotations
 
-from spmd.cluster.lockstep.run import process_words
 from spmd.cluster.session import Session
 from spmd.engine.arrays import meshes
+from spmd.words import process_words
 
 
 def mesh_hint(session: Session, errors: list) -> str:

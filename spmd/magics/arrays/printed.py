@@ -22,8 +22,8 @@ import re
 import numpy as np
 
 from spmd.cluster.lockstep.outputs import PRINTED, unmarked
-from spmd.cluster.lockstep.run import process_words
 from spmd.magics.arrays import values
+from spmd.words import process_words
 
 
 def rebuild(ran) -> str:

@@ -15,10 +15,10 @@ import numpy as np
 from IPython.core.error import UsageError
 
 from spmd import picture
-from spmd.cluster.lockstep.run import process_words, rank_words
 from spmd.cluster.session import Session
 from spmd.engine.arrays import shards
 from spmd.magics.arrays.values import numpy_dtype
+from spmd.words import process_words, rank_words
 
 ANSWER_SECONDS = 30.0
 DEFAULT_MAX_BYTES = 256 * 2**20

@@ -18,8 +18,8 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from spmd.cluster.lockstep.outputs import RankCell
-from spmd.cluster.lockstep.run import process_words
 from spmd.wire import GLOBAL_ARRAY_MIME
+from spmd.words import process_words
 
 
 def payloads(cells: dict[int, RankCell]) -> dict[int, dict]:

@@ -14,7 +14,6 @@ from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
 from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.run import rank_set, rank_words
 from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import OutOfStep, Session
@@ -33,6 +32,7 @@ from spmd.magics.cells.render import (
     write,
 )
 from spmd.wire import GLOBAL_ARRAY_MIME
+from spmd.words import rank_set, rank_words
 
 # -- before the run ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from spmd.cluster.lockstep.run import rank_set
+from spmd.words import rank_set
 
 MANY = 16  # ranks shown one row each up to this many
 

@@ -14,10 +14,11 @@ import time
 import psutil
 from IPython.display import display
 
-from spmd.cluster.lockstep.run import CellRun, rank_words
+from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import Session
 from spmd.magics.cells import grouped
+from spmd.words import rank_words
 
 _COLOURS = {
     "input": "#d0ebff",

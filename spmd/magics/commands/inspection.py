@@ -9,12 +9,12 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.run import rank_words
 from spmd.cluster.lockstep.watchdog import stack_section
 from spmd.magics.cells.panel import Panel, panel_bundle
 from spmd.magics.commands.say import say
 from spmd.magics.start.arguments import _cell_parser, _log_parser
 from spmd.magics.start.status import status_table
+from spmd.words import rank_words
 
 
 class Inspection:

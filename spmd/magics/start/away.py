@@ -17,8 +17,8 @@ from __future__ import annotations
 import calendar
 import time
 
-from spmd.cluster.lockstep.run import rank_words
 from spmd.engine.life.unattended import CELL_ENDED, GONE_LINE, GONE_STAMP
+from spmd.words import rank_words
 
 ATTACH_TAIL = 4 << 20
 # A rank's mark may be this much older than the controller's note of the same death (each
