@@ -248,8 +248,8 @@ def test_the_panel_of_256_ranks_is_a_row_per_state_and_of_16_a_row_per_rank():
 def test_ranks_outside_the_cells_code_are_one_section_however_many_places():
     """A death caught 128 ranks at a dozen places in ipykernel and IPython (the cell not
     begun yet): a section each buried the cell's own."""
-    from spmd.cluster.lockstep.watchdog import stack_section
     from spmd.cluster.lockstep.where import Frame, Stack
+    from spmd.magics.cells.report import stack_section
 
     lib = "/venv/lib/python3.11/site-packages/"
     cell = Frame("/tmp/ipykernel_7/1234.py", 4, "<module>", "time.sleep(60)")

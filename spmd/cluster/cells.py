@@ -21,7 +21,7 @@ from spmd.cluster.channel import control
 from spmd.cluster.launchers import processes
 from spmd.cluster.lockstep import census, where
 from spmd.cluster.lockstep.run import CellRun
-from spmd.cluster.lockstep.watchdog import (
+from spmd.cluster.lockstep.stall import (
     DIED,
     DIVERGED,
     INSIDE_PATIENCE,
@@ -261,7 +261,7 @@ class CellRunner:
         stall.stacks = self.stacks(gen, busy)
         stall.in_debugger = run.debugger_paused()
         # Why, before an interrupt or a death's end takes the ranks' records with them.
-        stall.census = census.for_report(self._client, run.engine_ids, stall, run.requests)
+        stall.census = census.read(self._client, run.engine_ids, stall, run.requests)
         if reason == DIED:
             self.on_death(stall.deaths)
             return stall

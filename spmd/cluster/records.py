@@ -138,7 +138,7 @@ class CellResult:
     census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)
     # rank -> the parts of the arrays it printed, from its reply (engine/arrays/printed.py)
     printed: Mapping[int, dict]
-    # A watchdog.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
+    # A stall.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
     # when the wait ended before every rank finished; None when every rank did.
     stall: object | None
     started: float  # when it was sent (time.monotonic())

@@ -52,7 +52,7 @@ from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.generation import Generation
 from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.watchdog import Death
+from spmd.cluster.lockstep.stall import Death
 from spmd.cluster.records import (
     CellObserver,
     CellResult,

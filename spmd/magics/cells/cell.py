@@ -14,12 +14,12 @@ from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
 from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.watchdog import DIED, DIVERGED, INTERRUPTED, stack_section
+from spmd.cluster.lockstep.stall import DIED, DIVERGED, INTERRUPTED
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics.arrays import meshes, transfers, values
 from spmd.magics.arrays.transfers import PLACEHOLDER_BEGINS
-from spmd.magics.cells import widgets
+from spmd.magics.cells import launches, report, widgets
 from spmd.magics.cells.automode import EXITS
 from spmd.magics.cells.panel import Panel
 from spmd.magics.cells.render import (
@@ -161,8 +161,8 @@ def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> 
     # (part of the cell's report: a ^C in its wait for the records would drop the errors
     # below)
     with interrupts.held("the cell's report"):
-        said = census.warning(census.fetch(session.record().client, ran.engine_ids, ran.requests),
-                              raised=raised)
+        said = launches.warning(census.fetch(session.record().client, ran.engine_ids,
+                                             ran.requests), raised=raised)
     if said:
         write("stderr", said + "\n")
 
@@ -230,10 +230,11 @@ def cell_failure(
     notes, details, hints, title = [], [], [], ""
     stall = ran.stall
     if stall is not None:
-        notes, title = stall.summary(), stall.title()
-        details = stack_section(stall.busy, stall.stacks, stall.in_debugger) + stall.census
+        notes, title = report.summary(stall), report.title(stall)
+        details = (report.stack_section(stall.busy, stall.stacks, stall.in_debugger)
+                   + launches.census_section(stall))
         if stall.deaths:
-            details = ["", *stall.deaths[0].describe(headline=False), *details]
+            details = ["", *report.describe(stall.deaths[0], headline=False), *details]
     else:
         hints = [h for h in [transfers.gather_hint(session, cell, errors)
                              or meshes.mesh_hint(session, errors)] if h]
@@ -261,5 +262,5 @@ def interrupted_by_us(stall) -> set[int]:
 def refusal(session: Session, text: str) -> str:
     """A refusal, with the dead rank's report when a death is the reason."""
     if session.death is not None:
-        text += "\n" + "\n".join(session.death.describe())
+        text += "\n" + "\n".join(report.describe(session.death))
     return text

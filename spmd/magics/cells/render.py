@@ -24,8 +24,8 @@ from typing import Any
 from IPython.display import clear_output, display
 
 from spmd.cluster.lockstep.outputs import RankCell, unmarked
-from spmd.cluster.lockstep.watchdog import progress_lines, straggler_lines
 from spmd.cluster.records import Output
+from spmd.magics.cells.report import progress_lines, straggler_lines
 from spmd.wire import GLOBAL_ARRAY_MIME
 from spmd.words import rank_label, rank_set, rank_words
 

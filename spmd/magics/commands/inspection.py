@@ -9,8 +9,9 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from spmd.cluster.lockstep import census
-from spmd.cluster.lockstep.watchdog import stack_section
+from spmd.magics.cells import launches
 from spmd.magics.cells.panel import Panel, panel_bundle
+from spmd.magics.cells.report import stack_section
 from spmd.magics.commands.say import say
 from spmd.magics.start.arguments import _cell_parser, _log_parser
 from spmd.magics.start.status import status_table
@@ -70,8 +71,8 @@ class Inspection:
         if not any(rec["count"] for rec in records.values()):
             say(f"In [{number}] launched no cross-process program on any rank.")
             return
-        lines = census.listing(records)
-        said = census.explain(records, waiting=False)
+        lines = launches.listing(records)
+        said = launches.explain(records, waiting=False)
         lines += ["", *said[1]] if said else ["", "Every rank launched the same."]
         say(f"In [{number}]:\n" + "\n".join(lines))
 
