@@ -3,7 +3,9 @@ on the notebook's side, from the magic to the ranks and back, and where the walk
 and forth between two of them.
 
 It is not a timing: ``python -m benchmarks.walk`` prints the modules in the order the cell
-first enters them (a module counts where code written in its file runs), the calls between modules, and the pairs of modules that call each other
+first enters them, from the ``%%spmd`` magic's call to its return (IPython's own input steps
+before it are the notebook's, whatever the cell; a module counts where code written in its
+file runs), the calls between modules, and the pairs of modules that call each other
 (a callback climbing back up, or two modules handing a cell between them). The cell is one
 a student writes: a print, and a value.
 
@@ -31,13 +33,24 @@ def _module(frame) -> str | None:
     return name
 
 
-def walk(bench: Bench, cell: str = CELL) -> dict:
-    """Trace ``cell`` run as ``%%spmd``: {'modules': [...], 'calls': Counter, 'both_ways':
-    [(a, b), ...]} for the project's modules (spmd.*) the main thread ran in."""
+def walk(run_cell, cell: str = CELL) -> dict:
+    """Trace ``cell`` run as ``%%spmd`` by ``run_cell`` (a notebook's: Bench.cell): {'modules':
+    [...], 'calls': Counter, 'both_ways': [(a, b), ...]} for the project's modules (spmd.*)
+    the main thread ran in."""
     modules: list[str] = []
     calls: Counter = Counter()
+    magic = None  # the %%spmd magic's frame, while it runs: the walk is what runs inside it
 
     def profile(frame, event, arg) -> None:
+        nonlocal magic
+        if magic is None:
+            if event == "call" and frame.f_code.co_name == "spmd" and \
+                    _module(frame) == "spmd.magics.magics":
+                magic = frame
+            else:
+                return
+        if event == "return" and frame is magic:
+            magic = None
         if event != "call":
             return
         callee = _module(frame)
@@ -53,7 +66,7 @@ def walk(bench: Bench, cell: str = CELL) -> dict:
 
     sys.setprofile(profile)
     try:
-        bench.cell(f"%%spmd\n{cell}")
+        run_cell(f"%%spmd\n{cell}")
     finally:
         sys.setprofile(None)
     both = sorted({tuple(sorted(pair)) for pair in calls if pair[::-1] in calls})
@@ -65,7 +78,7 @@ def main() -> None:
     bench.cell("%spmd start -n 2")
     try:
         bench.cell("%%spmd\nimport jax\nprint(jax.process_index())")  # (imports and first-time paths out of the walk)
-        seen = walk(bench)
+        seen = walk(bench.cell)
     finally:
         bench.cell("%spmd stop")
     print(f"{len(seen['modules'])} modules, in the order the cell enters them:")

@@ -95,6 +95,6 @@ PROMPT_ANSWER_REPLY = "spmd_prompt_answer_reply"
 # notebook (lockstep/run.py), which asks the person and answers with PROMPT_ANSWER.
 PROMPT_MIME = "application/vnd.spmd.prompt+json"
 # A cell's value that is one array over several processes: the parts of its printed form this
-# rank holds. Sent by the rank (engine/arrays/results.py), read by the notebook (lockstep/outputs.py,
+# rank holds. Sent by the rank (engine/arrays/results.py), read by the notebook (lockstep/run.py,
 # magics/arrays/values.py), which prints the array once.
 GLOBAL_ARRAY_MIME = "application/vnd.spmd.global-array+json"

@@ -1,6 +1,6 @@
 """Grouping of per-rank outputs, on hand-made outputs (no processes needed)."""
 
-from spmd.cluster.lockstep.outputs import (
+from spmd.cluster.lockstep.run import (
     LINE_WIDTH,
     Output,
     RankCell,

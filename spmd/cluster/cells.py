@@ -112,19 +112,15 @@ class CellRunner:
     """Cells on the ranks of a generation (see the module's opening comment)."""
 
     def __init__(self, launch, deaths, logs, settings, stopping,
-                 on_death: Callable[[list], None]) -> None:
+                 on_death: Callable[[list], None], sources: collections.deque) -> None:
         self.launch, self.deaths, self.logs = launch, deaths, logs
         self.settings, self.stopping, self.on_death = settings, stopping, on_death
         # The text of recent cells, to show the lines of a stack dump (where.with_sources).
-        self.sources: collections.deque = collections.deque(maxlen=200)
+        self.sources = sources
 
     @property
     def _client(self):
         return self.launch.client  # (read afresh: a start or an attach sets it)
-
-    def stack(self, rank: int, frames: list[where.Frame]) -> where.Stack:
-        """A rank's frames from the cell on, with the lines of the cells this session sent."""
-        return where.Stack(rank, where.with_sources(where.from_cell_on(frames), self.sources))
 
     def run(
         self,
@@ -344,7 +340,8 @@ class CellRunner:
         }
         if silent:
             found.update(where.dump(silent))
-        return {r: None if frames is None else self.stack(r, frames) for r, frames in found.items()}
+        return {r: None if frames is None else where.cell_stack(r, frames, self.sources)
+                for r, frames in found.items()}
 
     def interrupt(self, gen) -> tuple[list[int], list[int]]:
         """SIGINT to the ranks of ``gen`` still running a cell the notebook stopped waiting

@@ -1,8 +1,8 @@
 """The death watch: which ranks ended or vanished, and what is known of how.
 
 A part of the face (session.py), given what it needs: the launch (its client and cluster),
-the ranks' logs, how a rank's frames become a stack with its cells' lines, and the face's
-``collect_late``; each question names the generation it is about (the caller reads the
+the ranks' logs, the text of recent cells (a crash's stack shows their lines), and the
+face's ``collect_late``; each question names the generation it is about (the caller reads the
 face's once: start, restart and stop replace it). It keeps no state of its own beyond the
 generation's ``vanished`` table: it reads the generation and what the launch runs, on
 whichever thread asks (cells' waits and reports on the main thread; the debugger's control thread asks
@@ -26,9 +26,9 @@ from spmd.words import with_hint
 class DeathWatch:
     """Which ranks died (see the module's opening comment)."""
 
-    def __init__(self, launch, logs, stack, collect_late) -> None:
+    def __init__(self, launch, logs, sources, collect_late) -> None:
         self.launch, self.logs = launch, logs
-        self._stack, self._collect_late = stack, collect_late
+        self._sources, self._collect_late = sources, collect_late
 
     def any(self, gen) -> bool:
         """Whether a rank of ``gen`` has ended or vanished (every poll of every cell asks)."""
@@ -152,7 +152,7 @@ class DeathWatch:
         if at < 0:
             return None
         frames = where.parse_dump(text[at:], gen.ranks[launcher.rank].main_thread)
-        return self._stack(launcher.rank, frames) if frames else None
+        return where.cell_stack(launcher.rank, frames, self._sources) if frames else None
 
 
 def _watched(gen) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from spmd.cluster.adopted import FROM_BEFORE
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.outputs import RankCell, output_from_message, unmarked
+from spmd.cluster.lockstep.run import RankCell, output_from_message, unmarked
 from spmd.cluster.records import Output
 
 

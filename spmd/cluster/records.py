@@ -132,7 +132,7 @@ class CellResult:
     """What one cell was, once the notebook's wait for it ended (``CellRun.result``)."""
 
     code: str
-    cells: Mapping[int, Any]  # rank -> its lockstep.outputs.RankCell: outputs, error, seconds
+    cells: Mapping[int, Any]  # rank -> its lockstep.run.RankCell: outputs, error, seconds
     engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
     requests: Mapping[int, str]  # rank -> the msg_id of its execute request
     census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)

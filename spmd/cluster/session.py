@@ -42,6 +42,7 @@ Who may touch what:
 from __future__ import annotations
 
 import atexit
+import collections
 import shutil
 import threading
 import time
@@ -51,6 +52,7 @@ from spmd.cluster.cells import AFTER_DEATH_SECONDS, CellRunner
 from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.generation import Generation
 from spmd.cluster.late import LateOutputs
+from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.logs import RankLogs
 from spmd.cluster.lockstep.stall import Death
 from spmd.cluster.records import (
@@ -98,14 +100,12 @@ class Session:
         self.launch.progress = progress
         self.logs = logs if logs is not None else RankLogs()  # (a restart's go on)
         self.late = LateOutputs()
-        self.cells = CellRunner(self.launch, None, self.logs, settings, self.stopping,
-                                on_death=self.end_after_death)
-        self.deaths = DeathWatch(self.launch, self.logs, stack=self.cells.stack,
-                                 collect_late=self.collect_late)
-        self.cells.deaths = self.deaths
-        # The cells since the start or the last restart, in the order they ran, and how each
-        # went (records.Ran), for %spmd export. The main thread only: it runs cells and
-        # restarts.
+        sources = collections.deque(maxlen=200)  # recent cells' text, for stacks' lines
+        self.deaths = DeathWatch(self.launch, self.logs, sources, self.collect_late)
+        self.cells = CellRunner(self.launch, self.deaths, self.logs, settings, self.stopping,
+                                self.end_after_death, sources)
+        # The cells since the start or the last restart, in order, and how each went
+        # (records.Ran), for %spmd export. The main thread's: it runs cells and restarts.
         self.ran: list[Ran] = []
         self.start_seconds = 0.0
         self.afresh_because = ""  # why a restart started afresh ('' when it did not)
@@ -131,8 +131,7 @@ class Session:
         return self.launch.cluster is not None and self.gen.death is None
 
     def record(self) -> Running:
-        """What runs now (the client, the controller, the rank server, the folders), as a
-        frozen copy."""
+        """What runs now (client, controller, rank server, folders), as a frozen copy."""
         return self.launch.record()
 
     def busy(self) -> bool:
@@ -177,7 +176,7 @@ class Session:
         self.start_seconds = time.perf_counter() - t0
 
     def cancel(self) -> None:
-        """Make a ``start`` running on another thread give up soon, stopping what it began."""
+        """A ``start`` on another thread gives up soon, stopping what it began."""
         self.cancelled.set()
 
     def attach(self, record) -> Session:
@@ -240,10 +239,9 @@ class Session:
 
     def shutdown(self, wait: float = 4.0) -> None:
         """Stop from another thread (ipykernel's control thread, at a shutdown request):
-        whatever the main thread does with this cluster gives up, and the stop runs once it
-        has. A main thread that does not let go within ``wait`` seconds (a rank's prompt
-        waits for an answer that will not come) is stopped beside: the kernel's process ends
-        right after, and its manager would kill it without a stop."""
+        the main thread's work with this cluster gives up, then the stop runs. A main thread
+        that does not let go within ``wait`` s (a rank's prompt waits for an answer that will
+        not come) is stopped beside: the kernel ends right after, killed without a stop."""
         self.stopping.set()
         self.cancelled.set()
         linger.disarm(self.launch)  # (a kernel killed while it stops: its ranks end with it)
@@ -276,8 +274,6 @@ class Session:
         if launch.profile_dir:
             shutil.rmtree(launch.profile_dir, ignore_errors=True)
             launch.profile_dir = None
-
-    # Deaths.
 
     def notice_deaths(self) -> None:
         """If a rank died since the last look, stop the others and say so from now on."""
@@ -338,7 +334,7 @@ class Session:
             return sorted({*self.cells.busy_ranks(self.gen), *self.busy_before_attach()})
 
     def busy_before_attach(self) -> list[int]:
-        """The ranks still running the cell from before the attach ([] without one)."""
+        """The ranks still running the cell from before the attach."""
         held = self.gen.adopted
         return held.busy_ranks(self.launch.client) if held is not None else []
 
@@ -351,6 +347,11 @@ class Session:
         news = held.news(self.launch.client) if with_news else ""
         self.collect_late()  # (its error came before its end: shown with the line)
         return self.late.take_before(self.settings.max_output), news
+
+    def census(self, engine_ids: dict[int, int], requests: dict | None = None,
+               timeout: float = 1.0) -> dict[int, dict]:
+        """{rank: its census record of a cell (its last, or ``requests[rank]``)}, asked."""
+        return census.fetch(self.launch.client, engine_ids, requests, timeout)
 
     def stacks(self, ranks: list[int]):
         """The main-thread Python stack of each rank (None: it did not answer)."""

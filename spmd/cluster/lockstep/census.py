@@ -7,7 +7,7 @@ part (``first_difference``), and the busy ranks that launched what a finished on
 (``ahead``). The cell runner's watchdog asks the same of ranks still running past the grace
 (``launched_ahead``): a rank that launched what a finished one never did has diverged; one
 whose launches begin the finished one's is only behind. The words a student reads about them
-are the magics' (spmd/magics/cells/launches.py).
+are the magics' (spmd/magics/cells/census_report.py).
 
 Runs on the notebook's main thread; a record is the JSON the rank sent (``runs`` run-length
 encoded: [program, argument types, times]).
@@ -63,11 +63,6 @@ def _ask(client, engine_ids: dict[int, int], requests: dict[int, str] | None,
     replies = control.request(client, list(asked), wire.CENSUS_REQUEST, {"request": None}, timeout,
                               contents=asked)
     return {rank: replies.get(engine_id) for rank, engine_id in engine_ids.items()}
-
-
-def differ(digests: dict[int, list | None]) -> bool:
-    """Whether the ranks' digests (None: launched nothing) say their launches differ."""
-    return len({tuple(d) if d else None for d in digests.values()}) > 1
 
 
 def first_difference(records: dict[int, dict]) -> tuple[int, dict[int, tuple | None]] | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from spmd.cluster.launchers.processes import how_it_ended
 from spmd.cluster.lockstep.census import Reading
-from spmd.cluster.lockstep.outputs import RankCell, drop_chatter
+from spmd.cluster.lockstep.run import RankCell, drop_chatter
 from spmd.cluster.lockstep.where import Stack
 
 DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"

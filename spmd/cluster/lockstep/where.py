@@ -188,6 +188,11 @@ def parse_dump(text: str, thread: int | None) -> list[Frame]:
     return frames
 
 
+def cell_stack(rank: int, frames: list[Frame], cells: Iterable[str]) -> Stack:
+    """A rank's frames from the cell on, with the lines of the cells the notebook sent."""
+    return Stack(rank, with_sources(from_cell_on(frames), cells))
+
+
 def from_cell_on(frames: list[Frame]) -> list[Frame]:
     """Drop the kernel's own frames (the event loop, ipykernel, IPython) above the cell."""
     for i, f in enumerate(frames):

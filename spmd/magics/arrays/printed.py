@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from spmd.cluster.lockstep.outputs import PRINTED, unmarked
+from spmd.cluster.lockstep.run import PRINTED, unmarked
 from spmd.magics.arrays import values
 from spmd.words import process_words
 

@@ -13,13 +13,12 @@ import time
 from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
-from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.stall import DIED, DIVERGED, INTERRUPTED
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics.arrays import meshes, transfers, values
 from spmd.magics.arrays.transfers import PLACEHOLDER_BEGINS
-from spmd.magics.cells import launches, report, widgets
+from spmd.magics.cells import census_report, report, widgets
 from spmd.magics.cells.automode import EXITS
 from spmd.magics.cells.panel import Panel
 from spmd.magics.cells.render import (
@@ -156,13 +155,15 @@ def show_cell(
 def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> None:
     """A line when the cell ended (nothing hung) though its ranks launched different programs
     (``raised``: some ranks raised, and their errors follow)."""
-    if ran.stall is not None or not census.differ({r: ran.census.get(r) for r in ran.cells}):
+    # (each rank's census digest, None where it launched nothing: alike, nothing to say)
+    digests = {tuple(d) if d else None for d in (ran.census.get(r) for r in ran.cells)}
+    if ran.stall is not None or len(digests) == 1:
         return
     # (part of the cell's report: a ^C in its wait for the records would drop the errors
     # below)
     with interrupts.held("the cell's report"):
-        said = launches.warning(census.fetch(session.record().client, ran.engine_ids,
-                                             ran.requests), raised=raised)
+        said = census_report.warning(session.census(ran.engine_ids, ran.requests),
+                                     raised=raised)
     if said:
         write("stderr", said + "\n")
 
@@ -232,7 +233,7 @@ def cell_failure(
     if stall is not None:
         notes, title = report.summary(stall), report.title(stall)
         details = (report.stack_section(stall.busy, stall.stacks, stall.in_debugger)
-                   + launches.census_section(stall))
+                   + census_report.census_section(stall))
         if stall.deaths:
             details = ["", *report.describe(stall.deaths[0], headline=False), *details]
     else:

@@ -23,7 +23,7 @@ from typing import Any
 
 from IPython.display import clear_output, display
 
-from spmd.cluster.lockstep.outputs import RankCell, unmarked
+from spmd.cluster.lockstep.run import RankCell, unmarked
 from spmd.cluster.records import Output
 from spmd.magics.cells.report import progress_lines, straggler_lines
 from spmd.wire import GLOBAL_ARRAY_MIME

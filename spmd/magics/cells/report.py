@@ -7,7 +7,7 @@ The cluster keeps what it found as data (spmd/cluster/lockstep/stall.py: ``Death
 ``Stall``); this module says it. A rank that is only later than the others is no fault: the
 live view says who the cell waits for (``straggler_lines``). The census does not see jax's own
 programs, so a divergence found by the ranks' stacks (``Stall.inside``) says that this is what
-is known. The census's own words are launches.py's.
+is known. The census's own words are census_report.py's.
 
 Main thread only: the cell's steps (cell.py), the live view (render.py) and ``%spmd where``
 (commands/inspection.py) call it.

@@ -8,8 +8,7 @@ import sys
 from IPython.core.error import UsageError
 from IPython.display import display
 
-from spmd.cluster.lockstep import census
-from spmd.magics.cells import launches
+from spmd.magics.cells import census_report
 from spmd.magics.cells.panel import Panel, panel_bundle
 from spmd.magics.cells.report import stack_section
 from spmd.magics.commands.say import say
@@ -59,7 +58,7 @@ class Inspection:
                              f"whose launches the ranks keep ({which}).")
         engine_ids = {r.rank: r.engine_id for r in session.ranks}
         try:
-            records = census.fetch(session.record().client, engine_ids, kept[number], timeout=5.0)
+            records = session.census(engine_ids, kept[number], timeout=5.0)
         except KeyboardInterrupt:
             say(f"Interrupted: %spmd census stopped waiting for the ranks' launches of In "
                 f"[{number}]; run it again to list them.")
@@ -71,8 +70,8 @@ class Inspection:
         if not any(rec["count"] for rec in records.values()):
             say(f"In [{number}] launched no cross-process program on any rank.")
             return
-        lines = launches.listing(records)
-        said = launches.explain(records, waiting=False)
+        lines = census_report.listing(records)
+        said = census_report.explain(records, waiting=False)
         lines += ["", *said[1]] if said else ["", "Every rank launched the same."]
         say(f"In [{number}]:\n" + "\n".join(lines))
 
