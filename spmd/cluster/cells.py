@@ -21,15 +21,17 @@ from spmd.cluster.channel import control
 from spmd.cluster.launchers import processes
 from spmd.cluster.lockstep import census, where
 from spmd.cluster.lockstep.run import CellRun
-from spmd.cluster.lockstep.stall import (
+from spmd.cluster.records import (
     DIED,
     DIVERGED,
     INSIDE_PATIENCE,
     INTERRUPTED,
     TIMEOUT,
+    CellObserver,
+    CellResult,
+    OutOfStep,
     Stall,
 )
-from spmd.cluster.records import CellObserver, CellResult, OutOfStep
 
 # How long the other ranks may take to finish their cell once one died (see _stop_waiting).
 AFTER_DEATH_SECONDS = 0.5

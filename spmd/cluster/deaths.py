@@ -19,7 +19,8 @@ from spmd.cluster.launchers import processes, remote
 from spmd.cluster.launchers.forks import ForkedEngineLauncher, ForkedSSHEngineLauncher
 from spmd.cluster.launchers.launch import RankedEngineLauncher
 from spmd.cluster.lockstep import where
-from spmd.cluster.lockstep.stall import Death, last_lines
+from spmd.cluster.lockstep.logs import last_lines
+from spmd.cluster.records import Death
 from spmd.words import with_hint
 
 

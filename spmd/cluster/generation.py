@@ -15,7 +15,7 @@ from spmd.cluster.records import Rank
 if TYPE_CHECKING:
     from spmd.cluster.adopted import Adopted
     from spmd.cluster.lockstep.run import CellRun
-    from spmd.cluster.lockstep.stall import Death
+    from spmd.cluster.records import Death
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from spmd.cluster.launchers import remote
+from spmd.cluster.launchers.processes import how_it_ended
 
 
 class OutOfStep(RuntimeError):
@@ -138,7 +139,7 @@ class CellResult:
     census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)
     # rank -> the parts of the arrays it printed, from its reply (engine/arrays/printed.py)
     printed: Mapping[int, dict]
-    # A stall.Stall (the report: why the wait ended, busy ranks, deaths, stacks, census)
+    # A Stall (below: why the wait ended, busy ranks, deaths, stacks, census)
     # when the wait ended before every rank finished; None when every rank did.
     stall: object | None
     started: float  # when it was sent (time.monotonic())
@@ -165,3 +166,77 @@ class CellObserver(Protocol):
     def prompt(self, rank: int, request: dict, run) -> dict:
         """``rank`` asks the person (``request``: its prompt); the answer, ``{"text": ...}``
         or ``{"error": why}``. A KeyboardInterrupt ends every rank's prompt."""
+
+
+# -- why a cell stopped before every rank finished ---------------------------------------------
+# In SPMD the classic failure is silent: one rank raises, or takes another branch, while the
+# others wait in a collective forever. The cell runner's wait (cells.py) notices four things (a
+# rank that died, ranks still busy a grace period after another finished that launched what it
+# never did, a timeout, the user's interrupt) and keeps what it found in these records: the
+# magics say it in words (spmd/magics/cells/report.py). The census does not see jax's own
+# programs (an eager operation on an array over several processes), so a straggler that stays
+# inside one call of jax or torch for ``INSIDE_PATIENCE`` seconds past the grace is taken for
+# diverged too.
+
+DIED, DIVERGED, TIMEOUT, INTERRUPTED = "died", "diverged", "timeout", "interrupted"
+
+# How long past the grace every busy rank may stay inside one call of jax or torch (the same
+# stack at every look, not compiling) before it is taken for waiting in a cross-process
+# operation that a finished rank did not make: the census does not see jax's own programs.
+INSIDE_PATIENCE = 3.0
+
+
+@dataclass
+class Death:
+    """One rank's process ended on its own (not stopped by the notebook)."""
+
+    rank: int
+    pid: int
+    exit_code: int | None
+    at: float  # time.monotonic()
+    last_lines: list[str] = field(default_factory=list)
+    crash: Any = None  # where it was (a lockstep.where.Stack), if it crashed in Python
+    host: str = ""
+    cause: str = ""  # what is known where the exit code is not (a rank on another host)
+    log: str = ""  # the file with every line it printed in its cells ('' if none)
+
+    @property
+    def how(self) -> str:
+        """'killed by SIGKILL', 'exit code 1'."""
+        if self.exit_code is None:
+            return self.cause or "it exited"
+        return how_it_ended(self.exit_code)
+
+
+@dataclass
+class Stall:
+    """The notebook stopped waiting for a cell before every rank finished."""
+
+    reason: str  # DIED | DIVERGED | TIMEOUT | INTERRUPTED
+    seconds: float | None  # the grace or the timeout that ran out
+    busy: list[int]  # ranks still running when the wait ended
+    stacks: dict[int, Any]  # where each busy rank was (where.Stack or None), before any interrupt
+    finished: list[int] = field(default_factory=list)  # ranks done when the wait ended
+    raised: list[int] = field(default_factory=list)  # those of them that raised
+    unresponsive: list[int] = field(default_factory=list)  # busy after SIGINT and a grace
+    deaths: list[Death] = field(default_factory=list)  # first to die first
+    in_debugger: list[int] = field(default_factory=list)  # busy ranks paused in the debugger
+    # What the living ranks' census said of the cell's launches, read before any interrupt or
+    # a death's end takes their records with them (None: not read)
+    census: Any = None  # (a lockstep.census.Reading)
+    # DIVERGED: the busy ranks that launched what a finished rank never did (the others were
+    # only behind, and are interrupted with them)
+    ahead: list[int] = field(default_factory=list)
+    # DIVERGED with no census evidence: the busy ranks that stayed inside one call of jax or
+    # torch past the patience, rank -> (its stack then, seconds seen in that call)
+    inside: dict[int, tuple[Any, float]] = field(default_factory=dict)
+
+    @classmethod
+    def at(cls, reason: str, seconds: float | None, cells: dict, **kw) -> Stall:
+        """A Stall for ``cells`` (rank -> its lockstep.run.RankCell) as they are now: call it
+        before interrupting anyone."""
+        dead = {d.rank for d in kw.get("deaths", [])}
+        finished = sorted(r for r, c in cells.items() if c.done and r not in dead)
+        raised = [r for r in finished if cells[r].error is not None]
+        busy = sorted(r for r, c in cells.items() if not c.done and r not in dead)
+        return cls(reason, seconds, busy, {}, finished, raised, **kw)

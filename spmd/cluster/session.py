@@ -54,10 +54,10 @@ from spmd.cluster.generation import Generation
 from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep import census
 from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.lockstep.stall import Death
 from spmd.cluster.records import (
     CellObserver,
     CellResult,
+    Death,
     OutOfStep,
     Ran,
     Rank,

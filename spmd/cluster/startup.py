@@ -23,7 +23,7 @@ from spmd.cluster import linger
 from spmd.cluster.launchers import forks, processes, remote, servers, ssh
 from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config, cluster_log
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
-from spmd.cluster.lockstep.stall import last_lines
+from spmd.cluster.lockstep.logs import last_lines
 from spmd.cluster.records import Rank, Running, StartError
 from spmd.controller.start import CURVE_ENV
 from spmd.engine import bootstrap as engine

@@ -10,10 +10,12 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import re
 import shutil
 import sys
 
 from spmd.cluster.launchers.profiles import owned_folder
+from spmd.cluster.lockstep.run import drop_chatter
 
 
 class RankLogs:
@@ -98,3 +100,16 @@ class RankLogs:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+
+
+# ipyparallel's own log lines in the engine's log file ("2026-11-22 00:11:36.959 [IPEngine]
+# WARNING | ..."): start-up notices, not what the process said when it died.
+_IPP_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[IPEngine")
+
+
+def last_lines(output: str, count: int = 8, width: int = 400) -> list[str]:
+    """The end of what an engine wrote to its stdout and stderr (jax's fatal messages, a
+    crash's Python stack), without gloo's chatter and ipyparallel's own log lines."""
+    text = drop_chatter(output[-50000:])
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip() and not _IPP_LOG.match(ln)]
+    return [ln if len(ln) <= width else ln[: width - 3] + "..." for ln in lines[-count:]]

@@ -227,7 +227,7 @@ class CellRun:
     started: float = 0.0
     first_done: float | None = None  # when the first rank finished (time.monotonic())
     last_output: float | None = None  # when a rank's latest output came (time.monotonic())
-    stall: object | None = None  # a stall.Stall when the wait ended before every rank did
+    stall: object | None = None  # a records.Stall when the wait ended before every rank did
     # Ranks still busy past the grace whose launches so far begin the finished ranks' (the
     # watchdog's last look, cells.py): only slower, waited for, and shown so in the live view.
     stragglers: list = field(default_factory=list)

@@ -13,8 +13,7 @@ import time
 from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts
-from spmd.cluster.lockstep.stall import DIED, DIVERGED, INTERRUPTED
-from spmd.cluster.records import CellResult
+from spmd.cluster.records import DIED, DIVERGED, INTERRUPTED, CellResult
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics.arrays import meshes, transfers, values
 from spmd.magics.arrays.transfers import PLACEHOLDER_BEGINS

@@ -15,7 +15,7 @@ types, times]).
 from __future__ import annotations
 
 from spmd.cluster.lockstep.census import first_difference
-from spmd.cluster.lockstep.stall import Stall
+from spmd.cluster.records import Stall
 from spmd.engine.watch.census import TORCH_COLLECTIVES
 from spmd.words import rank_words
 
@@ -110,7 +110,7 @@ def report_lines(records: dict[int, dict], finished: set[int] | None = None,
                  before: list[int] | None = None, deaths=()) -> list[str]:
     """The report's census section (nothing where the records agree or are too few, every
     rank had begun the cell, and no rank died inside a collective). ``before``: the ranks
-    that had not begun it; ``deaths``: the stall's (stall.Death)."""
+    that had not begun it; ``deaths``: the stall's (records.Death)."""
     said = explain(records, finished=finished)
     lines = [] if said is None else said[1]
     if before:

@@ -3,7 +3,7 @@ wait for a cell ended early: a death, a divergence, a timeout, an interrupt), th
 that say where the busy ranks were, and the live view's lines on the ranks a long cell waits
 for.
 
-The cluster keeps what it found as data (spmd/cluster/lockstep/stall.py: ``Death``,
+The cluster keeps what it found as data (spmd/cluster/records.py: ``Death``,
 ``Stall``); this module says it. A rank that is only later than the others is no fault: the
 live view says who the cell waits for (``straggler_lines``). The census does not see jax's own
 programs, so a divergence found by the ranks' stacks (``Stall.inside``) says that this is what
@@ -19,8 +19,8 @@ import signal
 import socket
 from collections.abc import Iterable
 
-from spmd.cluster.lockstep.stall import DIED, DIVERGED, INSIDE_PATIENCE, TIMEOUT, Death, Stall
 from spmd.cluster.lockstep.where import Stack
+from spmd.cluster.records import DIED, DIVERGED, INSIDE_PATIENCE, TIMEOUT, Death, Stall
 from spmd.words import rank_label, rank_words, with_hint
 
 RESTART = "%spmd restart"
