@@ -127,6 +127,28 @@ def test_no_import_runs_back_up(graph):
     assert not upward, "imports that run back up:\n" + "\n".join(sorted(upward))
 
 
+# What the notebook's side (the magics, the kernel) may import of the cluster: its one face and
+# the records that cross it, and three modules for what comes before a cluster or beside it.
+FACE = {
+    "spmd.cluster.session": "the face: the verbs, and what a cell's reader needs",
+    "spmd.cluster.records": "the records that cross the face",
+    "spmd.cluster.linger": "the lingering clusters on disk, which %spmd attach picks from",
+    "spmd.cluster.launchers.remote": "the start options' hosts and launchers, checked first",
+    "spmd.cluster.interrupts": "a SIGINT held through a magic's own report, as the cluster's",
+}
+
+
+def test_the_notebook_side_reaches_the_cluster_through_its_face(graph):
+    crossing = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if name.startswith(("spmd.magics", "spmd.kernel"))
+        for target in targets
+        if target.startswith("spmd.cluster") and target not in FACE
+    )
+    assert not crossing, "past the cluster's face (session.py, records.py):\n" + "\n".join(crossing)
+
+
 def test_every_folder_is_a_floor():
     """Each folder under spmd/ is named in LAYERS, so its arrows are checked as its own floor's
     (a folder left out would pass as part of the one above it)."""

@@ -53,7 +53,10 @@ from spmd.cluster.deaths import DeathWatch
 from spmd.cluster.generation import Generation
 from spmd.cluster.late import LateOutputs
 from spmd.cluster.lockstep import census
+from spmd.cluster.lockstep.census import first_difference
 from spmd.cluster.lockstep.logs import RankLogs
+from spmd.cluster.lockstep.run import PRINTED, CellRun, RankCell, unmarked
+from spmd.cluster.lockstep.where import Stack
 from spmd.cluster.records import (
     CellObserver,
     CellResult,
@@ -67,15 +70,26 @@ from spmd.cluster.records import (
 )
 from spmd.cluster.startup import Launch, check_can_start
 
+# What the magics read of a cell beside the records (records.py): a rank's part of a cell and
+# its printed arrays' marks, the live run an observer is shown, a rank's stack, where the
+# ranks' launches part, the ranks' logs. The face hands them on, so that the notebook's side
+# reaches the cluster through this module and records.py only (tests/test_layout.py).
 __all__ = [
     "AFTER_DEATH_SECONDS",
+    "PRINTED",
+    "CellRun",
     "OutOfStep",
     "Ran",
     "Rank",
+    "RankCell",
+    "RankLogs",
     "Running",
     "Session",
     "Settings",
+    "Stack",
     "StartError",
+    "first_difference",
+    "unmarked",
 ]
 
 # How rank 0 says its coordinator's port was taken: jax raises the first when the join fails

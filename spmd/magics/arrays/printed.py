@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from spmd.cluster.lockstep.run import PRINTED, unmarked
+from spmd.cluster.session import PRINTED, unmarked
 from spmd.magics.arrays import values
 from spmd.words import process_words
 

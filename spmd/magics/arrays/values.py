@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from spmd.cluster.lockstep.run import RankCell
+from spmd.cluster.session import RankCell
 from spmd.wire import GLOBAL_ARRAY_MIME
 from spmd.words import process_words
 

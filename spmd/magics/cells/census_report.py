@@ -14,8 +14,8 @@ types, times]).
 
 from __future__ import annotations
 
-from spmd.cluster.lockstep.census import first_difference
 from spmd.cluster.records import Stall
+from spmd.cluster.session import first_difference
 from spmd.engine.watch.census import TORCH_COLLECTIVES
 from spmd.words import rank_words
 

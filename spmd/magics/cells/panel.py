@@ -14,9 +14,8 @@ import time
 import psutil
 from IPython.display import display
 
-from spmd.cluster.lockstep.run import CellRun
 from spmd.cluster.records import CellResult
-from spmd.cluster.session import Session
+from spmd.cluster.session import CellRun, Session
 from spmd.magics.cells import grouped
 from spmd.words import rank_words
 

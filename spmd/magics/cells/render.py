@@ -23,8 +23,8 @@ from typing import Any
 
 from IPython.display import clear_output, display
 
-from spmd.cluster.lockstep.run import RankCell, unmarked
 from spmd.cluster.records import Output
+from spmd.cluster.session import RankCell, unmarked
 from spmd.magics.cells.report import progress_lines, straggler_lines
 from spmd.wire import GLOBAL_ARRAY_MIME
 from spmd.words import rank_label, rank_set, rank_words

@@ -19,8 +19,8 @@ import signal
 import socket
 from collections.abc import Iterable
 
-from spmd.cluster.lockstep.where import Stack
 from spmd.cluster.records import DIED, DIVERGED, INSIDE_PATIENCE, TIMEOUT, Death, Stall
+from spmd.cluster.session import Stack
 from spmd.words import rank_label, rank_words, with_hint
 
 RESTART = "%spmd restart"

@@ -8,8 +8,7 @@ now (``spmd.engine.shell.widgets``) and puts it in the outputs the notebook keep
 
 from __future__ import annotations
 
-from spmd.cluster.lockstep.run import RankCell
-from spmd.cluster.session import Session
+from spmd.cluster.session import RankCell, Session
 from spmd.engine.shell.widgets import text_forms
 from spmd.magics.cells.render import widget_id
 

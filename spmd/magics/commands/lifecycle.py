@@ -10,8 +10,7 @@ import time
 from IPython.core.error import UsageError
 
 from spmd.cluster import interrupts, linger
-from spmd.cluster.lockstep.logs import RankLogs
-from spmd.cluster.session import Session, Settings, StartError
+from spmd.cluster.session import RankLogs, Session, Settings, StartError
 from spmd.magics.commands.say import say
 from spmd.magics.start import away
 from spmd.magics.start.arguments import start_settings
