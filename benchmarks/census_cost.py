@@ -70,18 +70,18 @@ if dist.get_rank() == 0:
 
 # The census's own work in one launch: is the result cross-process, then the record (on a
 # result already there: the launch itself left out).
-RECORD = """import spmd.engine.watch.census as census, timeit
+RECORD = """import spmd.engine.watch.launches as launches, timeit
 y = total(x); y.block_until_ready()
 args, kwargs = (x,), {}
 print(timeit.timeit(lambda: total.recorded(y, args, kwargs), number=20000) / 20000)"""
 
-HOOKS = """import spmd.engine.watch.census as census, time
+HOOKS = """import spmd.engine.watch.launches as launches, time
 t0 = time.perf_counter()
 for i in range(10000):
-    census.start_cell(f'bench-{i}')
-    census.end_cell()
+    launches.start_cell(f'bench-{i}')
+    launches.end_cell()
 hooks = (time.perf_counter() - t0) / 10000
-census.start_cell('bench-last')
+launches.start_cell('bench-last')
 print(hooks)"""
 
 

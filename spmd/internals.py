@@ -159,26 +159,26 @@ INTERNALS = [
     # ipyparallel, ipykernel and IPython, on every rank
     *[Internal("ipyparallel", "ipyparallel.engine.app", name, "rank",
                "the engine's kernel and session are the rank's own, set by name before the "
-               "engine starts (engine/bootstrap.py, engine/kernel.py)")
+               "engine starts (engine/bootstrap.py, engine/rank_kernel.py)")
       for name in ("Kernel", "Session")],
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.control_handlers", "rank",
              "stacks, signals, census records and prompt answers on the control channel "
-             "(engine/kernel.py)"),
+             "(engine/rank_kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.raw_input", "rank",
-             "input() answered in the notebook (engine/kernel.py, engine/shell/prompts.py)"),
+             "input() answered in the notebook (engine/rank_kernel.py, engine/shell/prompts.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.getpass", "rank",
-             "getpass answered in the notebook (engine/kernel.py, engine/shell/prompts.py)"),
+             "getpass answered in the notebook (engine/rank_kernel.py, engine/shell/prompts.py)"),
     Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
-             "!cmd without a fork in a threaded process (engine/kernel.py, engine/shell/commands.py)"),
+             "!cmd without a fork in a threaded process (engine/rank_kernel.py, engine/shell/commands.py)"),
     Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
              "rank", "a cell's census digest, JAX_* changes and output count in its reply's "
-             "metadata (engine/kernel.py)"),
+             "metadata (engine/rank_kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_status", "rank",
-             "no status: busy from a rank, which no one reads (engine/kernel.py)"),
+             "no status: busy from a rank, which no one reads (engine/rank_kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_execute_input", "rank",
-             "no execute_input from a rank, which no one reads (engine/kernel.py)"),
+             "no execute_input from a rank, which no one reads (engine/rank_kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.execute_request", "rank",
-             "a counted cell's outputs, counted into its reply (engine/kernel.py)"),
+             "a counted cell's outputs, counted into its reply (engine/rank_kernel.py)"),
     *[Internal("ipykernel", "ipykernel.iostream", f"OutStream.{name}", "rank",
                "an empty stream's flush skips its IOPub thread round trip (engine/shell/streams.py)")
       for name in ("_flush", "_subprocess_flush_pending")],
@@ -210,11 +210,11 @@ INTERNALS = [
              required=False),
     # jax, on every rank
     Internal("jax", "jax._src.array", "ArrayImpl", "rank",
-             "which jitted calls span processes, for the census (engine/watch/census.py)",
+             "which jitted calls span processes, for the census (engine/watch/launches.py)",
              required=False),
     *[Internal("jax", "jax._src.array", f"ArrayImpl.{name}", "rank",
                "print(x) of an array over several processes, shown as one process prints it "
-               "(engine/arrays/printed.py)", required=False)
+               "(engine/arrays/print_marks.py)", required=False)
       for name in ("__repr__", "__str__", "__format__")],
     Internal("jax", "jax._src.compiler", "_cache_write", "rank",
              "every rank writes its own compilation-cache entries (engine/join/jit_cache.py)",
@@ -223,7 +223,7 @@ INTERNALS = [
              "whether jax made its backend before the rank's GPUs were chosen, in the start's "
              "timeline (engine/bootstrap.py)", required=False),
     Internal("jax", "jax._src.pjit", "_fun", "rank",
-             "where a jitted function was defined, for the census (engine/watch/census.py)",
+             "where a jitted function was defined, for the census (engine/watch/launches.py)",
              required=False),
     *[Internal("jax", module, path, "rank",
                "device_put of a float64 numpy value the same on every process, which jax's "

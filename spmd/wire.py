@@ -2,7 +2,7 @@
 who sends it and who reads it.
 
 Three processes speak it: the notebook (spmd/cluster, through ipyparallel's client), the
-controller (spmd/controller/fanout.py) and every rank (spmd/engine/kernel.py). Everything else
+controller (spmd/controller/fanout.py) and every rank (spmd/engine/rank_kernel.py). Everything else
 they exchange is ipyparallel's or Jupyter's own protocol. A name here is a string on the wire:
 changing one changes the protocol, and a notebook and ranks of different versions would no
 longer understand each other.
@@ -31,7 +31,7 @@ CELL_REPLIES = "spmd_cell_replies"
 
 # True: the rank counts the IOPub messages it sends for this cell, puts the count in its reply
 # (IOPUB_COUNT) and sends no ``status: idle``. Set by the notebook (lockstep/run.py), read by
-# the rank (engine/kernel.py, engine/shell/quiet.py).
+# the rank (engine/rank_kernel.py, engine/shell/quiet.py).
 COUNTED = "spmd_counted"
 
 # -- an execute or apply reply's metadata (rank -> controller -> notebook) --------------------
@@ -41,7 +41,7 @@ COUNTED = "spmd_counted"
 # (channel/client.py).
 IOPUB_COUNT = "spmd_iopub"
 # The cell's census digest, [count, hash] of the cross-process launches it made (absent: it
-# made none). Sent by the rank (engine/watch/census.py), read by the notebook
+# made none). Sent by the rank (engine/watch/launches.py), read by the notebook
 # (channel/client.py), which compares the ranks' digests (lockstep/census.py).
 CENSUS_DIGEST = "spmd_census"
 # The JAX_* and XLA_* variables changed on the rank since it started, {name: value, or None
@@ -49,7 +49,7 @@ CENSUS_DIGEST = "spmd_census"
 # read by the notebook (channel/client.py), which gives them to the next restart.
 ENV_CHANGED = "spmd_env"
 # The arrays over several processes this cell printed, {mark: the parts of its printed form
-# this rank holds} (absent: none). Sent by the rank (engine/arrays/printed.py), read by the notebook
+# this rank holds} (absent: none). Sent by the rank (engine/arrays/print_marks.py), read by the notebook
 # (channel/client.py, magics/arrays/printed.py), which puts each printed array together where
 # marks (PRINTED_BEGIN, PRINTED_MARK) surround its placeholder in the rank's output text.
 PRINTED_ARRAYS = "spmd_printed"
@@ -67,7 +67,7 @@ PRINTED_MARK = "\x00spmd-array:{}\x00"
 
 # -- control-channel requests (notebook -> rank) and their replies (rank -> notebook) ---------
 # Sent by the notebook through ipyparallel's client (channel/control.py), answered by the
-# rank's kernel on its control thread (engine/kernel.py) once the rank has joined.
+# rank's kernel on its control thread (engine/rank_kernel.py) once the rank has joined.
 
 # Where the rank's main thread is: the reply's ``frames`` ([file, line, function, source],
 # outermost first). Asked by %spmd where and the divergence and timeout reports.

@@ -398,7 +398,7 @@ def test_print_to_stderr_and_what_the_program_sees_stay_jaxs(cluster, tmp_path):
 
 
 def test_print_of_arrays_a_loop_makes_is_bounded_and_says_so(cluster):
-    from spmd.engine.arrays.printed import MAX_ARRAYS
+    from spmd.engine.arrays.print_marks import MAX_ARRAYS
 
     setup = "v8 = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh8, P('x')))"
     assert run(cluster, setup).error is None

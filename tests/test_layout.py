@@ -308,7 +308,7 @@ def _kernel_object(node: ast.AST) -> bool:
 
 
 def test_no_engine_module_patches_a_live_kernel():
-    """The rank's kernel is one class (spmd/engine/kernel.py, README "How it works"): no engine
+    """The rank's kernel is one class (spmd/engine/rank_kernel.py, README "How it works"): no engine
     module assigns to an attribute of a kernel or shell object, or to an item of one of its
     attributes (``kernel.control_handlers[...] = ...``), or sets one with setattr."""
     patches = []

@@ -115,14 +115,14 @@ def test_the_hint_names_the_array_the_failing_rank_could_not_print(two):
 def test_the_sentence_names_every_process_that_holds_none():
     """On 4 processes, a mesh of processes 0-1's devices: processes 2-3 hold none (the rank
     asked answers which processes hold the mesh; the notebook names the others)."""
-    from spmd.engine.arrays import meshes as engine_meshes
+    from spmd.engine.arrays import mesh_errors
     from spmd.magics.arrays import meshes
 
     class FourRanks:
         settings = types.SimpleNamespace(n=4)
 
         def call(self, rank, fn, *args, timeout):
-            assert rank == 2 and fn is engine_meshes.out_of_reach
+            assert rank == 2 and fn is mesh_errors.out_of_reach
             return [[0, 1], 4, 8]
 
     said = meshes.mesh_hint(FourRanks(), [((2, 3), None)])

@@ -26,7 +26,7 @@ def test_torch_collectives_that_differ_are_named_in_the_timeout_report(fresh):
     assert ("The ranks' 1st cross-process programs differ: rank 0 all_reduce float32[4]; "
             "rank 1 broadcast float32[4].") in text, text
     # (the census's own wrapper is not shown among the ranks' frames)
-    assert "census.py" not in text
+    assert "launches.py" not in text
     assert run(fresh, "%spmd restart").error is None
     # a subgroup's collective, launched by its members only, as it should be: no warning;
     # objects whose sizes rightly differ: no warning either

@@ -136,8 +136,8 @@ class CellResult:
     cells: Mapping[int, Any]  # rank -> its lockstep.run.RankCell: outputs, error, seconds
     engine_ids: Mapping[int, int]  # rank -> ipyparallel engine id: the ranks it ran on
     requests: Mapping[int, str]  # rank -> the msg_id of its execute request
-    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/census.py)
-    # rank -> the parts of the arrays it printed, from its reply (engine/arrays/printed.py)
+    census: Mapping[int, list]  # rank -> [launches, digest] from its reply (engine/watch/launches.py)
+    # rank -> the parts of the arrays it printed, from its reply (engine/arrays/print_marks.py)
     printed: Mapping[int, dict]
     # A Stall (below: why the wait ended, busy ranks, deaths, stacks, census)
     # when the wait ended before every rank finished; None when every rank did.

@@ -7,7 +7,7 @@ thread at once: the ~1 s import and the ~1 s ``jax.distributed.initialize`` over
 engine's own start-up and its registration with the controller, instead of following them.
 
 ``joined()`` is then called on every engine from the notebook (pickled by reference) to wait
-for that thread and report this process's facts, and to tell the rank's kernel (kernel.py,
+for that thread and report this process's facts, and to tell the rank's kernel (rank_kernel.py,
 which ipyparallel's engine makes from the start, ``main``) that the rank has joined.
 """
 
@@ -261,7 +261,7 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     signal.signal(signal.SIGTERM, _exit_now)
     from IPython import get_ipython
 
-    from spmd.engine.kernel import RankKernel, RankShell
+    from spmd.engine.rank_kernel import RankKernel, RankShell
 
     kernel = get_ipython().kernel
     if not isinstance(kernel, RankKernel) or not isinstance(kernel.shell, RankShell):
@@ -304,7 +304,7 @@ def main() -> None:
     # import overlap)
     from ipyparallel.engine import app as engine_app
 
-    from spmd.engine.kernel import RankKernel, RankSession
+    from spmd.engine.rank_kernel import RankKernel, RankSession
 
     # ipyparallel's engine makes its kernel and its session from these names: the rank's
     # own, from the first message on. (Where a release renamed them, they are left alone and

@@ -67,7 +67,7 @@ CONTROLLER_CONNECT_SECONDS = 1.0
 
 # What every rank imports before its first cell, whatever its backend.
 ENGINE_MODULES = ("zmq", "IPython", "ipykernel.ipkernel", "ipyparallel.engine.app",
-                  "spmd.engine.bootstrap", "spmd.engine.kernel")
+                  "spmd.engine.bootstrap", "spmd.engine.rank_kernel")
 BACKEND_MODULES = {"jax": ("jax", "jax.numpy"), "torch": ("torch", "torch.distributed")}
 # Imported once here too where they are installed: ipyparallel imports numpy in each rank at
 # its first request (its serializer's type table), 100 ms of CPU a rank, most of a 64-rank

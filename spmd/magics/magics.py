@@ -14,7 +14,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 
 from spmd.cluster.records import CellResult
 from spmd.cluster.session import Ran, Session
-from spmd.engine.watch.census import KEPT_CELLS
+from spmd.engine.watch.launches import KEPT_CELLS
 from spmd.magics.arrays import printed
 from spmd.magics.cells.automode import AutoMode
 from spmd.magics.cells.cell import (
@@ -290,7 +290,7 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
 
 def _marked(ran: CellResult) -> bool:
     """Whether a rank printed an array over several processes in the cell (its placeholder
-    marked, engine/arrays/printed.py; the marks hold NULs, which printed.rebuild looks for
+    marked, engine/arrays/print_marks.py; the marks hold NULs, which printed.rebuild looks for
     too): only then is there something to put together."""
     return any("\x00" in (o.text if o.kind in ("stdout", "stderr")
                            else (o.data or {}).get("text/plain", ""))

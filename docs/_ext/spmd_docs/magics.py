@@ -129,7 +129,7 @@ def _cell_options() -> dict[str, Said]:
 
 def commands() -> dict[str, Command]:
     """A sentence (and a usage, where no parser writes one) for every ``%spmd`` command."""
-    from spmd.engine.watch.census import KEPT_CELLS
+    from spmd.engine.watch.launches import KEPT_CELLS
     from spmd.magics.arrays.transfers import DEFAULT_MAX_BYTES
 
     return {

@@ -310,7 +310,7 @@ class _Route:
         self.sent: int | None = None  # how many it sent (its reply's count); None: no reply yet
         self.idle = False  # its status: idle came (a rank that did not count)
         self.census = None
-        self.printed = None  # the parts of the arrays its cell printed (engine/arrays/printed.py)
+        self.printed = None  # the parts of the arrays its cell printed (engine/arrays/print_marks.py)
 
 
 class CellRoutes:

@@ -1,7 +1,7 @@
 """Where the ranks' cells' launches part: the ranks' census records, read and compared.
 
 Every rank records the cross-process programs and collectives its cell launched
-(spmd/engine/watch/census.py). Here the notebook reads the ranks' records (``fetch``; a
+(spmd/engine/watch/launches.py). Here the notebook reads the ranks' records (``fetch``; a
 stopped cell's, for its report, with ``read``) and compares them: the first launch where they
 part (``first_difference``), and the busy ranks that launched what a finished one never did
 (``ahead``). The cell runner's watchdog asks the same of ranks still running past the grace

@@ -182,7 +182,7 @@ def output_from_message(msg_type: str, content: dict) -> Output | None:
         return Output(kind=content["name"], text=same_on_every_rank(content["text"]))
     if msg_type == "display_data":
         # (a global array's parts are for a cell's value only: a display of one is marked as
-        # a print of it is, its parts sent with the cell's reply: engine/arrays/printed.py)
+        # a print of it is, its parts sent with the cell's reply: engine/arrays/print_marks.py)
         data = {k: v for k, v in content["data"].items() if k != wire.GLOBAL_ARRAY_MIME}
         return Output("display", data=data, metadata=content.get("metadata", {}))
     if msg_type == "execute_result":
@@ -234,8 +234,8 @@ class CellRun:
     # Those of them inside a call of jax or torch at the watchdog's last look: rank -> (its
     # where.Stack, since when it is in that same call, time.monotonic()).
     inside: dict = field(default_factory=dict)
-    census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/watch/census.py)
-    printed: dict = field(default_factory=dict)  # rank -> its printed arrays (engine/arrays/printed.py)
+    census: dict = field(default_factory=dict)  # rank -> [launches, digest] (engine/watch/launches.py)
+    printed: dict = field(default_factory=dict)  # rank -> its printed arrays (engine/arrays/print_marks.py)
     requests: dict = field(default_factory=dict)  # rank -> the msg_id of its execute request
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _pending: set = field(default_factory=set)  # ranks not finished

@@ -29,7 +29,7 @@ _CELL_FILE = re.compile(r"[/\\]ipykernel_\d+[/\\](\d+)\.py$")
 # Where installed packages live; frames there are "library" frames, collapsed in reports.
 _PACKAGES = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
 _STDLIB = os.path.dirname(os.__file__)
-_CENSUS_FILE = os.path.join("spmd", "engine", "watch", "census.py")
+_CENSUS_FILE = os.path.join("spmd", "engine", "watch", "launches.py")
 
 # The libraries whose frames mean "waiting on the other ranks" when a rank is stuck in them.
 COLLECTIVE_LIBRARIES = ("jax", "jaxlib", "torch", "flax", "optax", "equinox")

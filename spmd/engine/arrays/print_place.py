@@ -1,5 +1,5 @@
 """On a rank: where a print is, in words every rank that runs the same cells makes alike
-(engine/arrays/printed.py marks each printed placeholder with it, and the notebook matches the ranks'
+(engine/arrays/print_marks.py marks each printed placeholder with it, and the notebook matches the ranks'
 parts by it, never by the order each rank printed in).
 
 Threads: called on the thread that writes (or reprs); ``_loops``, a cache of each file's

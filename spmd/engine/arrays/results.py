@@ -44,7 +44,7 @@ def show_global_arrays(shell) -> None:
 
 def formatting_result(compute, result):
     """``compute(result)``: the shell's displayhook formatting a cell's result (the rank's
-    shell, engine/kernel.py). Only then are the parts made in the bundle; a display() of one
+    shell, engine/rank_kernel.py). Only then are the parts made in the bundle; a display() of one
     is marked as a print is, its parts sent with the cell's reply (``_displayed``)."""
     _showing.result = True
     try:
@@ -91,7 +91,7 @@ def _bundle(x, include=None, exclude=None) -> dict | None:
 
 # display(x): its text/plain marked, its parts sent with the cell's reply, as a print of it,
 # so a display of one array as often as a cell likes sends its corners once (set by
-# engine/arrays/printed.py when it installs: printed.display_text; None: jax's own placeholder).
+# engine/arrays/print_marks.py when it installs: print_marks.display_text; None: jax's own placeholder).
 marked_display = None
 
 

@@ -7,7 +7,7 @@ carries its changes (``wire.ENV_CHANGED``: every such variable changed since the
 its value, or None where it was removed); the notebook keeps them for the ranks its next
 ``%spmd restart`` starts (restarts.py), which is when jax reads them.
 
-The rank's kernel (engine/kernel.py) makes the watch once the rank has joined and asks it for
+The rank's kernel (engine/rank_kernel.py) makes the watch once the rank has joined and asks it for
 each reply's metadata.
 
 Threads: the main thread only (IPython's ``post_run_cell`` and the reply's metadata are the

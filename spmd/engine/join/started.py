@@ -18,7 +18,7 @@ variables torchrun sets (``RANK``, ``MASTER_PORT``..., set at start: torch_group
 kept store found again on that port (torch's rendezvous asks for ``multi_tenant``); only the
 store is given a name of its own for each new group (``rejoin`` says why).
 
-``install`` runs once the rank has joined (the rank's kernel, engine/kernel.py), on its main
+``install`` runs once the rank has joined (the rank's kernel, engine/rank_kernel.py), on its main
 thread, before any cell; the wrappers run on the cell's thread, the main thread, the only one
 that reads or sets what the torch wrapper keeps (who made the group there is).
 """

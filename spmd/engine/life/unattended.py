@@ -7,7 +7,7 @@ while the new notebook connected is not lost (that notebook hears the rest of it
 channel/client.py's ``adopt``).
 
 The copy is the text as a person reads it: the marks around a printed array's placeholder
-(``wire.PRINTED_BEGIN``, ``wire.PRINTED_MARK``, engine/arrays/printed.py) are for the notebook's
+(``wire.PRINTED_BEGIN``, ``wire.PRINTED_MARK``, engine/arrays/print_marks.py) are for the notebook's
 cell only, and are left out of the log.
 
 Threads: the parent watch thread calls ``notebook_gone`` when it finds the notebook gone and

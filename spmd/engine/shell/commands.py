@@ -6,7 +6,7 @@ was called ... this will likely lead to a deadlock", and it can. ``subprocess`` 
 command without running Python in a forked child, so neither the warning nor the risk apply.
 The output reaches the cell's stdout line by line, as with IPython's own ``!cmd``.
 
-``system`` is the rank's shell's own ``system`` method (engine/kernel.py).
+``system`` is the rank's shell's own ``system`` method (engine/rank_kernel.py).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def listen(cells_folder: str) -> dict:
     client = debugger.debugpy_client
     client.debugpy_host, client.debugpy_port = debugpy.listen((client.debugpy_host, 0))
     debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
-    kernel.debug_with(debugger, stream)  # (engine/kernel.py)
+    kernel.debug_with(debugger, stream)  # (engine/rank_kernel.py)
     asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
     _debugger = debugger
     return {"pid": os.getpid(), "new": True}

@@ -1,7 +1,7 @@
 """On a rank: ``input()``, ``getpass`` and pdb's prompt, answered by the person at the notebook.
 
 A rank's kernel has no front end of its own (ipyparallel never allows stdin), so its
-``raw_input`` and ``getpass`` are these (engine/kernel.py): the prompt goes to the notebook as
+``raw_input`` and ``getpass`` are these (engine/rank_kernel.py): the prompt goes to the notebook as
 a display message of its own type (``wire.PROMPT_MIME``) on the rank's output channel, and the
 answer comes back on the control channel (``wire.PROMPT_ANSWER``), which the kernel serves on
 its own thread while the cell waits here. Both channels are ipyparallel's: signed with the

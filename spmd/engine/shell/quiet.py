@@ -24,7 +24,7 @@ no handler wrote: traitlets sets the engine application's logger to DEBUG and fi
 handler, and the kernel logs through it. It is set to WARNING, the level the engine is
 started with (``--log-level=WARN``, launchers/launch.py).
 
-The rank's kernel and its session (engine/kernel.py) call these functions: what is left out
+The rank's kernel and its session (engine/rank_kernel.py) call these functions: what is left out
 is theirs, the bookkeeping is here.
 
 Threads: ``_counts`` (request id: IOPub messages sent for it) gains a request on the main

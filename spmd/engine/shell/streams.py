@@ -6,7 +6,7 @@ import threading
 
 from ipykernel import iostream
 
-from spmd.engine.arrays import printed
+from spmd.engine.arrays import print_marks
 
 
 class OutStream(iostream.OutStream):
@@ -33,11 +33,11 @@ class OutStream(iostream.OutStream):
 
     def write(self, string: str):
         # (jax's placeholder of an array over several processes gets its mark:
-        # engine/arrays/printed)
+        # engine/arrays/print_marks.py)
         shown = string
         if isinstance(string, str):
             try:
-                shown = printed.marked(string)
+                shown = print_marks.marked(string)
             except Exception:  # (never the user's print's error: the text as it is)
                 shown = string
         written = super().write(shown)

@@ -6,7 +6,7 @@ encrypted with CurveZMQ when the cluster leaves the loopback), and is served by 
 control thread: it answers while the main thread runs a cell, as long as the cell lets go of
 the GIL, which a rank waiting in a collective does. Replies are JSON, never pickles.
 
-The rank's kernel (kernel.py) takes the requests (``wire.WHERE_REQUEST``,
+The rank's kernel (rank_kernel.py) takes the requests (``wire.WHERE_REQUEST``,
 ``wire.SIGNAL_REQUEST``) and replies; what it answers is made here.
 """
 

@@ -5,7 +5,7 @@ JAX's tutorials make meshes of the first devices (``jax.make_mesh((2,), ('i',))`
 first 2 of all the devices), which on several processes are some processes' devices only; on
 the others an array on that mesh holds nothing, and jax fails there with a bare assertion
 (``assert self.is_fully_replicated or self.is_fully_addressable``). One failing rank is asked
-(engine/arrays/meshes.py ``out_of_reach``) whether jax's own frames of its error hold such a mesh,
+(engine/arrays/mesh_errors.py ``out_of_reach``) whether jax's own frames of its error hold such a mesh,
 sharding or array; the sentence says which processes hold the mesh, which hold none, and what
 to make instead, above jax's own error (cell.py's ``cell_failure`` puts it among the hints).
 
@@ -15,7 +15,7 @@ Threads: ``mesh_hint`` runs on the notebook's main thread, as the cell's report 
 from __future__ import annotations
 
 from spmd.cluster.session import Session
-from spmd.engine.arrays import meshes
+from spmd.engine.arrays import mesh_errors
 from spmd.words import process_words
 
 
@@ -28,7 +28,7 @@ def mesh_hint(session: Session, errors: list) -> str:
     if not failed:
         return ""
     try:
-        found = session.call(failed[0], meshes.out_of_reach, timeout=5.0)
+        found = session.call(failed[0], mesh_errors.out_of_reach, timeout=5.0)
     except Exception:  # only a hint: without it, jax's error alone
         return ""
     if not found:

@@ -1,7 +1,7 @@
 """In the notebook: ``print(x)`` and ``display(x)`` of an array over several processes, shown
 as one process of all the devices prints it.
 
-Each rank marks the placeholder where it printed or displayed one (engine/arrays/printed.py) and sends,
+Each rank marks the placeholder where it printed or displayed one (engine/arrays/print_marks.py) and sends,
 with its reply, what it holds of the array's printed form. Here, before a cell's outputs are
 grouped, each marked placeholder becomes the array's text, put together from every rank's parts
 as a cell's value is (magics/arrays/values.py): numpy's ``str`` form for ``print(x)``, ``str(x)`` and
@@ -31,7 +31,7 @@ def rebuild(ran) -> str:
     are grouped); a line for the ones that stay placeholders ('' when none).
 
     A placeholder is put together from the parts every rank sent under the same mark: the
-    same place in the cell and the same count of prints there (engine/arrays/printed.py), never by
+    same place in the cell and the same count of prints there (engine/arrays/print_marks.py), never by
     the order the ranks printed in. The parts must be of one array (shape, dtype, sharding,
     printed form) and fit together without a hole or an overlap; else the placeholder stays."""
     marked = [(rank, out) for rank, cell in ran.cells.items() for out in cell.outputs
@@ -152,13 +152,13 @@ def _identity(part: dict) -> tuple:
 
 
 def marks_cap() -> int:
-    from spmd.engine.arrays.printed import MAX_MARKS
+    from spmd.engine.arrays.print_marks import MAX_MARKS
 
     return MAX_MARKS
 
 
 def values_cap() -> int:
-    from spmd.engine.arrays.printed import MAX_ARRAYS
+    from spmd.engine.arrays.print_marks import MAX_ARRAYS
 
     return MAX_ARRAYS
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from spmd.cluster.records import Stall
 from spmd.cluster.session import first_difference
-from spmd.engine.watch.census import TORCH_COLLECTIVES
+from spmd.engine.watch.launches import TORCH_COLLECTIVES
 from spmd.words import rank_words
 
 HINTS = {

@@ -18,14 +18,14 @@ What a rank adds:
 - its replies' metadata, made in one place (``finish_metadata``);
 - once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
   requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
-  (census.py), the watch on the JAX_* variables (import_env.py), jax's or torch's setup said in a line
+  (launches.py), the watch on the JAX_* variables (import_env.py), jax's or torch's setup said in a line
   (started.py), breakpoints asked in the notebook (prompts.py). Until then a rank answers
   none of these control requests: the notebook reads no answer as a rank it cannot reach
   that way.
 
 Threads: shell requests, ``finish_metadata`` and ``rank_joined`` run on the main thread;
 the control requests on the kernel's control thread (they read copies, or hand the answer
-over through a queue: census.py, prompts.py); ``RankSession.send`` on whichever thread sends
+over through a queue: launches.py, prompts.py); ``RankSession.send`` on whichever thread sends
 (quiet.py says how the counts are shared).
 """
 
@@ -38,11 +38,11 @@ from jupyter_client.session import Session
 from traitlets import Type
 
 from spmd import wire
-from spmd.engine.arrays import device_put, printed, results
+from spmd.engine.arrays import device_put, print_marks, results
 from spmd.engine.join import import_env, started
 from spmd.engine.life import unattended
 from spmd.engine.shell import commands, prompts, quiet
-from spmd.engine.watch import census, control
+from spmd.engine.watch import control, launches
 
 
 class RankSession(Session):
@@ -99,14 +99,14 @@ class RankKernel(IPythonParallelKernel):
         shell = self.shell
         results.show_global_arrays(shell)  # (a cell's value that spans processes, shown once)
         started.install()  # (a cell that sets up jax or torch again: told what it has)
-        census.record_cells(shell, self._request_id)  # (each cell's cross-process launches)
+        launches.record_cells(shell, self._request_id)  # (each cell's cross-process launches)
         self._env = import_env.watch(shell)  # (a cell that sets JAX_*: kept for the restart)
         if "jax" in backends:
-            census.install_jax()
+            launches.install_jax()
             device_put.install()  # (a float64 value the same on every rank: as one process)
-            printed.install()  # (print(x) of an array over several processes, shown once)
+            print_marks.install()  # (print(x) of an array over several processes, shown once)
         if "torch" in backends:
-            census.install_torch()
+            launches.install_torch()
         # faulthandler names threads by this id; the notebook picks the main thread's stack.
         self._main_thread = main_thread
         self.control_handlers.update({
@@ -129,10 +129,10 @@ class RankKernel(IPythonParallelKernel):
         changed since the last reply, and last the count of the request's IOPub messages, taken
         when nothing more is sent before the reply."""
         metadata = super().finish_metadata(parent, metadata, reply_content)
-        census.digest_into(parent, metadata)
+        launches.digest_into(parent, metadata)
         if self._env is not None:
             self._env.into(metadata)
-        printed.into(metadata)  # (the arrays the cell printed: their parts)
+        print_marks.into(metadata)  # (the arrays the cell printed: their parts)
         quiet.count_into(parent, metadata)
         unattended.cell_ended(parent["content"].get("code", ""), reply_content)
         return metadata
@@ -151,7 +151,7 @@ class RankKernel(IPythonParallelKernel):
         return None
 
     async def execute_request(self, stream, ident, parent):
-        printed.install()  # (jax imported by a cell of a --backend none rank: once, cheap after)
+        print_marks.install()  # (jax imported by a cell of a --backend none rank: once, cheap after)
         unattended.cell_began()  # (a cell that runs when a notebook attaches: unattended.py)
         request = quiet.start_counting(parent)
         try:
@@ -173,7 +173,7 @@ class RankKernel(IPythonParallelKernel):
         control.signal_self(stream, signum)
 
     def census_request(self, stream, ident, parent) -> None:
-        content = {"status": "ok", "census": census.of(parent["content"].get("request"))}
+        content = {"status": "ok", "census": launches.of(parent["content"].get("request"))}
         self.session.send(stream, wire.CENSUS_REPLY, content, parent, ident)
 
     def prompt_answer(self, stream, ident, parent) -> None:

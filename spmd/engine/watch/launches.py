@@ -22,7 +22,7 @@ Each cell's record is run-length encoded (a loop of 1,000 steps is one entry), a
 cells' records are kept, by the request that ran them. The notebook reads a digest of the
 record in the cell's reply (``wire.CENSUS_DIGEST``, compared across ranks after every cell) and
 the whole record on the control channel (``wire.CENSUS_REQUEST``, answered by the rank's
-kernel, engine/kernel.py) when they differ or a report needs it.
+kernel, engine/rank_kernel.py) when they differ or a report needs it.
 
 A jax launch is recorded once its call returns (only its result tells whether it spans
 processes), and a call can block: the first cross-process program of a job sets up gloo's
@@ -380,7 +380,7 @@ def _group_size(group) -> int | None:
 
 def record_cells(shell, request_id) -> None:
     """Records start with each cell (``request_id()``: the id of the request that runs it).
-    (From the rank's main thread, once joined: the rank's kernel, engine/kernel.py.)"""
+    (From the rank's main thread, once joined: the rank's kernel, engine/rank_kernel.py.)"""
     global _main
     _main = threading.get_ident()
 
