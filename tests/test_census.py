@@ -65,9 +65,9 @@ def test_a_divergence_report_names_the_launch_one_rank_never_made(cluster):
 
 def test_the_census_compares_what_each_rank_recorded(cluster):
     """The mutation check: rank 1 records nothing, and the census sees the difference."""
-    out = run(cluster, "import spmd.engine.watch.launches as launches\nlaunches._off = rank == 1\n"
+    out = run(cluster, "census = get_ipython().kernel.launches\ncensus.off = rank == 1\n"
                        "try:\n    for step in range(3):\n        s = total(x)\n"
-                       "finally:\n    launches._off = False")
+                       "finally:\n    census.off = False")
     assert out.error is None
     assert ("Warning: the ranks launched different numbers of cross-process programs: rank 0 "
             "launched 3, rank 1 launched 0.") in out.stderr, out.stderr

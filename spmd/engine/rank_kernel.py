@@ -18,10 +18,10 @@ What a rank adds:
 - its replies' metadata, made in one place (``finish_metadata``);
 - once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
   requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
-  (launches.py), the watch on the JAX_* variables (import_env.py), jax's or torch's setup said in a line
-  (started.py), breakpoints asked in the notebook (prompts.py). Until then a rank answers
-  none of these control requests: the notebook reads no answer as a rank it cannot reach
-  that way.
+  (``launches``: launches.py), the watch on the JAX_* variables (import_env.py), jax's or
+  torch's setup said in a line (started.py), breakpoints asked in the notebook (prompts.py).
+  Until then a rank answers none of these control requests: the notebook reads no answer as a
+  rank it cannot reach that way.
 
 Threads: shell requests, ``finish_metadata`` and ``rank_joined`` run on the main thread;
 the control requests on the kernel's control thread (they read copies, or hand the answer
@@ -90,6 +90,8 @@ class RankKernel(IPythonParallelKernel):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         quiet.quiet_log(self.log)
+        # The rank's state, one object per concern (each module says which thread touches it)
+        self.launches = launches.Launches()  # (each cell's cross-process launches: the census)
         self._env: import_env.ImportEnv | None = None  # (the watch, once joined)
         self._main_thread: int | None = None  # (where cells run: its stack is the rank's)
 
@@ -99,14 +101,14 @@ class RankKernel(IPythonParallelKernel):
         shell = self.shell
         results.show_global_arrays(shell)  # (a cell's value that spans processes, shown once)
         started.install()  # (a cell that sets up jax or torch again: told what it has)
-        launches.record_cells(shell, self._request_id)  # (each cell's cross-process launches)
+        self.launches.record_cells(shell, self._request_id)  # (each cell's launches)
         self._env = import_env.watch(shell)  # (a cell that sets JAX_*: kept for the restart)
         if "jax" in backends:
-            launches.install_jax()
+            self.launches.install_jax()
             device_put.install()  # (a float64 value the same on every rank: as one process)
             print_marks.install()  # (print(x) of an array over several processes, shown once)
         if "torch" in backends:
-            launches.install_torch()
+            self.launches.install_torch()
         # faulthandler names threads by this id; the notebook picks the main thread's stack.
         self._main_thread = main_thread
         self.control_handlers.update({
@@ -129,7 +131,7 @@ class RankKernel(IPythonParallelKernel):
         changed since the last reply, and last the count of the request's IOPub messages, taken
         when nothing more is sent before the reply."""
         metadata = super().finish_metadata(parent, metadata, reply_content)
-        launches.digest_into(parent, metadata)
+        self.launches.digest_into(parent, metadata)
         if self._env is not None:
             self._env.into(metadata)
         print_marks.into(metadata)  # (the arrays the cell printed: their parts)
@@ -173,8 +175,9 @@ class RankKernel(IPythonParallelKernel):
         control.signal_self(stream, signum)
 
     def census_request(self, stream, ident, parent) -> None:
-        content = {"status": "ok", "census": launches.of(parent["content"].get("request"))}
-        self.session.send(stream, wire.CENSUS_REPLY, content, parent, ident)
+        census = self.launches.of(parent["content"].get("request"))
+        self.session.send(stream, wire.CENSUS_REPLY, {"status": "ok", "census": census},
+                          parent, ident)
 
     def prompt_answer(self, stream, ident, parent) -> None:
         taken = prompts.answer(parent["content"])

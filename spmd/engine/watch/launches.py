@@ -27,14 +27,20 @@ kernel, engine/rank_kernel.py) when they differ or a report needs it.
 A jax launch is recorded once its call returns (only its result tells whether it spans
 processes), and a call can block: the first cross-process program of a job sets up gloo's
 context, which waits for every process. So the launch in flight on the main thread is kept
-too (``_inside``), and a record read while the cell runs names it (``inside``): the watchdog
-tells a rank blocked in a launch the finished ranks never made from one only behind them.
+too (``Launches.inside``), and a record read while the cell runs names it (``inside``): the
+watchdog tells a rank blocked in a launch the finished ranks never made from one only behind
+them.
 
-Threads: records are appended on the rank's main thread only, where cells run (a thread's
-launches are not recorded); the control thread reads copies (``of``), whose last count
-may be off by one while a launch is recorded; the digest is made on the main thread, after
-the cell, when recording stops. ``_inside`` is set and cleared by the main thread, read by
-the control thread.
+The records are the rank kernel's (``RankKernel.launches``, one ``Launches``); the wrappers
+of jax.jit and of torch's collectives are given it when they are installed, and jax.jit's
+wrapper carries it (``_spmd_census``) for a jitted function that copy or pickle rebuilds.
+
+Threads: a ``Launches``' records (``cells``, ``current``, ``last``) are started, appended to
+and ended on the rank's main thread only (``main``), where cells run (a thread's launches are
+not recorded); the control thread reads copies (``of``), whose last count may be off by one
+while a launch is recorded; the digest is made on the main thread, after the cell, when
+recording stops. ``inside`` is set and cleared by the main thread, read by the control
+thread. ``off`` and jax's names (``install_jax``) are set on the main thread, read by any.
 """
 
 from __future__ import annotations
@@ -53,13 +59,10 @@ from spmd import wire
 KEPT_CELLS = 20  # cells whose record stays, for %spmd census N
 MAX_ENTRIES = 100_000  # distinct runs kept per cell; beyond, only counted
 MAX_LEAVES = 16  # argument leaves listed per launch; beyond, only counted
-
-_cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
-_current: Record | None = None  # the running cell's (None between cells)
-_last: Record | None = None
-_main: int | None = None  # the rank's main thread, where cells run (set by record_cells)
-_inside: tuple | None = None  # (Launched, args, kwargs): the main thread's jax call in flight
-_off = os.environ.get("SPMD_CENSUS") == "off"  # (README: the census turned off)
+# (README: the census turned off; read once, where this module is imported: in the rank
+# server, for the ranks it forks, as in a rank)
+_OFF = os.environ.get("SPMD_CENSUS") == "off"
+_get_ident = threading.get_ident
 
 
 class Record:
@@ -108,6 +111,28 @@ class Record:
         return [self.count, hashlib.blake2b(text, digest_size=8).hexdigest()]
 
 
+# (loops, not generators, in the two below: a generator over a local costs a launch more)
+def _signature(leaves, array_type) -> tuple:
+    """The leaves' shapes and dtypes (``array_type``: jax's array, once installed), or their
+    types, the first MAX_LEAVES of them."""
+    shown = []
+    for leaf in leaves[:MAX_LEAVES]:
+        if type(leaf) is array_type or (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+            shown.append((leaf.shape, leaf.dtype))
+        else:
+            shown.append(type(leaf).__name__)
+    if len(leaves) > MAX_LEAVES:
+        shown.append(f"(+{len(leaves) - MAX_LEAVES} more)")
+    return tuple(shown)
+
+
+def _only_arrays(args, array_type) -> bool:
+    for arg in args:
+        if type(arg) is not array_type:
+            return False
+    return True
+
+
 def _aval(arg) -> str:
     """``float32[2,4]``, or a Python value's type."""
     if isinstance(arg, tuple):
@@ -117,55 +142,139 @@ def _aval(arg) -> str:
     return str(arg)
 
 
-def record(program: tuple, leaves) -> None:
-    """A launch of ``program`` with these argument leaves, in the running cell, from the
-    main thread (a thread's launches land in no cell of their own). The dtype object itself
-    is kept: its name costs 5 us a launch, made once for the notebook. Past MAX_LEAVES the
-    leaves are counted, not listed: a model's thousand parameters are one number."""
-    current = _current
-    if current is None or _off or threading.get_ident() != _main:
-        return
-    current.add(program, _signature(leaves))
+class Launches:
+    """This rank's census: each cell's record of its cross-process launches, the last
+    KEPT_CELLS cells' kept by the request that ran them. The rank's kernel owns one
+    (``RankKernel.launches``); the wrappers of jax.jit and torch's collectives record into it
+    (``install_jax``, ``install_torch``)."""
 
+    def __init__(self) -> None:
+        self.cells: collections.OrderedDict[str, Record] = collections.OrderedDict()
+        self.current: Record | None = None  # the running cell's (None between cells)
+        self.last: Record | None = None
+        self.main: int | None = None  # the rank's main thread, where cells run (record_cells)
+        # (Launched, args, kwargs): the main thread's jax call in flight
+        self.inside: tuple | None = None
+        self.off = _OFF
+        # jax's names, bound by install_jax (an import in every launch would cost microseconds
+        # each): its tree's leaves, its array type, and whether there are several processes
+        self.leaves = None
+        self.array_type = None
+        self.several_processes = False
 
-def _signature(leaves) -> tuple:
-    shown = tuple(
-        (leaf.shape, leaf.dtype) if type(leaf) is _Array or (
-            hasattr(leaf, "dtype") and hasattr(leaf, "shape"))
-        else type(leaf).__name__ for leaf in leaves[:MAX_LEAVES])
-    if len(leaves) > MAX_LEAVES:
-        shown += (f"(+{len(leaves) - MAX_LEAVES} more)",)
-    return shown
+    def record(self, program: tuple, leaves) -> None:
+        """A launch of ``program`` with these argument leaves, in the running cell, from the
+        main thread (a thread's launches land in no cell of their own). The dtype object
+        itself is kept: its name costs 5 us a launch, made once for the notebook. Past
+        MAX_LEAVES the leaves are counted, not listed: a model's thousand parameters are one
+        number."""
+        current = self.current
+        if current is None or self.off or _get_ident() != self.main:
+            return
+        current.add(program, _signature(leaves, self.array_type))
 
+    def start_cell(self, request_id: str) -> None:
+        self.current = self.last = self.cells[request_id] = Record()
+        while len(self.cells) > KEPT_CELLS:
+            self.cells.popitem(last=False)
 
-def start_cell(request_id: str) -> None:
-    global _current, _last
-    _current = _last = _cells[request_id] = Record()
-    while len(_cells) > KEPT_CELLS:
-        _cells.popitem(last=False)
+    def end_cell(self) -> list | None:
+        """The cell has ended: its digest, if it launched anything. (What runs between cells,
+        the notebook's own requests and a thread's work, is not recorded.)"""
+        ended, self.current = self.current, None
+        return ended.digest() if ended is not None and ended.count else None
 
+    def of(self, request_id: str | None) -> dict | None:
+        """(control thread) A cell's record (None: the running or last cell's); None if not
+        kept. The running cell's names the cross-process launch its main thread is inside
+        now, not yet recorded (``inside``: [program, its arguments' signature])."""
+        rec = self.last if request_id is None else self.cells.get(request_id)
+        if rec is None:
+            return None
+        said = rec.as_json()
+        inside = self.inside
+        if rec is self.current and inside is not None and not self.off:
+            with contextlib.suppress(Exception):  # (its arguments, read from another thread)
+                said["inside"] = inside[0].in_flight(inside[1], inside[2])
+        return said
 
-def end_cell() -> list | None:
-    """The cell has ended: its digest, if it launched anything. (What runs between cells,
-    the notebook's own requests and a thread's work, is not recorded.)"""
-    global _current
-    ended, _current = _current, None
-    return ended.digest() if ended is not None and ended.count else None
+    # -- the rank's side of the notebook's requests --------------------------------------
 
+    def record_cells(self, shell, request_id) -> None:
+        """Records start with each cell (``request_id()``: the id of the request that runs
+        it). (From the rank's main thread, once joined: the rank's kernel,
+        engine/rank_kernel.py.)"""
+        self.main = threading.get_ident()
 
-def of(request_id: str | None) -> dict | None:
-    """A cell's record (None: the running or last cell's); None if not kept. The running
-    cell's names the cross-process launch its main thread is inside now, not yet recorded
-    (``inside``: [program, its arguments' signature])."""
-    rec = _last if request_id is None else _cells.get(request_id)
-    if rec is None:
-        return None
-    said = rec.as_json()
-    inside = _inside
-    if rec is _current and inside is not None and not _off:
-        with contextlib.suppress(Exception):  # (its arguments, read from another thread)
-            said["inside"] = inside[0].in_flight(inside[1], inside[2])
-    return said
+        def pre_run_cell(info=None) -> None:
+            self.start_cell(request_id())
+
+        shell.events.register("pre_run_cell", pre_run_cell)
+
+    def digest_into(self, parent: dict, metadata: dict) -> None:
+        """(main thread) A cell's reply: its record ends, and its digest goes in the
+        metadata."""
+        if parent.get("header", {}).get("msg_type") == "execute_request":
+            said = self.end_cell()
+            if said is not None:
+                metadata[wire.CENSUS_DIGEST] = said
+
+    # -- the wrappers, installed once per process ----------------------------------------
+
+    def install_jax(self) -> None:
+        """``jax.jit`` and ``jax.pmap`` record here (once per process)."""
+        import jax
+
+        try:
+            from jax._src.array import ArrayImpl
+        except ImportError:  # (moved in a jax to come: no census of jax's launches, and a
+            return  # line at the start says so: spmd/internals.py)
+        if getattr(jax.jit, "_spmd_census", None) is not None:
+            return
+        self.leaves, self.array_type = jax.tree_util.tree_leaves, ArrayImpl
+        self.several_processes = jax.process_count() > 1
+        jit, pmap = jax.jit, jax.pmap
+
+        def recorded(kind: str, make):
+            @functools.wraps(make)
+            def launcher(*args, **kwargs):
+                if not args and "fun" not in kwargs:  # (@jax.jit(static_argnums=...))
+                    return functools.partial(launcher, **kwargs)
+                fun = args[0] if args else kwargs["fun"]
+                return Launched(kind, make(*args, **kwargs), fun, self)
+
+            launcher._spmd_census = self  # (what a copied or unpickled Launched records into)
+            return launcher
+
+        jax.jit, jax.pmap = recorded("jit", jit), recorded("pmap", pmap)
+
+    def install_torch(self) -> None:
+        """``torch.distributed``'s collectives record here (once per process)."""
+        import torch
+        import torch.distributed as dist
+
+        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+        for op in TORCH_COLLECTIVES:
+            fn = getattr(dist, op, None)
+            if fn is None or getattr(fn, "_spmd_census", False):
+                continue
+            setattr(dist, op, self._torch_recorded(op, fn, compiling))
+
+    def _torch_recorded(self, op: str, fn, compiling):
+        @functools.wraps(fn)
+        def collective(*args, **kwargs):
+            __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
+            if self.current is not None and not self.off and not compiling():
+                group = kwargs.get("group")
+                # (a subgroup's collectives are its members' only: the others launch none,
+                # and rightly; every rank's sequence is compared, so they are left out)
+                if group is None or _group_size(group) == _world_size():
+                    shapes = [] if op in TORCH_NO_SHAPES else _first_tensor(args)
+                    self.record(("torch", op, ""), shapes)
+            return fn(*args, **kwargs)
+
+        collective._spmd_census = True
+        return collective
 
 
 # -- jax ------------------------------------------------------------------------------------
@@ -184,12 +293,14 @@ def where_defined(fn) -> str:
 
 
 class Launched:
-    """jax's jitted (or pmapped) function, recording its cross-process calls."""
+    """jax's jitted (or pmapped) function, recording its cross-process calls into
+    ``launches``."""
 
-    def __init__(self, kind: str, jitted, fun) -> None:
+    def __init__(self, kind: str, jitted, fun, launches: Launches) -> None:
         functools.update_wrapper(self, jitted)
         self._jitted = jitted
         self._kind = kind
+        self._launches = launches
         name = getattr(fun, "__name__", type(fun).__name__)
         self._program = (kind, name, where_defined(fun))
         # The last result's sharding, and whether it spans processes: a loop's results share
@@ -198,17 +309,17 @@ class Launched:
 
     def __call__(self, *args, **kwargs):
         __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
-        global _inside
-        if _current is None:  # (between cells)
+        launches = self._launches
+        if launches.current is None:  # (between cells)
             return self._jitted(*args, **kwargs)
-        main = _get_ident() == _main
+        main = _get_ident() == launches.main
         if main:  # (a jitted call inside another's trace gives the outer one back after it)
-            before, _inside = _inside, (self, args, kwargs)
+            before, launches.inside = launches.inside, (self, args, kwargs)
         try:
             out = self._jitted(*args, **kwargs)
         finally:
             if main:
-                _inside = before
+                launches.inside = before
         self.recorded(out, args, kwargs)
         return out
 
@@ -216,27 +327,31 @@ class Launched:
         """(control thread) This launch, called and not returned, as [program, signature]
         where it spans processes (a pmap over several; a jit whose last result did, or of a
         global array); None where it is this process's own."""
+        launches = self._launches
+        array_type = launches.array_type
         if self._kind == "pmap":
-            spans = _several_processes
+            spans = launches.several_processes
         else:
-            leaves = _leaves((args, kwargs))
+            leaves = launches.leaves((args, kwargs))
             spans = self._spanning[1] or any(
-                type(leaf) is _Array and _spans(leaf.sharding) for leaf in leaves)
+                type(leaf) is array_type and _spans(leaf.sharding) for leaf in leaves)
         if not spans:
             return None
-        arrays = not kwargs and all(type(arg) is _Array for arg in args)
-        shown = _signature(args if arrays else _leaves((args, kwargs)))
+        arrays = not kwargs and _only_arrays(args, array_type)
+        shown = _signature(args if arrays else launches.leaves((args, kwargs)), array_type)
         return [list(self._program), [_aval(a) for a in shown]]
 
     def recorded(self, out, args, kwargs) -> None:
         """Record this launch if its result spans processes. (Every step counts: on this
         2-core machine a launch's partner rank waits for it in the collective, and 10 us of
         extra work a launch cost 10-25% of a small one.)"""
-        first = out if type(out) is _Array else _first_leaf(out)
-        if type(first) is not _Array:  # (traced inside another jit, or no array out)
+        launches = self._launches
+        array_type = launches.array_type
+        first = out if type(out) is array_type else _first_leaf(launches.leaves, out)
+        if type(first) is not array_type:  # (traced inside another jit, or no array out)
             return
         if self._kind == "pmap":
-            spans = _several_processes
+            spans = launches.several_processes
         else:
             sharding = first.sharding
             known, spans = self._spanning  # (one tuple: another thread sees a whole pair)
@@ -244,8 +359,8 @@ class Launched:
                 spans = _spans(sharding)
                 self._spanning = (sharding, spans)
         if spans:
-            arrays = not kwargs and all(type(arg) is _Array for arg in args)
-            record(self._program, args if arrays else _leaves((args, kwargs)))
+            arrays = not kwargs and _only_arrays(args, array_type)
+            launches.record(self._program, args if arrays else launches.leaves((args, kwargs)))
 
     def __getattr__(self, name: str):  # (lower, trace, eval_shape, clear_cache, ...)
         jitted = self.__dict__.get("_jitted")  # (absent while copy or pickle rebuilds it)
@@ -257,10 +372,22 @@ class Launched:
         return self if obj is None else types.MethodType(self, obj)
 
     def __reduce__(self):  # (pickled and copied as jax's own, wrapped again)
-        return Launched, (self._kind, self._jitted, self.__dict__.get("_fun", self._jitted))
+        return _launched_again, (self._kind, self._jitted,
+                                 self.__dict__.get("_fun", self._jitted))
 
     def __repr__(self) -> str:
         return repr(self._jitted)
+
+
+def _launched_again(kind: str, jitted, fun) -> Launched:
+    """A Launched that copy or pickle rebuilt: recording into the census that jax.jit records
+    into in this process (none installed: a census that never starts a cell, so nothing)."""
+    import jax
+
+    launches = getattr(jax.jit, "_spmd_census", None)
+    if not isinstance(launches, Launches):
+        launches = Launches()
+    return Launched(kind, jitted, fun, launches)
 
 
 def _spans(sharding) -> bool:
@@ -271,46 +398,9 @@ def _spans(sharding) -> bool:
     return len({device.process_index for device in sharding.device_set}) > 1
 
 
-def _first_leaf(out):
-    leaves = _leaves(out)
-    return leaves[0] if leaves else None
-
-
-# (bound by install_jax: an import in every launch would cost microseconds each)
-_leaves = _Array = None
-_several_processes = False
-_get_ident = threading.get_ident
-
-
-def install_jax() -> None:
-    """``jax.jit`` and ``jax.pmap`` record (once per process)."""
-    global _leaves, _Array, _several_processes
-    import jax
-
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # (moved in a jax to come: no census of jax's launches, and a line
-        return  # at the start says so: spmd/internals.py)
-    if getattr(jax.jit, "_spmd_census", False):
-        return
-    _leaves, _Array = jax.tree_util.tree_leaves, ArrayImpl
-    _several_processes = jax.process_count() > 1
-    jit, pmap = jax.jit, jax.pmap
-
-    def recorded(kind: str, make):
-        @functools.wraps(make)
-        def launcher(*args, **kwargs):
-            if not args and "fun" not in kwargs:  # (@jax.jit(static_argnums=...))
-                return functools.partial(launcher, **kwargs)
-            fun = args[0] if args else kwargs["fun"]
-            return Launched(kind, make(*args, **kwargs), fun)
-
-        launcher._spmd_census = True
-        return launcher
-
-    jit_recorded, pmap_recorded = recorded("jit", jit), recorded("pmap", pmap)
-
-    jax.jit, jax.pmap = jit_recorded, pmap_recorded
+def _first_leaf(leaves, out):
+    found = leaves(out)
+    return found[0] if found else None
 
 
 # -- torch ----------------------------------------------------------------------------------
@@ -323,36 +413,6 @@ TORCH_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather",
 # uneven splits): recorded by name only.
 TORCH_NO_SHAPES = ("gather", "scatter", "all_to_all", "all_to_all_single",
                    "all_gather_object", "broadcast_object_list")
-
-
-def install_torch() -> None:
-    """``torch.distributed``'s collectives record (once per process)."""
-    import torch
-    import torch.distributed as dist
-
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-    for op in TORCH_COLLECTIVES:
-        fn = getattr(dist, op, None)
-        if fn is None or getattr(fn, "_spmd_census", False):
-            continue
-        setattr(dist, op, _torch_recorded(op, fn, compiling))
-
-
-def _torch_recorded(op: str, fn, compiling):
-    @functools.wraps(fn)
-    def collective(*args, **kwargs):
-        __tracebackhide__ = True  # (IPython's tracebacks on the rank leave this frame out)
-        if _current is not None and not _off and not compiling():
-            group = kwargs.get("group")
-            # (a subgroup's collectives are its members' only: the others launch none, and
-            # rightly; every rank's sequence is compared, so they are left out)
-            if group is None or _group_size(group) == _world_size():
-                shapes = [] if op in TORCH_NO_SHAPES else _first_tensor(args)
-                record(("torch", op, ""), shapes)
-        return fn(*args, **kwargs)
-
-    collective._spmd_census = True
-    return collective
 
 
 def _first_tensor(args) -> list:
@@ -374,25 +434,3 @@ def _group_size(group) -> int | None:
         return int(group.size())
     except Exception:  # (a group this rank is not in: torch's sentinel)
         return None
-
-
-# -- the rank's side of the notebook's requests ------------------------------------------
-
-def record_cells(shell, request_id) -> None:
-    """Records start with each cell (``request_id()``: the id of the request that runs it).
-    (From the rank's main thread, once joined: the rank's kernel, engine/rank_kernel.py.)"""
-    global _main
-    _main = threading.get_ident()
-
-    def pre_run_cell(info=None) -> None:
-        start_cell(request_id())
-
-    shell.events.register("pre_run_cell", pre_run_cell)
-
-
-def digest_into(parent: dict, metadata: dict) -> None:
-    """(main thread) A cell's reply: its record ends, and its digest goes in the metadata."""
-    if parent.get("header", {}).get("msg_type") == "execute_request":
-        said = end_cell()
-        if said is not None:
-            metadata[wire.CENSUS_DIGEST] = said
