@@ -15,6 +15,8 @@ What a rank adds:
 - no ``status: busy`` or ``execute_input``, and a counted cell's outputs counted into its
   reply instead of its idle (quiet.py; ``RankSession``, which every message the rank sends
   goes through, does the counting);
+- ``print(x)`` of an array over several processes, marked for the notebook
+  (``print_marks``: print_marks.py, given to the rank's streams before each cell);
 - its replies' metadata, made in one place (``finish_metadata``);
 - once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
   requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
@@ -41,7 +43,7 @@ from spmd import wire
 from spmd.engine.arrays import device_put, print_marks, results
 from spmd.engine.join import import_env, started
 from spmd.engine.life import unattended
-from spmd.engine.shell import commands, prompts, quiet
+from spmd.engine.shell import commands, prompts, quiet, streams
 from spmd.engine.watch import control, launches
 
 
@@ -92,6 +94,7 @@ class RankKernel(IPythonParallelKernel):
         quiet.quiet_log(self.log)
         # The rank's state, one object per concern (each module says which thread touches it)
         self.launches = launches.Launches()  # (each cell's cross-process launches: the census)
+        self.print_marks = print_marks.PrintMarks()  # (print(x) of a global array, marked)
         self._env: import_env.ImportEnv | None = None  # (the watch, once joined)
         self._main_thread: int | None = None  # (where cells run: its stack is the rank's)
 
@@ -106,7 +109,7 @@ class RankKernel(IPythonParallelKernel):
         if "jax" in backends:
             self.launches.install_jax()
             device_put.install()  # (a float64 value the same on every rank: as one process)
-            print_marks.install()  # (print(x) of an array over several processes, shown once)
+            self.print_marks.install()  # (print(x) of an array over several processes, once)
         if "torch" in backends:
             self.launches.install_torch()
         # faulthandler names threads by this id; the notebook picks the main thread's stack.
@@ -134,7 +137,7 @@ class RankKernel(IPythonParallelKernel):
         self.launches.digest_into(parent, metadata)
         if self._env is not None:
             self._env.into(metadata)
-        print_marks.into(metadata)  # (the arrays the cell printed: their parts)
+        self.print_marks.table.into(metadata)  # (the arrays the cell printed: their parts)
         quiet.count_into(parent, metadata)
         unattended.cell_ended(parent["content"].get("code", ""), reply_content)
         return metadata
@@ -153,7 +156,9 @@ class RankKernel(IPythonParallelKernel):
         return None
 
     async def execute_request(self, stream, ident, parent):
-        print_marks.install()  # (jax imported by a cell of a --backend none rank: once, cheap after)
+        # (jax imported by a cell of a --backend none rank: installed once, cheap after)
+        self.print_marks.install()
+        streams.mark_with(self.print_marks)  # (the rank's streams, made after the kernel)
         unattended.cell_began()  # (a cell that runs when a notebook attaches: unattended.py)
         request = quiet.start_counting(parent)
         try:

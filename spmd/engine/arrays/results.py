@@ -91,7 +91,8 @@ def _bundle(x, include=None, exclude=None) -> dict | None:
 
 # display(x): its text/plain marked, its parts sent with the cell's reply, as a print of it,
 # so a display of one array as often as a cell likes sends its corners once (set by
-# engine/arrays/print_marks.py when it installs: print_marks.display_text; None: jax's own placeholder).
+# engine/arrays/print_marks.py when it installs: its PrintMarks.display_text, bound to the rank
+# kernel's; None: jax's own placeholder).
 marked_display = None
 
 

@@ -1,12 +1,26 @@
-"""The ranks' stdout and stderr, as ipyparallel's engines send them to the notebook."""
+"""The ranks' stdout and stderr, as ipyparallel's engines send them to the notebook.
+
+Threads: any thread writes; the IOPub thread flushes (``_flush``). ``marks``, the rank's
+print marks (engine/arrays/print_marks.py), is set by the main thread before each cell
+(``mark_with``, called by the rank's kernel: ipyparallel makes the streams after the kernel)
+and read by the writers.
+"""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from ipykernel import iostream
 
 from spmd.engine.arrays import print_marks
+
+
+def mark_with(marks: print_marks.PrintMarks) -> None:
+    """(main thread) The rank's stdout and stderr mark the placeholders ``marks`` noted."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, OutStream) and stream.marks is not marks:
+            stream.marks = marks
 
 
 class OutStream(iostream.OutStream):
@@ -30,14 +44,15 @@ class OutStream(iostream.OutStream):
         # thread writes; the IOPub thread flushes.
         self._writes = self._flushed = 0
         self._writes_lock = threading.Lock()
+        self.marks: print_marks.PrintMarks | None = None  # (none yet: a write left as it is)
 
     def write(self, string: str):
         # (jax's placeholder of an array over several processes gets its mark:
         # engine/arrays/print_marks.py)
-        shown = string
-        if isinstance(string, str):
+        shown, marks = string, self.marks
+        if marks is not None and isinstance(string, str):
             try:
-                shown = print_marks.marked(string)
+                shown = marks.marked(string)
             except Exception:  # (never the user's print's error: the text as it is)
                 shown = string
         written = super().write(shown)
