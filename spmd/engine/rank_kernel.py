@@ -13,8 +13,8 @@ What a rank adds:
   spans processes, shown once (results.py);
 - ``input()`` and ``getpass``, answered in the notebook (prompts.py);
 - no ``status: busy`` or ``execute_input``, and a counted cell's outputs counted into its
-  reply instead of its idle (quiet.py; ``RankSession``, which every message the rank sends
-  goes through, does the counting);
+  reply instead of its idle (``quiet``: quiet.py; ``RankSession``, which every message the
+  rank sends goes through, does the counting);
 - ``print(x)`` of an array over several processes, marked for the notebook
   (``print_marks``: print_marks.py, given to the rank's streams before each cell);
 - its replies' metadata, made in one place (``finish_metadata``);
@@ -52,9 +52,13 @@ class RankSession(Session):
     signs and sends everything with it: the replies, and on IOPub the streams, displays and
     results of a cell."""
 
+    counts: quiet.QuietCounts | None = None  # (the rank kernel's, given as it is made)
+
     def send(self, *args, **kwargs):
         msg = super().send(*args, **kwargs)
-        quiet.sent(msg)
+        counts = self.counts
+        if counts is not None:
+            counts.sent(msg)
         return msg
 
 
@@ -93,6 +97,8 @@ class RankKernel(IPythonParallelKernel):
         super().__init__(**kwargs)
         quiet.quiet_log(self.log)
         # The rank's state, one object per concern (each module says which thread touches it)
+        self.quiet = quiet.QuietCounts()  # (a counted cell's IOPub messages, its idle left out)
+        self.session.counts = self.quiet  # (what the session sends is counted there)
         self.launches = launches.Launches()  # (each cell's cross-process launches: the census)
         self.print_marks = print_marks.PrintMarks()  # (print(x) of a global array, marked)
         self._env: import_env.ImportEnv | None = None  # (the watch, once joined)
@@ -138,7 +144,7 @@ class RankKernel(IPythonParallelKernel):
         if self._env is not None:
             self._env.into(metadata)
         self.print_marks.table.into(metadata)  # (the arrays the cell printed: their parts)
-        quiet.count_into(parent, metadata)
+        self.quiet.count_into(parent, metadata)
         unattended.cell_ended(parent["content"].get("code", ""), reply_content)
         return metadata
 
@@ -147,7 +153,7 @@ class RankKernel(IPythonParallelKernel):
     def _publish_status(self, status, channel, parent=None):
         if status == "busy":
             return
-        if status == "idle" and quiet.idles_to_leave_out() and quiet.leave_out_idle(
+        if status == "idle" and self.quiet.idles_to_leave_out() and self.quiet.leave_out_idle(
                 parent or self.get_parent(channel)):
             return
         super()._publish_status(status, channel, parent)
@@ -160,13 +166,13 @@ class RankKernel(IPythonParallelKernel):
         self.print_marks.install()
         streams.mark_with(self.print_marks)  # (the rank's streams, made after the kernel)
         unattended.cell_began()  # (a cell that runs when a notebook attaches: unattended.py)
-        request = quiet.start_counting(parent)
+        request = self.quiet.start_counting(parent)
         try:
             result = super().execute_request(stream, ident, parent)
             if hasattr(result, "__await__"):
                 await result
         finally:  # (a request that sent no reply: its idle goes, and nothing is left)
-            quiet.stop_counting(request)
+            self.quiet.stop_counting(request)
 
     # -- control requests, once joined (spmd/wire.py) ---------------------------------------
 
