@@ -169,7 +169,8 @@ INTERNALS = [
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.getpass", "rank",
              "getpass answered in the notebook (engine/rank_kernel.py, engine/shell/prompts.py)"),
     Internal("ipython", "IPython.core.interactiveshell", "InteractiveShell.system", "rank",
-             "!cmd without a fork in a threaded process (engine/rank_kernel.py, engine/shell/commands.py)"),
+             "!cmd without a fork in a threaded process (engine/rank_kernel.py, "
+             "engine/shell/commands.py)"),
     Internal("ipyparallel", "ipyparallel.engine.kernel", "IPythonParallelKernel.finish_metadata",
              "rank", "a cell's census digest, JAX_* changes and output count in its reply's "
              "metadata (engine/rank_kernel.py)"),

@@ -308,8 +308,8 @@ def _kernel_object(node: ast.AST) -> bool:
 
 
 def test_no_engine_module_patches_a_live_kernel():
-    """The rank's kernel is one class (spmd/engine/rank_kernel.py, README "How it works"): no engine
-    module assigns to an attribute of a kernel or shell object, or to an item of one of its
+    """The rank's kernel is one class (spmd/engine/rank_kernel.py, README "How it works"): no
+    engine module assigns to an attribute of a kernel or shell object, or to an item of one of its
     attributes (``kernel.control_handlers[...] = ...``), or sets one with setattr."""
     patches = []
     for path in (ROOT / "engine").rglob("*.py"):
@@ -333,6 +333,25 @@ def test_no_engine_module_patches_a_live_kernel():
                     patches.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
                                    f"{ast.unparse(target)}")
     assert not patches, "a live kernel patched:\n" + "\n".join(patches)
+
+
+# Engine modules that keep state of their own at module level, and why: they run before
+# ipyparallel makes the rank's kernel (the join's thread, the linger's callbacks).
+MODULE_STATE = {"bootstrap.py", "unattended.py"}
+
+
+def test_the_ranks_state_is_its_kernels():
+    """The rank's state lives on its kernel, one object per concern (spmd/engine/rank_kernel.py):
+    no other engine module rebinds a name of its own at run time (``global``)."""
+    rebinds = []
+    for path in (ROOT / "engine").rglob("*.py"):
+        if path.name in MODULE_STATE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                rebinds.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                               f"global {', '.join(node.names)}")
+    assert not rebinds, "module state outside the rank's kernel:\n" + "\n".join(rebinds)
 
 
 def test_the_paths_the_notebook_knows_rank_frames_by_are_real():

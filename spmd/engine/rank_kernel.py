@@ -5,18 +5,20 @@ ipyparallel's engine app makes its kernel and its session from the names ``Kerne
 the engine starts (a rank forked by the rank server runs main too), so the kernel is this one
 from its first message. ipyparallel extends ipykernel's kernel the same way
 (``IPythonParallelKernel``: its message types, its ``finish_metadata``). The modules named
-below keep the logic; this class says when it runs.
+below keep the logic, and the rank's state in one object per concern, which the kernel makes
+and owns; this class says when it runs.
 
 What a rank adds:
 
 - its shell (``RankShell``): ``!cmd`` without a fork (commands.py), and a cell's value that
   spans processes, shown once (results.py);
-- ``input()`` and ``getpass``, answered in the notebook (prompts.py);
+- ``input()`` and ``getpass``, answered in the notebook (``prompts``: prompts.py);
 - no ``status: busy`` or ``execute_input``, and a counted cell's outputs counted into its
   reply instead of its idle (``quiet``: quiet.py; ``RankSession``, which every message the
   rank sends goes through, does the counting);
 - ``print(x)`` of an array over several processes, marked for the notebook
   (``print_marks``: print_marks.py, given to the rank's streams before each cell);
+- JupyterLab's debugger, once the notebook asks (``debugging``: debugging.py);
 - its replies' metadata, made in one place (``finish_metadata``);
 - once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
   requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
@@ -28,7 +30,8 @@ What a rank adds:
 Threads: shell requests, ``finish_metadata`` and ``rank_joined`` run on the main thread;
 the control requests on the kernel's control thread (they read copies, or hand the answer
 over through a queue: launches.py, prompts.py); ``RankSession.send`` on whichever thread sends
-(quiet.py says how the counts are shared).
+(quiet.py says how the counts are shared). Each concern's module says which thread touches
+which of its state.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from spmd import wire
 from spmd.engine.arrays import device_put, print_marks, results
 from spmd.engine.join import import_env, started
 from spmd.engine.life import unattended
-from spmd.engine.shell import commands, prompts, quiet, streams
+from spmd.engine.shell import commands, debugging, prompts, quiet, streams
 from spmd.engine.watch import control, launches
 
 
@@ -88,10 +91,6 @@ class RankKernel(IPythonParallelKernel):
     """ipyparallel's engine kernel, as a rank's."""
 
     shell_class = Type(RankShell)
-    # ipykernel puts these in builtins.input and getpass.getpass for every cell (the functions
-    # themselves: no frame of the kernel's in the prompt's traceback)
-    raw_input = staticmethod(prompts.raw_input)
-    getpass = staticmethod(prompts.getpass)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -101,8 +100,20 @@ class RankKernel(IPythonParallelKernel):
         self.session.counts = self.quiet  # (what the session sends is counted there)
         self.launches = launches.Launches()  # (each cell's cross-process launches: the census)
         self.print_marks = print_marks.PrintMarks()  # (print(x) of a global array, marked)
+        self.debugging = debugging.Debugging()  # (JupyterLab's debugger, once asked for)
+        self.prompts = prompts.Prompts(self.debugging)  # (input(), getpass, breakpoints)
         self._env: import_env.ImportEnv | None = None  # (the watch, once joined)
         self._main_thread: int | None = None  # (where cells run: its stack is the rank's)
+
+    # ipykernel puts these in builtins.input and getpass.getpass for every cell (the prompts'
+    # own bound methods: no frame of the kernel's in the prompt's traceback)
+    @property
+    def raw_input(self):
+        return self.prompts.raw_input
+
+    @property
+    def getpass(self):
+        return self.prompts.getpass
 
     def rank_joined(self, backends: list[str], main_thread: int) -> None:
         """The rank has joined its job (bootstrap.joined, on the main thread): what needs the
@@ -126,7 +137,7 @@ class RankKernel(IPythonParallelKernel):
             wire.CENSUS_REQUEST: self.census_request,
             wire.PROMPT_ANSWER: self.prompt_answer,
         })
-        prompts.route_breakpoints()  # (pdb, answered in the notebook)
+        self.prompts.route_breakpoints()  # (pdb, answered in the notebook)
 
     def _request_id(self) -> str:
         """The id of the shell request running now ('' between requests)."""
@@ -191,7 +202,7 @@ class RankKernel(IPythonParallelKernel):
                           parent, ident)
 
     def prompt_answer(self, stream, ident, parent) -> None:
-        taken = prompts.answer(parent["content"])
+        taken = self.prompts.answer(parent["content"])
         self.session.send(stream, wire.PROMPT_ANSWER_REPLY, {"status": "ok", "taken": taken},
                           parent, ident)
 

@@ -15,8 +15,14 @@ debugpy side: no DAP socket, no stopped-event poller, and start-up hides debugpy
   under ``ipykernel_<this pid>``: the path JupyterLab computes for a cell then names that cell
   on every rank, and a breakpoint set in the notebook is a breakpoint on each rank.
 
-Threads: ``listen`` runs on the main thread; the Debugger, its socket and its queues are the
-control thread's from then on. ``attached`` is read by ``breakpoint()`` on the main thread.
+The Debugger is the rank kernel's: ipykernel's own attributes (``debug_with``), and ours, one
+``Debugging`` (``RankKernel.debugging``), which says whether it is there and attached.
+``listen`` is what the notebook calls on every rank (pickled by reference); it finds the
+kernel as a cell does.
+
+Threads: ``listen`` runs on the main thread, and sets ``Debugging.debugger`` there; the
+Debugger, its socket and its queues are the control thread's from then on. ``attached`` is
+read by ``breakpoint()`` on the thread that calls it (the main thread, where cells run).
 """
 
 from __future__ import annotations
@@ -27,13 +33,6 @@ import os
 import stat
 import sys
 import threading
-
-_debugger = None  # ipykernel's Debugger, once listen() ran
-
-
-def attached() -> bool:
-    """JupyterLab's debugger is attached to this rank (``breakpoint()`` then stops in it)."""
-    return _debugger is not None and bool(_debugger.is_started)
 
 
 def own_folder(folder: str) -> str:
@@ -54,48 +53,77 @@ def own_folder(folder: str) -> str:
 def listen(cells_folder: str) -> dict:
     """Start debugpy in this rank and give its kernel a Debugger (once; later calls only say
     so). ``cells_folder``: the notebook's ``tmpFilePrefix`` without its last separator."""
-    global _debugger
-    if _debugger is not None:
-        return {"pid": os.getpid(), "new": False}
-    from spmd import internals
-
-    problems = internals.missing("rank", used_in="debugging.py")  # (torch, jax: not imported)
-    if problems:
-        raise RuntimeError(" ".join(problems))
     from IPython import get_ipython
 
     kernel = get_ipython().kernel
-    import debugpy
-    import ipykernel.compiler
-    import ipykernel.debugger
+    return kernel.debugging.listen(kernel, cells_folder)
 
-    if not ipykernel.debugger._is_debugpy_available:
-        # (imported while start-up hid debugpy: its names were never bound)
-        ipykernel.debugger = importlib.reload(ipykernel.debugger)
-        ipkernel = sys.modules.get("ipykernel.ipkernel")
-        if ipkernel is not None and hasattr(ipkernel, "_is_debugpy_available"):
-            ipkernel._is_debugpy_available = True  # (ipykernel 6 bound it at import too)
-    folder = own_folder(cells_folder.rstrip(os.sep))
 
-    def cells_here() -> str:
-        return folder
+class Debugging:
+    """JupyterLab's debugger on this rank: ipykernel's Debugger, once ``listen`` made it."""
 
-    # (ipykernel.debugger imported these by name; the compiler looks its own up at each cell)
-    ipykernel.compiler.get_tmp_directory = cells_here
-    ipykernel.debugger.get_tmp_directory = cells_here
+    def __init__(self) -> None:
+        self.debugger = None  # ipykernel's Debugger, once listen ran
 
-    loop = kernel.control_thread.io_loop
-    debugger, stream = _on_control_thread(loop, lambda: _make_debugger(kernel, ipykernel.debugger))
-    # debugpy's adapter picks its own free port: one found free here first (ipykernel binds
-    # and unbinds a socket) could be taken by another rank before the adapter bound it
-    # (seen at a restart: "Address already in use")
-    client = debugger.debugpy_client
-    client.debugpy_host, client.debugpy_port = debugpy.listen((client.debugpy_host, 0))
-    debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
-    kernel.debug_with(debugger, stream)  # (engine/rank_kernel.py)
-    asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
-    _debugger = debugger
-    return {"pid": os.getpid(), "new": True}
+    def attached(self) -> bool:
+        """JupyterLab's debugger is attached to this rank (``breakpoint()`` then stops in
+        it)."""
+        debugger = self.debugger
+        return debugger is not None and bool(debugger.is_started)
+
+    @staticmethod
+    def stop_here(frame) -> None:
+        """``breakpoint()`` while JupyterLab's debugger is attached: stop in it, in ``frame``
+        (the cell's), as debugpy.breakpoint() does in its caller's."""
+        from debugpy.server import api
+
+        api._settrace(suspend=True, trace_only_current_thread=True,
+                      patch_multiprocessing=False, stop_at_frame=frame)
+
+    def listen(self, kernel, cells_folder: str) -> dict:
+        """(main thread) Start debugpy here and give ``kernel`` (the rank's) a Debugger,
+        once."""
+        if self.debugger is not None:
+            return {"pid": os.getpid(), "new": False}
+        from spmd import internals
+
+        # (torch, jax: not imported)
+        problems = internals.missing("rank", used_in="debugging.py")
+        if problems:
+            raise RuntimeError(" ".join(problems))
+        import debugpy
+        import ipykernel.compiler
+        import ipykernel.debugger
+
+        if not ipykernel.debugger._is_debugpy_available:
+            # (imported while start-up hid debugpy: its names were never bound)
+            ipykernel.debugger = importlib.reload(ipykernel.debugger)
+            ipkernel = sys.modules.get("ipykernel.ipkernel")
+            if ipkernel is not None and hasattr(ipkernel, "_is_debugpy_available"):
+                ipkernel._is_debugpy_available = True  # (ipykernel 6 bound it at import too)
+        folder = own_folder(cells_folder.rstrip(os.sep))
+
+        def cells_here() -> str:
+            return folder
+
+        # (ipykernel.debugger imported these by name; the compiler looks its own up at each
+        # cell)
+        ipykernel.compiler.get_tmp_directory = cells_here
+        ipykernel.debugger.get_tmp_directory = cells_here
+
+        loop = kernel.control_thread.io_loop
+        debugger, stream = _on_control_thread(
+            loop, lambda: _make_debugger(kernel, ipykernel.debugger))
+        # debugpy's adapter picks its own free port: one found free here first (ipykernel
+        # binds and unbinds a socket) could be taken by another rank before the adapter bound
+        # it (seen at a restart: "Address already in use")
+        client = debugger.debugpy_client
+        client.debugpy_host, client.debugpy_port = debugpy.listen((client.debugpy_host, 0))
+        debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
+        kernel.debug_with(debugger, stream)  # (engine/rank_kernel.py)
+        asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
+        self.debugger = debugger
+        return {"pid": os.getpid(), "new": True}
 
 
 def _make_debugger(kernel, module):
@@ -140,12 +168,3 @@ def _on_control_thread(loop, fn):
     if not ok:
         raise value
     return value
-
-
-def stop_here(frame) -> None:
-    """``breakpoint()`` while JupyterLab's debugger is attached: stop in it, in ``frame``
-    (the cell's), as debugpy.breakpoint() does in its caller's."""
-    from debugpy.server import api
-
-    api._settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False,
-                  stop_at_frame=frame)
