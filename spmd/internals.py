@@ -161,9 +161,9 @@ INTERNALS = [
                "the engine's kernel and session are the rank's own, set by name before the "
                "engine starts (engine/bootstrap.py, engine/rank_kernel.py)")
       for name in ("Kernel", "Session")],
-    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.control_handlers", "rank",
-             "stacks, signals, census records and prompt answers on the control channel "
-             "(engine/rank_kernel.py)"),
+    Internal("ipykernel", "ipykernel.kernelbase", "Kernel.control_msg_types", "rank",
+             "stacks, signals, census records and prompt answers on the control channel, "
+             "each answered by the kernel's method of its type's name (engine/rank_kernel.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.raw_input", "rank",
              "input() answered in the notebook (engine/rank_kernel.py, engine/shell/prompts.py)"),
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel.getpass", "rank",

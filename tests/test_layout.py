@@ -310,7 +310,7 @@ def _kernel_object(node: ast.AST) -> bool:
 def test_no_engine_module_patches_a_live_kernel():
     """The rank's kernel is one class (spmd/engine/rank_kernel.py, README "How it works"): no
     engine module assigns to an attribute of a kernel or shell object, or to an item of one of its
-    attributes (``kernel.control_handlers[...] = ...``), or sets one with setattr."""
+    attributes (``kernel.shell_handlers[...] = ...``), or sets one with setattr."""
     patches = []
     for path in (ROOT / "engine").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -352,6 +352,33 @@ def test_the_ranks_state_is_its_kernels():
                 rebinds.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
                                f"global {', '.join(node.names)}")
     assert not rebinds, "module state outside the rank's kernel:\n" + "\n".join(rebinds)
+
+
+def test_the_rank_kernel_declares_its_control_requests_and_answers_them_once_joined():
+    """The control requests a rank adds are declared on its kernel's class, as ipykernel's
+    are (``control_msg_types``, each handled by the method of its name); a rank that has not
+    joined answers none of them (the notebook reads no answer as a rank it cannot reach)."""
+    import threading
+    import types
+
+    from spmd import wire
+    from spmd.engine.rank_kernel import RankKernel
+
+    added = {wire.WHERE_REQUEST, wire.SIGNAL_REQUEST, wire.CENSUS_REQUEST, wire.PROMPT_ANSWER}
+    assert added <= set(RankKernel.control_msg_types)
+    assert all(callable(getattr(RankKernel, name)) for name in RankKernel.control_msg_types)
+    sent, logged = [], []
+    kernel = types.SimpleNamespace(
+        _joined=False, _main_thread=threading.get_ident(),
+        log=types.SimpleNamespace(error=lambda *args: logged.append(args)),
+        session=types.SimpleNamespace(send=lambda stream, msg_type, *rest: sent.append(msg_type)))
+    parent = {"header": {"msg_type": wire.WHERE_REQUEST}, "content": {}}
+    handler = getattr(RankKernel, wire.WHERE_REQUEST)
+    handler(kernel, None, [], parent)
+    assert sent == [] and logged
+    kernel._joined = True
+    handler(kernel, None, [], parent)
+    assert sent == [wire.WHERE_REPLY]
 
 
 def test_the_paths_the_notebook_knows_rank_frames_by_are_real():

@@ -4,9 +4,10 @@ ipyparallel's engine app makes its kernel and its session from the names ``Kerne
 ``Session`` of ``ipyparallel.engine.app``; ``bootstrap.main`` names the classes here before
 the engine starts (a rank forked by the rank server runs main too), so the kernel is this one
 from its first message. ipyparallel extends ipykernel's kernel the same way
-(``IPythonParallelKernel``: its message types, its ``finish_metadata``). The modules named
-below keep the logic, and the rank's state in one object per concern, which the kernel makes
-and owns; this class says when it runs.
+(``IPythonParallelKernel``: its message types, declared on the class, its
+``finish_metadata``), and so does this one. The modules named below keep the logic, and the
+rank's state in one object per concern, which the kernel makes and owns; this class says when
+it runs.
 
 What a rank adds:
 
@@ -21,11 +22,12 @@ What a rank adds:
 - JupyterLab's debugger, once the notebook asks (``debugging``: debugging.py);
 - its replies' metadata, made in one place (``finish_metadata``);
 - once the rank has joined (``rank_joined``, called by bootstrap.joined): its control
-  requests (where, signal, census, prompt answers: spmd/wire.py), the census's records
-  (``launches``: launches.py), the watch on the JAX_* variables (import_env.py), jax's or
-  torch's setup said in a line (started.py), breakpoints asked in the notebook (prompts.py).
-  Until then a rank answers none of these control requests: the notebook reads no answer as a
-  rank it cannot reach that way.
+  requests (where, signal, census, prompt answers: spmd/wire.py; their types in
+  ``control_msg_types``, their handlers below), the census's records (``launches``:
+  launches.py), the watch on the JAX_* variables (import_env.py), jax's or torch's setup said
+  in a line (started.py), breakpoints asked in the notebook (prompts.py). Until then a rank
+  answers none of these control requests (``_once_joined``): the notebook reads no answer as
+  a rank it cannot reach that way.
 
 Threads: shell requests, ``finish_metadata`` and ``rank_joined`` run on the main thread;
 the control requests on the kernel's control thread (they read copies, or hand the answer
@@ -35,6 +37,8 @@ which of its state.
 """
 
 from __future__ import annotations
+
+import functools
 
 from ipykernel.displayhook import ZMQShellDisplayHook
 from ipykernel.zmqshell import ZMQInteractiveShell
@@ -87,10 +91,29 @@ class RankShell(ZMQInteractiveShell):
 RankShell.__name__ = RankShell.__qualname__ = ZMQInteractiveShell.__name__
 
 
+def _once_joined(handler):
+    """A control request only a joined rank answers: until ``rank_joined``, none is sent, as
+    for a type the kernel has no handler for (and logged as ipykernel logs one)."""
+
+    @functools.wraps(handler)
+    def answer(self, stream, ident, parent) -> None:
+        if not self._joined:
+            self.log.error("UNKNOWN CONTROL MESSAGE TYPE: %r", parent["header"]["msg_type"])
+            return
+        handler(self, stream, ident, parent)
+
+    return answer
+
+
 class RankKernel(IPythonParallelKernel):
     """ipyparallel's engine kernel, as a rank's."""
 
     shell_class = Type(RankShell)
+    # The control requests a rank adds (spmd/wire.py): ipykernel finds each one's handler by
+    # its name (the method of that name below), and answers them on its control thread.
+    spmd_control_msg_types = [wire.WHERE_REQUEST, wire.SIGNAL_REQUEST, wire.CENSUS_REQUEST,
+                              wire.PROMPT_ANSWER]
+    control_msg_types = IPythonParallelKernel.control_msg_types + spmd_control_msg_types
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -104,6 +127,7 @@ class RankKernel(IPythonParallelKernel):
         self.prompts = prompts.Prompts(self.debugging)  # (input(), getpass, breakpoints)
         self._env: import_env.ImportEnv | None = None  # (the watch, once joined)
         self._main_thread: int | None = None  # (where cells run: its stack is the rank's)
+        self._joined = False  # (the control requests above are answered from then on)
 
     # ipykernel puts these in builtins.input and getpass.getpass for every cell (the prompts'
     # own bound methods: no frame of the kernel's in the prompt's traceback)
@@ -131,12 +155,7 @@ class RankKernel(IPythonParallelKernel):
             self.launches.install_torch()
         # faulthandler names threads by this id; the notebook picks the main thread's stack.
         self._main_thread = main_thread
-        self.control_handlers.update({
-            wire.WHERE_REQUEST: self.where_request,
-            wire.SIGNAL_REQUEST: self.signal_request,
-            wire.CENSUS_REQUEST: self.census_request,
-            wire.PROMPT_ANSWER: self.prompt_answer,
-        })
+        self._joined = True  # (its control requests: answered from now on)
         self.prompts.route_breakpoints()  # (pdb, answered in the notebook)
 
     def _request_id(self) -> str:
@@ -185,23 +204,27 @@ class RankKernel(IPythonParallelKernel):
         finally:  # (a request that sent no reply: its idle goes, and nothing is left)
             self.quiet.stop_counting(request)
 
-    # -- control requests, once joined (spmd/wire.py) ---------------------------------------
+    # -- control requests, once joined (spmd/wire.py; named by their types) -----------------
 
-    def where_request(self, stream, ident, parent) -> None:
+    @_once_joined
+    def spmd_where_request(self, stream, ident, parent) -> None:
         content = {"status": "ok", "frames": control.stack_of(self._main_thread)}
         self.session.send(stream, wire.WHERE_REPLY, content, parent, ident)
 
-    def signal_request(self, stream, ident, parent) -> None:
+    @_once_joined
+    def spmd_signal_request(self, stream, ident, parent) -> None:
         signum = int(parent["content"]["signum"])
         self.session.send(stream, wire.SIGNAL_REPLY, {"status": "ok"}, parent, ident)
         control.signal_self(stream, signum)
 
-    def census_request(self, stream, ident, parent) -> None:
+    @_once_joined
+    def spmd_census_request(self, stream, ident, parent) -> None:
         census = self.launches.of(parent["content"].get("request"))
         self.session.send(stream, wire.CENSUS_REPLY, {"status": "ok", "census": census},
                           parent, ident)
 
-    def prompt_answer(self, stream, ident, parent) -> None:
+    @_once_joined
+    def spmd_prompt_answer(self, stream, ident, parent) -> None:
         taken = self.prompts.answer(parent["content"])
         self.session.send(stream, wire.PROMPT_ANSWER_REPLY, {"status": "ok", "taken": taken},
                           parent, ident)
