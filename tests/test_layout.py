@@ -149,6 +149,16 @@ def test_the_notebook_side_reaches_the_cluster_through_its_face(graph):
     assert not crossing, "past the cluster's face (session.py, records.py):\n" + "\n".join(crossing)
 
 
+def test_no_two_modules_share_a_name():
+    """One name for each thing: a module's file name says what it holds, once in spmd/ (the
+    entry points __main__.py and the packages' __init__.py aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
+    assert not {n: p for n, p in seen.items() if len(p) > 1}, seen
+
+
 def test_every_folder_is_a_floor():
     """Each folder under spmd/ is named in LAYERS, so its arrows are checked as its own floor's
     (a folder left out would pass as part of the one above it)."""

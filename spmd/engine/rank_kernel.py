@@ -51,7 +51,7 @@ from spmd.engine.arrays import device_put, print_marks, results
 from spmd.engine.join import import_env, started
 from spmd.engine.life import unattended
 from spmd.engine.shell import commands, debugging, prompts, quiet, streams
-from spmd.engine.watch import control, launches
+from spmd.engine.watch import answers, launches
 
 
 class RankSession(Session):
@@ -208,14 +208,14 @@ class RankKernel(IPythonParallelKernel):
 
     @_once_joined
     def spmd_where_request(self, stream, ident, parent) -> None:
-        content = {"status": "ok", "frames": control.stack_of(self._main_thread)}
+        content = {"status": "ok", "frames": answers.stack_of(self._main_thread)}
         self.session.send(stream, wire.WHERE_REPLY, content, parent, ident)
 
     @_once_joined
     def spmd_signal_request(self, stream, ident, parent) -> None:
         signum = int(parent["content"]["signum"])
         self.session.send(stream, wire.SIGNAL_REPLY, {"status": "ok"}, parent, ident)
-        control.signal_self(stream, signum)
+        answers.signal_self(stream, signum)
 
     @_once_joined
     def spmd_census_request(self, stream, ident, parent) -> None:

@@ -1,4 +1,4 @@
-"""The notebook's side of ``spmd.engine.watch.control``: requests on ipyparallel's control channel.
+"""The notebook's side of ``spmd.engine.watch.answers``: requests on ipyparallel's control channel.
 
 Every rank's stack is asked here first (a rank on this machine that does not answer is
 then asked by signal: cells.py), and the signals of ranks with no process handle on this

@@ -173,7 +173,7 @@ def cluster_config(
     engine_args = [
         "--log-level=WARN",
         # The nanny is one more process per engine, for signals sent through the controller;
-        # ranks take signals on their own control channel instead (spmd.engine.watch.control).
+        # ranks take signals on their own control channel instead (spmd.engine.watch.answers).
         "--IPEngine.enable_nanny=False",
         # A rank whose controller is gone (the notebook was killed: its controller ends with
         # it) exits after 20 missed checks (~12-16 s), not ipyparallel's 50: a batch job or

@@ -3,13 +3,13 @@
 ipyparallel relays the comm messages of a rank's widget both ways, so a front end that renders
 widgets shows it live and can change it. A widget's display carries only the text it had when
 it was shown; this asks each rank, once per cell that showed widgets, for the text they read
-now (``spmd.engine.shell.widgets``) and puts it in the outputs the notebook keeps.
+now (``spmd.engine.shell.widget_text``) and puts it in the outputs the notebook keeps.
 """
 
 from __future__ import annotations
 
 from spmd.cluster.session import RankCell, Session
-from spmd.engine.shell.widgets import text_forms
+from spmd.engine.shell.widget_text import text_forms
 from spmd.magics.cells.render import widget_id
 
 ASK_SECONDS = 5.0  # a rank that does not answer keeps its first text
