@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# torch is installed first, pinned: the CPU build this machine keeps on disk. Left to
-# resolve the [torch] extra ("torch>=2.4") alone, pip would pick a CUDA build of several GB.
+# torch is installed first, pinned to one version, from whatever index pip is set up to use:
+# the pin chooses the version, not the build. On an ordinary Linux machine it is PyPI's CUDA
+# build (several GB); for a CPU build, put that version in .venv first (from
+# https://download.pytorch.org/whl/cpu) and it is kept: docs/getting-started/install.md.
 TORCH_VERSION := 2.13.0
 
 .PHONY: demo test docs bench lint clean system

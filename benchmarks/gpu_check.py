@@ -21,10 +21,11 @@ from spmd.demo import cell_text, execute
 from spmd.engine.join.placement import host_gpus
 
 QUICKSTART = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
+# (one line per rank: "[rank 1] 1 ['gpu'] [4.]"; lines of several, a rank's block)
 CHECK = (
     "import os, jax, jax.numpy as jnp\n"
-    "print(os.environ['CUDA_VISIBLE_DEVICES'], [d.platform for d in jax.local_devices()])\n"
-    "print(jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')("
+    "print(os.environ['CUDA_VISIBLE_DEVICES'], [d.platform for d in jax.local_devices()],\n"
+    "      jax.pmap(lambda x: jax.lax.psum(x, 'i'), axis_name='i')("
     "jnp.ones(jax.local_device_count())))"
 )
 
@@ -42,8 +43,11 @@ def main() -> int:
                 r"%spmd start[^\n]*", f"%spmd start -n {n} --gpus-per-process 1", cell.source
             )
             break
-    nb.cells.append(nbformat.v4.new_code_cell(CHECK))
-    nb.cells.append(nbformat.v4.new_code_cell("%spmd status"))
+    # (before the quickstart's last cell, its %spmd stop: after it, cells run in the notebook)
+    stop = next((i for i, c in enumerate(nb.cells)
+                 if c.cell_type == "code" and c.source.strip() == "%spmd stop"), len(nb.cells))
+    nb.cells[stop:stop] = [nbformat.v4.new_code_cell(CHECK),
+                           nbformat.v4.new_code_cell("%spmd status")]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "quickstart-gpu.ipynb"
         nbformat.write(nb, str(path))
@@ -53,7 +57,7 @@ def main() -> int:
     texts = [cell_text(c) for c in done.cells if c.cell_type == "code"]
     for text in texts:
         print(text)
-    check = texts[-2]
+    check = next(cell_text(c) for c in done.cells if c.source == CHECK)
     seen = re.findall(r"\[rank (\d+)\] (\S+) \['gpu'\]", check)
     ok = len(seen) == n and len({g for _, g in seen}) == n and f"[{n}.]" in check
     print(f"{n} ranks, one GPU each: {'ok' if ok else 'FAILED'}; the notebook took {seconds:.1f} s")
