@@ -2,7 +2,7 @@
 
 ``Bench`` is an IPython shell in this process with ``%load_ext spmd``, the samples of every
 figure, the facts said beside them, and the parts left out for want of room. Every part
-(lifecycle.py, faults.py, cells.py, arrays.py, many.py, census.py, attach.py, flood.py) takes
+(lifecycle.py, faults.py, cells.py, arrays.py, many.py, census_cost.py, attach.py, flood.py) takes
 one and records into it; run.py runs them in turn and table.py reads what they recorded.
 
 This module imports none of the parts: each part's own ``python -m benchmarks.<part>`` makes

@@ -42,7 +42,7 @@ COUNTED = "spmd_counted"
 IOPUB_COUNT = "spmd_iopub"
 # The cell's census digest, [count, hash] of the cross-process launches it made (absent: it
 # made none). Sent by the rank (engine/watch/launches.py), read by the notebook
-# (channel/client.py), which compares the ranks' digests (lockstep/census.py).
+# (channel/client.py): the magics compare the ranks' digests after a cell (magics/cells/cell.py).
 CENSUS_DIGEST = "spmd_census"
 # The JAX_* and XLA_* variables changed on the rank since it started, {name: value, or None
 # where removed}, in the first reply after a change. Sent by the rank (engine/join/import_env.py),

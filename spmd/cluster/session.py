@@ -9,7 +9,7 @@ itself):
 
 - ``launch`` (startup.py, Launch): the processes, started in named steps, re-forked by a
   restart (restarts.py), ended by a stop (stopping.py); ``record()`` is a frozen copy of what
-  runs (ranks.Running).
+  runs (records.Running).
 - ``deaths`` (deaths.py, DeathWatch): which ranks ended or vanished, and how.
 - ``cells`` (cells.py, CellRunner): a cell in lockstep, its wait and report; stacks, signals.
 - ``late`` (late.py, LateOutputs): what ranks print after their cell.
@@ -31,8 +31,8 @@ Who may touch what:
   engine sets; this side reads them only through copies (see SpmdCluster). The client's IO
   thread hands over what ranks print after their cell through one deque (channel/client.py),
   taken under ``life`` (collect_late). The debugger's control thread asks ``busy`` and
-  ``dead_ranks``, which never wait.
-- The rank server (``rank_server``: this machine's, or those of the ssh hosts) is started and
+  the death watch's ``dead_ranks`` of one generation it reads, which never wait.
+- The rank server (the launch's ``rank_server``: this machine's, or those of the ssh hosts) is started and
   closed under ``life`` with the cluster; ipyparallel's event-loop thread asks it for forks,
   and each server's reader thread is the only writer of what it answered (servers.py).
 - A SIGINT on the main thread during a stop, a restart's end of the old ranks, a start's
@@ -345,7 +345,9 @@ class Session:
     def busy_ranks(self) -> list[int]:
         """Ranks still running a cell the notebook stopped waiting for (or from before)."""
         with self.life:
-            return sorted({*self.cells.busy_ranks(self.gen), *self.busy_before_attach()})
+            busy = self.cells.busy_ranks(self.gen)
+        # (the hub's answer may take seconds: outside the lock, which ``busy`` looks at)
+        return sorted({*busy, *self.busy_before_attach()})
 
     def busy_before_attach(self) -> list[int]:
         """The ranks still running the cell from before the attach."""

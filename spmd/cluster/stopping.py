@@ -1,7 +1,7 @@
 """Ending a cluster's processes, in steps Session runs with its lock held: the ranks with no
 process handle here (on their control channel), the ranks alone after a death (the
 controller and the rank servers stay, for a fast restart), and everything at a stop, from the
-frozen record of what ran (ranks.Running)."""
+frozen record of what ran (records.Running)."""
 
 from __future__ import annotations
 

@@ -243,7 +243,8 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         ran = run_on_ranks(session, self._as_sent(cell), opts, live,
                            opts.breakpoint or self.breakpoints)
         # (print(x) of arrays over several processes: their placeholders come marked)
-        not_rebuilt = printed.rebuild(ran) if _marked(ran) else ""
+        # (or a rank's reply says placeholders were left out, marks and all: it says so)
+        not_rebuilt = printed.rebuild(ran) if _marked(ran) or any(ran.printed.values()) else ""
         count = self.shell.displayhook.prompt_count
         self._keep_requests(count, ran)
         errors = group_errors(ran.cells, ignore=interrupted_by_us(ran.stall))

@@ -156,7 +156,7 @@ def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> 
     (``raised``: some ranks raised, and their errors follow)."""
     # (each rank's census digest, None where it launched nothing: alike, nothing to say)
     digests = {tuple(d) if d else None for d in (ran.census.get(r) for r in ran.cells)}
-    if ran.stall is not None or len(digests) == 1:
+    if ran.stall is not None or len(digests) <= 1:
         return
     # (part of the cell's report: a ^C in its wait for the records would drop the errors
     # below)
