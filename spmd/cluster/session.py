@@ -346,8 +346,7 @@ class Session:
         """Ranks still running a cell the notebook stopped waiting for (or from before)."""
         with self.life:
             busy = self.cells.busy_ranks(self.gen)
-        # (the hub's answer may take seconds: outside the lock, which ``busy`` looks at)
-        return sorted({*busy, *self.busy_before_attach()})
+        return sorted({*busy, *self.busy_before_attach()})  # (the hub's: outside the lock)
 
     def busy_before_attach(self) -> list[int]:
         """The ranks still running the cell from before the attach."""
