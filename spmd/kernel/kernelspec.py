@@ -288,6 +288,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         print(f"Installed kernelspec {args.name} in {path}")
+        found = KernelSpecManager().find_kernel_specs().get(args.name)
+        if found and Path(found).resolve() != Path(path).resolve():
+            # (in a virtual environment Jupyter looks in the environment's folder before the
+            # user's: the wheel's own spec there hides a --user one of the same name)
+            print(
+                f"Note: Jupyter finds another kernelspec named {args.name} first, in {found}, "
+                f"and starts that one: install it with --name for a second kernel, or where "
+                f"the other is (--sys-prefix for this environment's) to replace it.",
+                file=sys.stderr,
+            )
     elif args.command == "list":
         specs = list_specs()
         if not specs:
