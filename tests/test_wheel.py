@@ -282,15 +282,17 @@ def test_python_m_spmd_kernel_install_still_sets_the_kernels_options(installed):
     finally:
         shutil.rmtree(shipped)
         shutil.copytree(kept, shipped)
-    # for the user: hidden by the environment's spec of that name, and the command says so
+    # for the user: what a JupyterLab of another environment finds; this environment's own
+    # spec of that name comes first here, and the command says so
     done = installed.run("python", "-m", "spmd.kernel", "install", "--user", "-n", "2")
     mine = installed.home / "jupyter-data" / "kernels" / KERNEL_NAME
     assert done.returncode == 0 and done.stdout == (
         f"Installed kernelspec {KERNEL_NAME} in {mine}\n"), done.stderr
     assert done.stderr == (
-        f"Note: Jupyter finds another kernelspec named {KERNEL_NAME} first, in {shipped}, and "
-        "starts that one: install it with --name for a second kernel, or where the other is "
-        "(--sys-prefix for this environment's) to replace it.\n")
+        f"Note: a Jupyter run from this Python finds the kernelspec {KERNEL_NAME} in {shipped} "
+        "first, and starts that one (a Jupyter of another environment finds this one): to "
+        "change what it starts, install with --sys-prefix, or with another --name for a second "
+        "kernel.\n")
     shutil.rmtree(mine)
     assert Path(_kernelspecs(installed)[KERNEL_NAME]) == shipped
 

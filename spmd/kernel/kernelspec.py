@@ -291,11 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         found = KernelSpecManager().find_kernel_specs().get(args.name)
         if found and Path(found).resolve() != Path(path).resolve():
             # (in a virtual environment Jupyter looks in the environment's folder before the
-            # user's: the wheel's own spec there hides a --user one of the same name)
+            # user's: the wheel's own spec there hides a --user one of the same name from a
+            # JupyterLab of this environment, not from one of another environment)
             print(
-                f"Note: Jupyter finds another kernelspec named {args.name} first, in {found}, "
-                f"and starts that one: install it with --name for a second kernel, or where "
-                f"the other is (--sys-prefix for this environment's) to replace it.",
+                f"Note: a Jupyter run from this Python finds the kernelspec {args.name} in "
+                f"{found} first, and starts that one (a Jupyter of another environment finds "
+                f"this one): to change what it starts, install with --sys-prefix, or with "
+                f"another --name for a second kernel.",
                 file=sys.stderr,
             )
     elif args.command == "list":
