@@ -68,7 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check spmd tests benchmarks docs/conf.py docs/_ext
+	$(BIN)/ruff check spmd tests benchmarks docs/conf.py docs/_ext hatch_build.py
 
 clean:
 	rm -rf $(VENV) notebooks/*.executed.ipynb docs/_build \

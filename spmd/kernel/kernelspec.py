@@ -10,6 +10,12 @@
     python -m spmd.kernel list
     python -m spmd.kernel remove NAME
 
+The wheel ships the default spec (``spmd``, 4 processes) as data files, written at build by
+``write_kernel_spec(..., executable="python")`` (hatch_build.py), as ipykernel ships
+``python3``: Jupyter runs a bare ``python`` as its own interpreter, the environment's. An
+install by this command writes the interpreter's full path, and overrides it (the same
+name, in the user's folder or over it with ``--sys-prefix``).
+
 The spec's argv carries the cluster's settings as the kernel's traitlets
 (``--SpmdKernel.processes=4``; where the ranks run, as ``%spmd start``'s own options in one
 ``--SpmdKernel.cluster=...``); its resources (logos) are ipykernel's. An install checks the
@@ -26,7 +32,6 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
-from spmd.cluster.launchers.remote import LAUNCHERS
 from spmd.options import TORCH_BACKENDS, count
 from spmd.options import backend as backend_type
 
@@ -115,9 +120,11 @@ def kernel_dict(
     display_name: str | None = None,
     torch_backend: str = "gloo",
     cluster: str = "",
+    executable: str | None = None,
 ) -> dict:
     """The contents of kernel.json (``cluster``: %spmd start's options for where the ranks
-    run, checked here: UsageError)."""
+    run, checked here: UsageError). ``executable``: the Python it runs, this one's full path
+    unless told (the wheel's spec says ``python``, which Jupyter takes as its own)."""
     from ipykernel.kernelspec import make_ipkernel_cmd
 
     if cluster:
@@ -132,7 +139,8 @@ def kernel_dict(
     if cluster:
         settings.append(f"--SpmdKernel.cluster={cluster}")
     return {
-        "argv": make_ipkernel_cmd(mod=APP_MODULE, extra_arguments=settings),
+        "argv": make_ipkernel_cmd(mod=APP_MODULE, executable=executable,
+                                  extra_arguments=settings),
         "display_name": display_name or display_name_for(processes, cluster, backend),
         "language": "python",
         # Jupyter's interrupt is SIGINT to the kernel, which the cell's wait turns into the
@@ -201,6 +209,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> _Parser:
+    # (imported here: the wheel's build writes a spec with only ipykernel at hand)
+    from spmd.cluster.launchers.remote import LAUNCHERS
+
     p = _Parser(prog="python -m spmd.kernel", description="Manage SPMD kernelspecs.")
     commands = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     inst = commands.add_parser("install", help="install a kernelspec")
@@ -277,6 +288,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         print(f"Installed kernelspec {args.name} in {path}")
+        found = KernelSpecManager().find_kernel_specs().get(args.name)
+        if found and Path(found).resolve() != Path(path).resolve():
+            # (in a virtual environment Jupyter looks in the environment's folder before the
+            # user's: the wheel's own spec there hides a --user one of the same name from a
+            # JupyterLab of this environment, not from one of another environment)
+            print(
+                f"Note: a Jupyter run from this Python finds the kernelspec {args.name} in "
+                f"{found} first, and starts that one (a Jupyter of another environment finds "
+                f"this one): to change what it starts, install with --sys-prefix, or with "
+                f"another --name for a second kernel.",
+                file=sys.stderr,
+            )
     elif args.command == "list":
         specs = list_specs()
         if not specs:
