@@ -228,9 +228,11 @@ class LaunchFile:
 
 # A timer: ``action`` 3 s from now, in the background (its pid is the job's $killer). Killed
 # early (SIGTERM), it ends its sleep too, which would otherwise outlive the job, holding the
-# job's output open for what is left of its 3 s.
+# job's output open for what is left of its 3 s. (Its sleep is found by ``jobs -p``, not by a
+# variable: a TERM that comes right after the sleep started runs the trap before ``$!`` is
+# kept, as a job that ends at the stop's first signal makes it come.)
 def _in_3_s(action: str) -> str:
-    return (f"(trap 'kill $nap 2>/dev/null; exit' TERM; sleep 3 & nap=$!; wait $nap; "
+    return (f"(trap 'kill $(jobs -p) 2>/dev/null; exit' TERM; sleep 3 & wait $!; "
             f"{action}) & killer=$!")
 
 
