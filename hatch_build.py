@@ -11,8 +11,8 @@ Its argv starts with a bare ``python``, as ipykernel's does: Jupyter runs that a
 interpreter, the one of the environment JupyterLab runs from and the wheel was installed into
 (no path could be written at build: the build's interpreter may be a throwaway one, pip's or
 uv's isolated build). ``python -m spmd.kernel install`` writes the full path of the Python it
-runs, and its spec overrides this one (``--user``: found first; ``--sys-prefix``: written over
-it).
+runs: ``--sys-prefix`` writes over this one; a ``--user`` spec is found first by a Jupyter
+of another environment, while one run from this environment finds this one first.
 """
 
 from __future__ import annotations
