@@ -17,6 +17,12 @@ _LOCAL_PREFIXES = ("%spmd", "%%spmd", "%%local")
 # ranks it would end each rank's engine instead.
 EXITS = ("exit", "quit", "exit()", "quit()")
 
+# A cell that is only this loads what auto mode comes from: the extension is loaded already, so
+# it does nothing, as a first %load_ext does (the SPMD kernel runs the notebooks written for a
+# plain kernel as written; on the ranks it would take the kernel's own start, and a first
+# %spmd start with other settings would then be refused).
+LOAD = "%load_ext spmd"
+
 
 def is_exit(code: str) -> bool:
     return code.strip() in EXITS
@@ -55,5 +61,7 @@ class AutoMode:
     def transform(self, lines: list[str]) -> list[str]:
         if not self.on or self._paused or stays_local(lines):
             return lines
+        if "".join(lines).strip() == LOAD:
+            return []
         cell = "".join(lines)
         return [f"get_ipython().run_cell_magic('spmd', '', {cell!r})\n"]

@@ -67,9 +67,11 @@ class Lifecycle:
             self.session.settings if self._fresh and self.session is not None else None)
         if opts.linger is None and kernels is not None:  # (the kernel's own, unless asked)
             settings = dataclasses.replace(settings, linger=kernels.linger)
-        if self._kernel_cluster_is(settings):
+        taken = self._kernel_cluster_is(settings)
+        if taken is not None:
             self._show_as(opts)
-            say(summary(self.session))
+            if not taken:  # (the wait's own line became the summary: never say it twice)
+                say(summary(self.session))
             return
         if self.session is not None and self.session.running:
             raise UsageError(
@@ -124,12 +126,15 @@ class Lifecycle:
         """How cells show from now on, as the start that was taken asked."""
         self.panel, self.tabs, self.breakpoints = opts.panel, opts.tabs, opts.breakpoint
 
-    def _kernel_cluster_is(self, settings: Settings) -> bool:
-        """Whether the kernel's own, still unused cluster is the one asked for. If it is not,
-        it is cancelled or stopped, so that the one asked for starts instead (never two)."""
+    def _kernel_cluster_is(self, settings: Settings) -> str | None:
+        """Whether the kernel's own, still unused cluster is the one asked for: the line its
+        wait showed ('' if none) when it is, None when not. If it is not, it is cancelled or
+        stopped, so that the one asked for starts instead (never two)."""
+        shown = ""
         if self.pending is not None:
             if self.pending.settings == settings or self.pending.attaching:
-                self._take_pending()  # (an attach is taken whatever: %spmd start then refuses)
+                # (an attach is taken whatever: %spmd start then refuses)
+                shown = self._take_pending()
             else:
                 with interrupts.held("the cancel of the kernel's own start"):
                     self.pending.cancel()
@@ -137,11 +142,11 @@ class Lifecycle:
         if self._fresh and self.session is not None:
             self._fresh = False
             if self.session.running and self.session.settings == settings:
-                return True
+                return shown
             self.session.stop()
             self.session.logs.remove()
             self.session = None
-        return False
+        return None
 
     def _start(
         self, settings: Settings, cache_dir: str | None = None, logs: RankLogs | None = None
