@@ -7,7 +7,8 @@ round hold. Every figure is the median of its rounds, with the min-max. Results 
 
 The parts: bench.py (the notebook they drive and what they record), lifecycle.py (start,
 restart, stop), faults.py, cells.py (a cell's cost, output), arrays.py (a global array as a
-value and in print), many.py, census_cost.py, attach.py, debugger.py, flood.py, kernel_start.py and
+value and in print), many.py, census_cost.py, attach.py, debugger.py, debugger_server.py (beside
+jupyter-distributed, where it is installed), flood.py, kernel_start.py and
 floor.py (the floors); table.py sums up and shows what they recorded. This module only runs
 them in order and writes the results; it is the one module that imports the parts.
 """
@@ -22,7 +23,18 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import arrays, attach, cells, census_cost, debugger, faults, flood, lifecycle, many
+from benchmarks import (
+    arrays,
+    attach,
+    cells,
+    census_cost,
+    debugger,
+    debugger_server,
+    faults,
+    flood,
+    lifecycle,
+    many,
+)
 from benchmarks.bench import PSUM, Bench
 from benchmarks.floor import bare_processes, bare_torch_processes
 from benchmarks.kernel_start import KernelBench
@@ -70,6 +82,13 @@ def run_all(bench: Bench, rounds: int, quick: bool, hosts) -> None:
         cells.per_cell(bench, n, count)
     print("JupyterLab's debugger, 4 ranks", file=sys.stderr, flush=True)
     for name, xs in debugger.measure(cells=count, stops=5 if quick else 10).items():
+        for x in xs:
+            bench.record(name, x)
+    print("JupyterLab's debugger through one Jupyter Server, beside jupyter-distributed",
+          file=sys.stderr, flush=True)
+    samples, said = debugger_server.measure(rounds=3 if quick else 10)
+    print(f"  {said}", file=sys.stderr, flush=True)
+    for name, xs in samples.items():
         for x in xs:
             bench.record(name, x)
     print("many ranks: 4 and 64, a restart of 64, 128 and 256", file=sys.stderr, flush=True)

@@ -56,6 +56,11 @@ TARGETS = [
     ("cell_n4/spmd", "cell_n4/zmq", None, ""),
     ("debugger_cell_n4/attached", "debugger_cell_n4/detached", 1.2, "≤ 1.2 × detached"),
     ("debugger_cell_n4/attached", "debugger_cell_n4/never_attached", None, ""),
+    # JupyterLab's debugger through one Jupyter Server, beside jupyter-distributed 0.1.1's
+    # (benchmarks/debugger_server.py; its rows only where the peer is installed)
+    *((f"debugger_server_n4/{fig}_spmd", f"debugger_server_n4/{fig}_peer", 0.8,
+       "≤ 0.8 × jupyter-distributed")
+      for fig in ("setup", "execute_to_stopped", "continue_to_reply")),
     ("census_jit_1000/on", "census_jit_1000/off", 1.03, "≤ 1.03 × without the census"),
     ("cell_n64/none", "cell_n4/none", 6.0, "≤ 6 × 4 ranks"),
     ("cell_n64/none", "cell_n64/ranks_cpu_over_cores", None, ""),

@@ -65,6 +65,13 @@ FAMILIES = [
      "debugger attached and no breakpoint, detached, and before it was ever turned on."),
     (r"debugger_stop_n\d+", "From a cell's execute_request to its breakpoint's `stopped` "
      "event."),
+    (r"debugger_server_n\d+", "JupyterLab's debugger on 4 ranks driven through one Jupyter "
+     "Server, as JupyterLab drives it, beside jupyter-distributed 0.1.1 (a python3 kernel its "
+     "server extension runs as 4 processes) in alternating rounds: `setup` (initialize, attach, "
+     "debugInfo, configurationDone), `execute_to_stopped` (a cell to its breakpoint's first "
+     "`stopped` event), `continue_to_reply` (every rank stopped: `continue` to the cell's "
+     "reply). The peer's rows only where it is installed (`.venv-peer`, which `make bench` "
+     "makes)."),
     (r"census_.*", "The census of cross-process launches: 1,000 launches through its wrapper "
      "(`on`), through jax's or torch's own call (`off`), through an empty wrapper (`empty`), "
      "and with torch's own check (`checked`); the cost per cell and per launch."),
