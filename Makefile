@@ -84,5 +84,5 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) notebooks/*.executed.ipynb docs/_build \
-	       docs/reference/magics.md docs/reference/kernel.md docs/reference/internals.md \
+	       docs/reference/magics.md docs/reference/kernel.md docs/reference/internals.md docs/reference/errors.md \
 	       docs/development/benchmarks.md
