@@ -218,6 +218,13 @@ def test_the_wheel_ships_the_kernelspec_and_the_license(installed):
     assert license_file == (ROOT / "LICENSE").read_bytes()
     assert b"BSD 3-Clause License" in license_file
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "docs/", "benchmarks/"))]
+    # the README as the package index shows it: no link it cannot follow (hatch_build.py)
+    description = metadata.split("\n\n", 1)[1]
+    assert "Description-Content-Type: text/markdown" in metadata.splitlines()
+    assert description.startswith("# jupyter-spmd"), description[:200]
+    assert "](docs/" not in description and "](notebooks/" not in description
+    assert "[Install](docs/getting-started/install.md)" in (ROOT / "README.md").read_text()
+    assert "Install (`docs/getting-started/install.md` in the source)" in description
 
 
 def test_spmd_there_is_the_wheels_copy_not_the_checkouts(installed):
