@@ -201,6 +201,12 @@ INTERNALS = [
         ("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event"),
         ("ipykernel", "ipykernel.kernelbase", "Kernel.control_thread"),
         ("debugpy", "debugpy.server.api", "_settrace"),
+        # (turning the debugger off closes debugpy's listening socket; on again listens anew)
+        ("debugpy", "debugpy.server.api", "listen.called"),
+        ("debugpy", "pydevd", "get_global_debugger"),
+        ("debugpy", "pydevd", "stoptrace"),
+        ("debugpy", "pydevd", "PyDB._waiting_for_connection_thread"),
+        ("debugpy", "pydevd", "PyDB._WaitForConnectionThread._server_socket"),
     )],
     # ipykernel, in the SPMD kernel
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",

@@ -194,6 +194,7 @@ class RankKernel(IPythonParallelKernel):
     async def execute_request(self, stream, ident, parent):
         # (jax imported by a cell of a --backend none rank: installed once, cheap after)
         self.print_marks.install()
+        self.debugging.untrace_main_thread()  # (the debugger was turned off since)
         streams.mark_with(self.print_marks)  # (the rank's streams, made after the kernel)
         unattended.cell_began()  # (a cell that runs when a notebook attaches: unattended.py)
         request = self.quiet.start_counting(parent)
@@ -236,3 +237,9 @@ class RankKernel(IPythonParallelKernel):
         thread): ipykernel's own kernel makes them at its start, which an engine's leaves out."""
         self.debugpy_stream = stream
         self.debugger = debugger
+
+    async def do_debug_request(self, msg):
+        reply = await super().do_debug_request(msg)
+        if msg.get("command") == "disconnect":  # (JupyterLab turned the debugger off)
+            self.debugging.close()
+        return reply

@@ -80,7 +80,7 @@ class RankDebugger(Shown):
         self.shown: int | None = None  # the rank whose stop JupyterLab shows
         self.started = False
         self.breakpoints: dict[str, list] = {}  # cell path -> breakpoints (rank 0's reply)
-        self._setup: dict[str, dict] = {}  # the requests that set a rank up, to replay
+        self._setup: dict[str, dict] = {}  # what set a rank up, and the cells, to replay
         self._client = None  # the client whose events come here
         self._gen = None  # the generation whose ranks listen
 
@@ -142,8 +142,9 @@ class RankDebugger(Shown):
         if not self._listening(session) and (command in ("initialize", "attach")
                                                or self.started):
             # (the ranks start debugpy between cells, on their main thread; never wait here
-            # for the cell's lock: this is ipykernel's control thread, which shutdown needs)
-            if session.busy():  # (or ranks still run a cell the notebook stopped waiting for)
+            # for the cell's lock: this is ipykernel's control thread, which shutdown needs;
+            # busy: or ranks still run a cell the notebook stopped waiting for)
+            if session.busy():
                 raise NoRanks("A cell is running on the ranks: turn the debugger on once it "
                               "has ended.")
         return session
@@ -190,9 +191,8 @@ class RankDebugger(Shown):
                               f"{exc}).") from None
             if replay:
                 setup, breakpoints_now = dict(self._setup), dict(self.breakpoints)
-                for command in ("initialize", "attach", "setExceptionBreakpoints"):
-                    if command in setup:
-                        await self._ask_all(session, setup[command])
+                for request in setup.values():  # (in their order: initialize first)
+                    await self._ask_all(session, request)
                 for path, breakpoints in breakpoints_now.items():
                     await self._ask_all(session, {
                         "type": "request", "seq": 0, "command": "setBreakpoints",
@@ -223,8 +223,9 @@ class RankDebugger(Shown):
         if failed:
             return reply(request, None, message=f"rank {failed[0]}: "
                                + str(replies[failed[0]].get("message", "failed")))
-        if command in ("initialize", "attach", "setExceptionBreakpoints"):
-            self._setup[command] = request
+        if command in ("initialize", "attach", "setExceptionBreakpoints", "dumpCell"):
+            # (a cell's file too: a rank that ends removes the cells' files of its host)
+            self._setup[first.get("body", {}).get("sourcePath", command)] = request
             if not self.started:
                 self.started = True
                 keep_leading_lines(self.kernel.shell, True)
@@ -237,8 +238,11 @@ class RankDebugger(Shown):
         return first
 
     def _disconnected(self) -> None:
-        """The debugger is off, whatever the ranks said: nothing kept, no rank paused."""
+        """The debugger is off, whatever the ranks said: nothing kept, no rank paused; the
+        ranks let debugpy go (engine/shell/debugging.py), so turning it on again sets them up
+        anew."""
         self.started = False
+        self._gen = None
         keep_leading_lines(self.kernel.shell, False)
         self.breakpoints.clear()
         self._setup.clear()
@@ -281,9 +285,8 @@ class RankDebugger(Shown):
         return self.refs.from_rank(asked_rank, said)
 
     async def _pause(self, session, request: dict) -> dict:
-        replies = await self._ask_each(session, {
-            r.rank: with_arguments(request, threadId=self._main_thread(r.rank)) for r in session.ranks})
-        return replies[0]
+        return (await self._ask_each(session, {r.rank: with_arguments(
+            request, threadId=self._main_thread(r.rank)) for r in session.ranks}))[0]
 
     async def _threads(self, session, request: dict) -> dict:
         threads = []
@@ -357,8 +360,7 @@ class RankDebugger(Shown):
         return {rank: futures[rank].result()["content"] for rank in sorted(futures)}
 
     def _live(self):
-        """The session whose ranks run cells: the kernel's own start's until a cell takes it
-        (any thread: a read)."""
+        """The session whose ranks run cells: the kernel's own start's until taken (a read)."""
         pending = self.magics.pending
         if pending is not None:
             return pending.session if pending.done and pending.error is None else None

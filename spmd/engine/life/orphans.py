@@ -66,10 +66,23 @@ def end_children() -> None:
             pass
 
 
+_AT_EXIT_NOW: list = []  # (main thread: registered once, run at exit_now)
+
+
+def at_exit_now(fn) -> None:
+    """Run ``fn`` when this process ends with ``exit_now`` (which runs no atexit)."""
+    _AT_EXIT_NOW.append(fn)
+
+
 def exit_now(signum: int) -> None:
     """End what this process started (its cells' subprocesses, DataLoader workers: they would
     outlive it, reparented to init), then this process, as a signal ``signum`` would."""
     end_children()
+    for fn in _AT_EXIT_NOW:
+        try:
+            fn()
+        except Exception:  # (what is left of it stays; the process ends all the same)
+            pass
     os._exit(128 + signum)
 
 

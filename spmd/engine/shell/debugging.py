@@ -14,6 +14,13 @@ debugpy side: no DAP socket, no stopped-event poller, and start-up hides debugpy
 - cells are compiled under the notebook's cell folder (JupyterLab's ``tmpFilePrefix``), not
   under ``ipykernel_<this pid>``: the path JupyterLab computes for a cell then names that cell
   on every rank, and a breakpoint set in the notebook is a breakpoint on each rank.
+- debugpy runs its adapter in this process (``in_process_debug_adapter``): no adapter process
+  per rank to start (a second Python, about 1 s on a busy host) or to leave behind;
+- when JupyterLab turns the debugger off (``disconnect``) the rank lets go of everything it
+  took (``close``): the listening socket closes, tracing stops, and the cells' files it
+  wrote into the cell folder are removed, with the folder once empty; turning the debugger on
+  again listens anew (``listen``). A rank that ends removes its cells' files too
+  (``remove_cells``, at its exit).
 
 The Debugger is the rank kernel's: ipykernel's own attributes (``debug_with``), and ours, one
 ``Debugging`` (``RankKernel.debugging``), which says whether it is there and attached.
@@ -21,15 +28,22 @@ The Debugger is the rank kernel's: ipykernel's own attributes (``debug_with``), 
 kernel as a cell does.
 
 Threads: ``listen`` runs on the main thread, and sets ``Debugging.debugger`` there; the
-Debugger, its socket and its queues are the control thread's from then on. ``attached`` is
-read by ``breakpoint()`` on the thread that calls it (the main thread, where cells run).
+Debugger, its socket and its queues are the control thread's from then on. ``close`` runs on
+the control thread, after the Debugger's own ``disconnect``, and ``listen`` on the main thread
+only between cells once the notebook has its reply: they never run at once. ``listening`` is
+theirs; ``untrace`` (the main thread's tracing, ended at its next cell) is set by ``close``
+and read on the main thread. ``attached`` is read by ``breakpoint()`` on the thread that calls
+it (the main thread, where cells run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
 import importlib
 import os
+import socket
 import stat
 import sys
 import threading
@@ -64,6 +78,9 @@ class Debugging:
 
     def __init__(self) -> None:
         self.debugger = None  # ipykernel's Debugger, once listen ran
+        self.listening = False  # debugpy listens here (between listen and close)
+        self.untrace = False  # the main thread's tracing is to end before its next cell
+        self.folder = ""  # the notebook's cell folder, once listen ran
 
     def attached(self) -> bool:
         """JupyterLab's debugger is attached to this rank (``breakpoint()`` then stops in
@@ -83,15 +100,17 @@ class Debugging:
     def listen(self, kernel, cells_folder: str) -> dict:
         """(main thread) Start debugpy here and give ``kernel`` (the rank's) a Debugger,
         once."""
-        if self.debugger is not None:
+        if self.listening:
             return {"pid": os.getpid(), "new": False}
+        if self.debugger is not None:  # (turned off since: listen anew)
+            self._listen()
+            return {"pid": os.getpid(), "new": True}
         from spmd import internals
 
         # (torch, jax: not imported)
         problems = internals.missing("rank", used_in="debugging.py")
         if problems:
             raise RuntimeError(" ".join(problems))
-        import debugpy
         import ipykernel.compiler
         import ipykernel.debugger
 
@@ -114,16 +133,80 @@ class Debugging:
         loop = kernel.control_thread.io_loop
         debugger, stream = _on_control_thread(
             loop, lambda: _make_debugger(kernel, ipykernel.debugger))
-        # debugpy's adapter picks its own free port: one found free here first (ipykernel
-        # binds and unbinds a socket) could be taken by another rank before the adapter bound
-        # it (seen at a restart: "Address already in use")
-        client = debugger.debugpy_client
-        client.debugpy_host, client.debugpy_port = debugpy.listen((client.debugpy_host, 0))
-        debugger.debugpy_initialized = True  # (Debugger.start then only connects its socket)
         kernel.debug_with(debugger, stream)  # (engine/rank_kernel.py)
         asyncio.run_coroutine_threadsafe(kernel.poll_stopped_queue(), loop.asyncio_loop)
-        self.debugger = debugger
+        self.debugger, self.folder = debugger, folder
+        import atexit
+
+        from spmd.engine.life import orphans
+
+        atexit.register(self.remove_cells)
+        orphans.at_exit_now(self.remove_cells)  # (a stop ends a rank with os._exit)
+        self._listen()
         return {"pid": os.getpid(), "new": True}
+
+    def _listen(self) -> None:
+        """(main thread) debugpy listens here, with its adapter in this process."""
+        import debugpy
+
+        self.untrace = False
+        own_folder(self.folder)  # (removed when the debugger was turned off)
+        # debugpy picks its own free port: one found free here first (ipykernel binds and
+        # unbinds a socket) could be taken by another rank before debugpy bound it (seen at
+        # a restart: "Address already in use")
+        client = self.debugger.debugpy_client
+        client.debugpy_host, client.debugpy_port = debugpy.listen(
+            (client.debugpy_host, 0), in_process_debug_adapter=True)
+        self.debugger.debugpy_initialized = True  # (Debugger.start then only connects)
+        self.listening = True
+
+    def close(self) -> None:
+        """(control thread, after the Debugger's own disconnect) Let go of what the debugger
+        took: debugpy's listening socket, its tracing, and the cells' files."""
+        if not self.listening:
+            return
+        self.listening = False
+        _stop_debugpy()
+        self.untrace = True
+        self.remove_cells()
+
+    def untrace_main_thread(self) -> None:
+        """(main thread, before a cell) Tracing ends here too once the debugger is off: the
+        control thread, which closed it, can end only its own."""
+        if self.untrace:
+            self.untrace = False
+            sys.settrace(None)
+
+    def remove_cells(self) -> None:
+        """The cells' files in the notebook's cell folder (dumpCell's: every rank of this host
+        wrote the same ones), and the folder once empty. The folder is this notebook's alone
+        (named after its kernel's pid, made private by ``own_folder``)."""
+        if not self.folder:
+            return
+        for path in glob.glob(os.path.join(glob.escape(self.folder), "*.py")):
+            with contextlib.suppress(OSError):  # (another rank of this host removed it)
+                os.remove(path)
+        with contextlib.suppress(OSError):  # (not empty: files this rank did not write)
+            os.rmdir(self.folder)
+
+
+def _stop_debugpy() -> None:
+    """End debugpy's session in this process: its tracing, and its listening socket, which
+    pydevd's ``stoptrace`` leaves open (its thread waits in accept(); a shutdown wakes it);
+    ``debugpy.listen`` may then be called again."""
+    import pydevd
+    from debugpy.server import api
+
+    py_db = pydevd.get_global_debugger()
+    waiting = py_db._waiting_for_connection_thread if py_db is not None else None
+    server = (waiting._server_socket
+              if isinstance(waiting, pydevd.PyDB._WaitForConnectionThread) else None)
+    pydevd.stoptrace()
+    if server is not None:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        server.close()
+    api.listen.called = False
 
 
 def _make_debugger(kernel, module):
