@@ -207,6 +207,8 @@ INTERNALS = [
         ("debugpy", "pydevd", "stoptrace"),
         ("debugpy", "pydevd", "PyDB._waiting_for_connection_thread"),
         ("debugpy", "pydevd", "PyDB._WaitForConnectionThread._server_socket"),
+        ("debugpy", "pydevd", "PyDB._WaitForConnectionThread._kill_received"),
+        ("debugpy", "pydevd", "PyDB._WaitForConnectionThread.do_kill_pydev_thread"),
     )],
     # ipykernel, in the SPMD kernel
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",

@@ -40,6 +40,13 @@ def what_they_hold(ranks: dict[int, psutil.Process]) -> dict[int, tuple]:
             for r, p in ranks.items()}
 
 
+def busy_seconds(ranks: dict[int, psutil.Process], seconds: float) -> float:
+    """The most CPU seconds one idle rank spends in ``seconds``."""
+    before = {r: sum(p.cpu_times()[:2]) for r, p in ranks.items()}
+    time.sleep(seconds)
+    return max(sum(p.cpu_times()[:2]) - before[r] for r, p in ranks.items())
+
+
 def turn_on(kc) -> str:
     """JupyterLab's start sequence; the cell folder it names."""
     assert debug(kc, "initialize", START)["success"]
@@ -74,6 +81,7 @@ def test_the_debugger_turned_off_leaves_nothing_and_turns_on_again():
             "success"]
         assert what_they_hold(ranks) == before  # no listening socket, no process left
         assert not os.path.exists(folder), os.listdir(folder)
+        assert busy_seconds(ranks, 2.0) < 0.5  # (nothing of the debugger's left running)
 
         # on again: a breakpoint stops both ranks as the first time
         turn_on(kc)

@@ -192,8 +192,9 @@ class Debugging:
 
 def _stop_debugpy() -> None:
     """End debugpy's session in this process: its tracing, and its listening socket, which
-    pydevd's ``stoptrace`` leaves open (its thread waits in accept(); a shutdown wakes it);
-    ``debugpy.listen`` may then be called again."""
+    pydevd's ``stoptrace`` leaves open (its thread waits in accept(): a shutdown wakes it, and
+    told to end first it ends, where it would otherwise listen again at once, for ever, on a
+    closed socket); ``debugpy.listen`` may then be called again."""
     import pydevd
     from debugpy.server import api
 
@@ -201,11 +202,14 @@ def _stop_debugpy() -> None:
     waiting = py_db._waiting_for_connection_thread if py_db is not None else None
     server = (waiting._server_socket
               if isinstance(waiting, pydevd.PyDB._WaitForConnectionThread) else None)
+    if waiting is not None:
+        waiting._kill_received = True
     pydevd.stoptrace()
     if server is not None:
         with contextlib.suppress(OSError):
             server.shutdown(socket.SHUT_RDWR)
-        server.close()
+    if waiting is not None:
+        waiting.do_kill_pydev_thread()  # (closes the socket)
     api.listen.called = False
 
 
