@@ -226,7 +226,7 @@ class RankDebugger(Shown):
         if command in ("initialize", "attach", "setExceptionBreakpoints", "dumpCell"):
             # (a cell's file too: a rank that ends removes the cells' files of its host)
             self._setup[first.get("body", {}).get("sourcePath", command)] = request
-            if not self.started:
+            if not self.started and command != "dumpCell":
                 self.started = True
                 keep_leading_lines(self.kernel.shell, True)
         if command == "setBreakpoints":
