@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # https://download.pytorch.org/whl/cpu) and it is kept: docs/getting-started/install.md.
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test docs bench lint clean system
+.PHONY: demo test docs bench lint clean system labextension
 
 # What the cluster tests need from Debian: sshd for hosts made in network namespaces,
 # MPICH's mpiexec, a one-node Slurm, chromium for the browser tests. Installed one by one where
@@ -18,7 +18,7 @@ TORCH_VERSION := 2.13.0
 # is skipped, and the tests that need it skip and say why; so do they where this is not root.
 SYSTEM_PACKAGES := iproute2 openssh-server openssh-client mpich slurm-wlm munge chromium
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard spmd/labextension/package.json)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
@@ -78,6 +78,14 @@ $(PEER_VENV)/.installed: $(STAMP)
 
 bench: $(STAMP) $(PEER_VENV)/.installed
 	$(BIN)/python -m benchmarks.run $(ARGS)
+
+# The Ranks sidebar's JupyterLab extension, from labextension/ (TypeScript, npm's packages,
+# JupyterLab's builder) into spmd/labextension, which git keeps: pip and make test never need
+# node. Run it after changing labextension/ (tests/test_labextension.py says when).
+labextension: $(STAMP)
+	cd labextension && npm install --no-audit --no-fund --loglevel=error && \
+	  PATH="$(CURDIR)/$(BIN):$$PATH" npm run build
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 
 lint: $(STAMP)
 	$(BIN)/ruff check spmd tests benchmarks docs/conf.py docs/_ext hatch_build.py

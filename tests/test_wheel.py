@@ -217,7 +217,9 @@ def test_the_wheel_ships_the_kernelspec_and_the_license(installed):
     assert "License-Expression: BSD-3-Clause" in metadata.splitlines()
     assert license_file == (ROOT / "LICENSE").read_bytes()
     assert b"BSD 3-Clause License" in license_file
-    assert not [n for n in names if n.startswith(("tests/", "notebooks/", "docs/", "benchmarks/"))]
+    assert not [n for n in names if n.startswith(("tests/", "notebooks/", "docs/", "benchmarks/",
+                                                  "spmd/labextension/", "labextension/"))]
+    assert f"{data}/data/share/jupyter/labextensions/jupyter-spmd/package.json" in names
     # the README as the package index shows it: no link it cannot follow (hatch_build.py)
     description = metadata.split("\n\n", 1)[1]
     assert "Description-Content-Type: text/markdown" in metadata.splitlines()
@@ -302,6 +304,17 @@ def test_python_m_spmd_kernel_install_still_sets_the_kernels_options(installed):
         "kernel.\n")
     shutil.rmtree(mine)
     assert Path(_kernelspecs(installed)[KERNEL_NAME]) == shipped
+
+
+def test_jupyterlab_there_finds_the_ranks_sidebar_the_wheel_installed(installed):
+    done = installed.run("python", "-m", "jupyterlab.labextensions", "list", timeout=60)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    # (listed under the new environment's own folder, from the wheel's data files)
+    where = said.split(f"{installed.venv}/share/jupyter/labextensions", 1)
+    assert len(where) == 2, said
+    first = where[1].strip().splitlines()[0]
+    assert first.startswith("jupyter-spmd v0.1.0") and "enabled" in first and "OK" in first, said
 
 
 def test_python_m_spmd_list_and_stop_run(installed):

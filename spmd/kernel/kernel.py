@@ -29,6 +29,8 @@ from spmd.cluster.session import Settings
 from spmd.engine.shell import introspect
 from spmd.kernel import dap
 from spmd.kernel.debugger import RankDebugger
+from spmd.kernel.sidebar import COMMANDS as SIDEBAR_COMMANDS
+from spmd.kernel.sidebar import RanksSidebar
 from spmd.magics.start.arguments import start_settings
 from spmd.options import BACKENDS, TORCH_BACKENDS, start_args
 
@@ -83,6 +85,7 @@ class SpmdKernel(IPythonKernel):
         from ipykernel.compiler import get_tmp_directory
 
         self.rank_debugger = RankDebugger(self, self.spmd, get_tmp_directory())
+        self.spmd.sidebar = RanksSidebar(self, self.spmd)
 
     # -- what it offers ----------------------------------------------------------------------
 
@@ -101,6 +104,11 @@ class SpmdKernel(IPythonKernel):
         self.session.send(socket, "create_subshell_reply", content, parent, ident)
 
     async def do_debug_request(self, msg):
+        sidebar = getattr(self.spmd, "sidebar", None) if hasattr(self, "spmd") else None
+        if sidebar is not None and msg.get("command") in SIDEBAR_COMMANDS:
+            # (the Ranks sidebar's clicks: answered on this control thread while a cell runs)
+            return dap.reply(msg, {"result": sidebar.answer(msg["command"],
+                                                            msg.get("arguments") or {})})
         debugger = getattr(self, "rank_debugger", None)
         if debugger is None:
             return dap.reply(msg, None, message="The kernel is still starting: turn "

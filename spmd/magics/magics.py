@@ -59,6 +59,7 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         # The kernel's cluster has not been used yet: %spmd start may replace it.
         self._fresh = False
         self.panel = False  # the live panel for every cell (%spmd start --panel)
+        self.sidebar = None  # the SPMD kernel's Ranks sidebar (kernel/sidebar.py), if any
         self.tabs = False  # outputs that differ per rank as tabs (%spmd start --tabs)
         self.breakpoints = "lowest"  # which ranks stop at breakpoint() (--breakpoint)
         self.failed_ranks: list[int] = []  # ranks that raised in the last cell (%spmd debug)
@@ -233,15 +234,21 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         started = self._take_pending() if self.pending is not None else ""
         session = self._require_session(refused="Cell not run")
         panel = Panel(session) if (self.panel or opts.panel) else None
-        live = LiveView(where=session.stacks, panel=panel)
+        sidebar = self.sidebar
+        live = LiveView(where=session.stacks, panel=panel, sidebar=sidebar and (
+            lambda run: sidebar.tick(session, run)))
         show_before(live, session, started)
         n = session.settings.n
         check_ranks(opts.ranks, n, live, debugging)
         if not cell.strip():
             return None
         refuse_exit(cell)
-        ran = run_on_ranks(session, self._as_sent(cell), opts, live,
-                           opts.breakpoint or self.breakpoints)
+        try:
+            ran = run_on_ranks(session, self._as_sent(cell), opts, live,
+                               opts.breakpoint or self.breakpoints)
+        finally:
+            if sidebar is not None:
+                sidebar.cell_ended()
         # (print(x) of arrays over several processes: their placeholders come marked)
         # (or a rank's reply says placeholders were left out, marks and all: it says so)
         not_rebuilt = printed.rebuild(ran) if _marked(ran) or any(ran.printed.values()) else ""

@@ -346,9 +346,11 @@ class LiveView:
     look_after = 10.0  # seconds a cell runs before the busy ranks' lines are shown
     look_every = 10.0  # seconds between two looks (each is a stack dump of the busy ranks)
 
-    def __init__(self, where: Callable[[list[int]], dict] | None = None, panel=None) -> None:
+    def __init__(self, where: Callable[[list[int]], dict] | None = None, panel=None,
+                 sidebar: Callable | None = None) -> None:
         self.started = time.monotonic()
         self.panel = panel  # a Panel, updated on every tick
+        self.sidebar = sidebar  # the SPMD kernel's Ranks sidebar's tick(run), on every tick
         self.widgets_shown = False
         self.prompted = False  # a rank asked the person something: its lines were shown
         self._unshown: dict[int, str] = {}  # stream text of each rank since its last prompt
@@ -434,6 +436,8 @@ class LiveView:
         now = time.monotonic()
         if self.panel is not None and run is not None:
             self.panel.tick(run)
+        if self.sidebar is not None and run is not None:
+            self.sidebar(run)
         late = _late(run, now) if run is not None else ""
         if late != self.late:
             self.late, self._dirty = late, True
