@@ -64,8 +64,10 @@ system:
 	  fi; \
 	fi
 
+# ... then writes the new figures into the pages that quote them (docs/_ext/spmd_docs/figures.py)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(ARGS)
+	PYTHONPATH=docs/_ext $(BIN)/python -m spmd_docs.figures
 
 lint: $(STAMP)
 	$(BIN)/ruff check spmd tests benchmarks docs/conf.py docs/_ext hatch_build.py

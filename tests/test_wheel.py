@@ -215,6 +215,15 @@ def test_the_wheel_ships_the_kernelspec_and_the_license(installed):
     assert {f"{data}/data/{SHIPPED}/{logo}" for logo in
             ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")} <= set(names)
     assert "License-Expression: BSD-3-Clause" in metadata.splitlines()
+    # the long description: README.md with its relative links as words (hatch_build.py), as
+    # PyPI shows it with no checkout beside it
+    description = metadata.split("\n\n", 1)[1]
+    assert "Description-Content-Type: text/markdown" in metadata.splitlines()
+    assert description.startswith("# jupyter-spmd\n")
+    assert "](docs/" not in description
+    assert "Install (docs/getting-started/install.md in the source) says how" in description
+    assert "(an image, docs/screenshots/failing-rank.png in the source)" in description
+    assert "%spmd start -n 4 [-d K] [--backend" in description  # (a code block, as it is)
     assert license_file == (ROOT / "LICENSE").read_bytes()
     assert b"BSD 3-Clause License" in license_file
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "docs/", "benchmarks/"))]
