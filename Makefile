@@ -76,8 +76,10 @@ $(PEER_VENV)/.installed: $(STAMP)
 	  $(PEER_VENV)/bin/python -m pip install --quiet --no-deps jupyter-distributed==0.1.1 && \
 	  touch $@
 
+# ... then writes the new figures into the pages that quote them (docs/_ext/spmd_docs/figures.py)
 bench: $(STAMP) $(PEER_VENV)/.installed
 	$(BIN)/python -m benchmarks.run $(ARGS)
+	PYTHONPATH=docs/_ext $(BIN)/python -m spmd_docs.figures
 
 # The Ranks sidebar's JupyterLab extension, from labextension/ (TypeScript, npm's packages,
 # JupyterLab's builder) into spmd/labextension, which git keeps: pip and make test never need

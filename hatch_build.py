@@ -1,7 +1,7 @@
-"""The wheel's build hooks: the SPMD kernel's spec, shipped as the wheel's data files; and the
-README as the package index shows it.
+"""The build's two hooks: the SPMD kernel's spec, shipped as the wheel's data files, and the
+long description made from README.md.
 
-hatchling runs it for every wheel, editable ones too (pyproject.toml,
+hatchling runs the first for every wheel, editable ones too (pyproject.toml,
 ``[tool.hatch.build.targets.wheel.hooks.custom]``). It writes the spec that
 ``python -m spmd.kernel install`` writes with no options (its code, spmd/kernel/kernelspec.py:
 the same name, display name, logos and settings), into share/jupyter/kernels/spmd of the
@@ -15,10 +15,14 @@ uv's isolated build). ``python -m spmd.kernel install`` writes the full path of 
 runs: ``--sys-prefix`` writes over this one; a ``--user`` spec is found first by a Jupyter
 of another environment, while one run from this environment finds this one first.
 
-The README is the package's long description (pyproject.toml's ``dynamic``). Its links to the
-docs' pages are relative to the checkout, which a repository host resolves and a package index
-does not: there each becomes its text with the page's path in the source, and a screenshot its
-words (``pypi_readme``).
+The second, the metadata hook, makes the project's long description, which PyPI shows
+(``[tool.hatch.metadata.hooks.custom]``, with ``readme`` dynamic): README.md, whose links to
+the docs are relative, which a repository host follows but PyPI's page, with no checkout
+beside it, cannot. There is no hosted site to point them at, so each becomes the page's path
+in words: ``[Install](docs/getting-started/install.md)`` reads "Install
+(docs/getting-started/install.md in the source)", and a relative image is its description, in
+italics, and its path. Code blocks, and links with a scheme (``https:``) or to an anchor of the
+page, stay as they are.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 from hatchling.metadata.plugin.interface import MetadataHookInterface
+
+README = "README.md"
+# a Markdown link or image whose target has no scheme and is not an anchor of the page itself
+_RELATIVE = re.compile(r"(!?)\[([^\]]*)\]\((?![a-z][a-z0-9+.-]*:|#)([^()\s]+)\)")
+_FENCE = re.compile(r"^(```|~~~)", re.M)
 
 
 class KernelSpecHook(BuildHookInterface):
@@ -52,20 +61,25 @@ class KernelSpecHook(BuildHookInterface):
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
+def readme_for_an_index(text: str) -> str:
+    """README.md's ``text`` as a package index shows it: each relative link or image, outside
+    code blocks, as words that name its path in the source."""
+
+    def words(m: re.Match) -> str:
+        image, label, target = m.groups()
+        if image:
+            return f"*{label}* (an image, {target} in the source)" if label else ""
+        return f"{label} ({target} in the source)"
+
+    parts = re.split(r"(^(?:```|~~~).*?^(?:```|~~~)[ \t]*$)", text, flags=re.M | re.S)
+    return "".join(part if _FENCE.match(part) else _RELATIVE.sub(words, part)
+                   for part in parts)
+
+
 class ReadmeHook(MetadataHookInterface):
     PLUGIN_NAME = "custom"
 
     def update(self, metadata: dict) -> None:
-        text = Path(self.root, "README.md").read_text(encoding="utf-8")
-        metadata["readme"] = {"content-type": "text/markdown", "text": pypi_readme(text)}
-
-
-_IMAGE = re.compile(r"!\[([^\]]*)\]\((?!https?:)([^)]+)\)")
-_LINK = re.compile(r"(?<!!)\[([^\]]+)\]\((?!https?:|#)([^)]+)\)")
-
-
-def pypi_readme(text: str) -> str:
-    """The README with its relative links as text: ``[Install](docs/x.md)`` becomes
-    ``Install (`docs/x.md` in the source)``, and a relative image its alt text in italics."""
-    text = _IMAGE.sub(lambda m: f"*{m.group(1)}*", text)
-    return _LINK.sub(lambda m: f"{m.group(1)} (`{m.group(2)}` in the source)", text)
+        text = (Path(self.root) / README).read_text(encoding="utf-8")
+        metadata["readme"] = {"content-type": "text/markdown",
+                              "text": readme_for_an_index(text)}

@@ -29,10 +29,13 @@ extensions = ["myst_nb", "spmd_docs"]
 # copy to fall behind or to clean up). Executed notebooks go to _build, never beside them.
 exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/*.executed.ipynb"]
 
-# substitution: a measured figure in a hand-written page is {{ key }}, from
-# benchmarks/results.json at each build (_ext/spmd_docs/figures.py); a key it does not define
-# is a warning, so a failed build (-W).
-myst_enable_extensions = ["colon_fence", "deflist", "substitution"]
+# A measured figure in a hand-written page is plain text between two comments that name it,
+# <!--fig:key-->0.653 s<!--/fig-->, checked against benchmarks/results.json at each build
+# (_ext/spmd_docs/figures.py); one that differs, or a key it does not define, is a warning, so
+# a failed build (-W). A link to another page is a Markdown link to its file,
+# [Install](../getting-started/install.md), which a repository host follows as well (a
+# tutorial's, to its link in tutorials/: _ext/spmd_docs/links.py).
+myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
 # -- notebooks: run at every build -------------------------------------------------------

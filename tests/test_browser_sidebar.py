@@ -77,13 +77,13 @@ def test_the_ranks_sidebar_names_the_rank_that_blocks_the_others(tmp_path) -> No
         page.locator(".jp-Notebook").wait_for()
         sidebar = _open_sidebar(page)
         try:  # (the kernel's own 4 ranks: they start with the kernel)
-            sidebar.locator("tr[data-rank='3']").wait_for(timeout=120_000)
+            sidebar.locator("tr[data-rank='3']").first.wait_for(timeout=120_000)
         except PlaywrightTimeout:
             save_shot(page, str(tmp_path), "sidebar-never-filled")
             raise AssertionError(f"no ranks in the sidebar:\n{kernel_stacks(lab)}") from None
         assert sidebar.locator(".jp-spmd-Ranks-head").inner_text().startswith("4 ranks (jax)")
-        pids = sidebar.locator("tr[data-rank] td:nth-child(4)").all_inner_texts()
-        assert len(pids) == 4 and all(p.isdigit() for p in pids), pids
+        where = sidebar.locator(".jp-spmd-Ranks-where").all_inner_texts()
+        assert len(where) == 4 and all(re.search(r" · pid \d+ · 1 device$", w) for w in where), where
 
         _run(page, 0)
         page.locator(".jp-Notebook .jp-Cell").nth(0).locator(
@@ -98,10 +98,10 @@ def test_the_ranks_sidebar_names_the_rank_that_blocks_the_others(tmp_path) -> No
         assert said.startswith("Rank 1 blocks the others: ranks 0,2-3 wait in "), said
         # named within 2 s of the cell running (the collective was compiled before)
         assert named < 2.0, named
-        row = sidebar.locator("tr[data-rank='1']")
-        assert "blocks" in row.inner_text() and "time.sleep(120)" in row.inner_text()
+        row = "\n".join(sidebar.locator("tr[data-rank='1']").all_inner_texts())
+        assert "busy (blocks)" in row and "cell line 2: time.sleep(120)" in row, row
 
-        row.click()
+        sidebar.locator("tr[data-rank='1']").first.click()
         detail = sidebar.locator(".jp-spmd-Ranks-detail")
         detail.filter(has_text="time.sleep(120)").wait_for(timeout=30_000)
         save_shot(page, str(tmp_path), "ranks-sidebar")

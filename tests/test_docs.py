@@ -1,7 +1,8 @@
 """The site's generated reference (docs/_ext/spmd_docs), without a Sphinx build: each page
 from its generator, against the code it is generated from; and the notebooks `make demo`
-runs, each a page of the site; and the measured figures the pages quote, each a
-substitution from benchmarks/results.json (one check builds a one-page site, a few seconds).
+runs, each a page of the site; the measured figures the pages quote, each checked against
+benchmarks/results.json (one check builds a one-page site, a few seconds); and the pages'
+links to each other, plain Markdown that a repository host follows as the site does.
 
 `make docs` builds the whole site, running the notebooks; these checks take seconds.
 """
@@ -177,27 +178,61 @@ def test_every_notebook_make_demo_runs_is_a_page_of_the_site():
         assert re.search(rf"^(/tutorials/)?{re.escape(name)}$", toctrees, re.M), name
 
 
-def _pages() -> list[Path]:
-    """The site's MyST pages (the built site under _build is not a source)."""
-    return [p for p in sorted(DOCS.rglob("*.md")) if "_build" not in p.relative_to(DOCS).parts]
+def test_every_figure_a_page_quotes_is_the_one_results_json_gives():
+    """A page writes a measured figure as <!--fig:key-->figure<!--/fig-->; each must be the
+    figure results.json gives now, or the build fails on it."""
+    known = figures.values()
+    pages = figures.hand_written_pages()
+    assert DOCS / "how-to" / "faster-starts.md" in pages
+    assert DOCS / "reference" / "magics.md" not in pages  # (generated)
+    quoted = {page.relative_to(DOCS).as_posix(): figures.used(page.read_text())
+              for page in pages}
+    assert sum(map(len, quoted.values())) >= 10  # (the pages do quote figures this way)
+    wrong = {page.relative_to(DOCS).as_posix(): figures.problems(page.read_text(), known)
+             for page in pages}
+    assert {page: found for page, found in wrong.items() if found} == {}
 
 
-def test_every_figure_a_page_quotes_comes_from_results_json():
-    """A page says {{ key }} for a measured figure; each key must be one that results.json
-    gives now, or the build fails on it."""
-    defined = figures.substitutions()
-    used = {page.relative_to(DOCS).as_posix(): figures.used(page.read_text())
-            for page in _pages()}
-    assert sum(map(len, used.values())) >= 10  # (the pages do quote figures this way)
-    undefined = {page: [k for k in keys if k not in defined]
-                 for page, keys in used.items() if any(k not in defined for k in keys)}
-    assert undefined == {}
+def test_what_the_build_says_of_a_pages_figures():
+    known = {"restart_spmd": "0.653 s", "ratio__a__b": "0.19×"}
+    page = ("# Figures\n\n"
+            "A restart takes <!--fig:restart_spmd-->0.653 s<!--/fig-->, or\n"
+            "<!--fig:ratio__a__b-->0.19×<!--/fig--> a start; the form is\n"
+            "`<!--fig:KEY-->FIGURE<!--/fig-->`, and `<!--fig:` opens it.\n"
+            "Then <!--fig:restart_spmd-->0.7 s<!--/fig--> and <!--fig:restart_n3-->1 s<!--/fig-->\n"
+            "and <!--fig:restart_spmd--> 0.653 s\n")
+    assert figures.used(page) == [("restart_spmd", "0.653 s"), ("ratio__a__b", "0.19×"),
+                                  ("restart_spmd", "0.7 s"), ("restart_n3", "1 s")]
+    found = figures.problems(page, known)
+    assert [line for line, _ in found] == [4, 6, 6, 7]
+    assert "starts its line" in found[0][1]
+    assert "written '0.7 s', and benchmarks/results.json has '0.653 s'" in found[1][1]
+    assert "restart_n3 is not in benchmarks/results.json" in found[2][1]
+    assert "without its figure and <!--/fig--> on the same line" in found[3][1]
+    filled = figures.filled(page, known)
+    assert "A restart takes 0.653 s, or\n0.19× a start" in filled
+    assert "`<!--fig:KEY-->FIGURE<!--/fig-->`" in filled  # (a code span is left as it is)
+    assert "Then 0.653 s and 1 s\n" in filled
+
+
+def test_make_bench_writes_its_figures_into_the_pages(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Restarts take <!--fig:restart_spmd-->0.7 s<!--/fig--> (form: "
+                    "`<!--fig:restart_spmd-->0.7 s<!--/fig-->`), starts <!--fig:x-->1 s<!--/fig-->.\n")
+    changed, missing = figures.rewrite([page], {"restart_spmd": "0.653 s"})
+    assert changed == [page] and missing == [f"{page}: x"]
+    assert page.read_text() == (
+        "Restarts take <!--fig:restart_spmd-->0.653 s<!--/fig--> (form: "
+        "`<!--fig:restart_spmd-->0.7 s<!--/fig-->`), starts <!--fig:x-->1 s<!--/fig-->.\n")
+    makefile = (ROOT / "Makefile").read_text()
+    bench = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "PYTHONPATH=docs/_ext $(BIN)/python -m spmd_docs.figures" in bench
 
 
 def test_the_figures_keys_are_made_from_their_names():
     from benchmarks.table import median_text
 
-    defined = figures.substitutions()
+    defined = figures.values()
     stats = json.loads(figures.RESULTS.read_text())["figures"]
     assert figures.key("restart/spmd") == "restart_spmd"
     assert defined["restart_spmd"] == median_text("restart/spmd", stats["restart/spmd"])
@@ -216,41 +251,97 @@ def test_two_figures_with_one_key_fail_the_build(tmp_path):
     results = tmp_path / "results.json"
     results.write_text(json.dumps(data))
     with pytest.raises(Drift, match="restart_spmd_x"):
-        figures.substitutions(results)
+        figures.values(results)
 
 
-def test_the_site_enables_substitutions():
-    conf = (DOCS / "conf.py").read_text()
-    enabled = re.search(r"^myst_enable_extensions = (\[.*\])$", conf, re.M).group(1)
-    assert "substitution" in json.loads(enabled)
+# a link in a MyST page: [text](target), the target up to a space or the closing parenthesis
+_LINK = re.compile(r"\]\(([^()\s]+)\)")
+# what shows as raw text where a repository host renders the Markdown as it is
+_RAW_ON_A_HOST = re.compile(r"\{(?:doc|ref|download|numref)\}`|\{\{")
 
 
-def test_a_page_that_quotes_a_figure_results_json_lacks_fails_the_build(tmp_path):
-    """The check the site's build makes: a Sphinx build with -W, the MyST pages and these
-    substitutions, of a page with a known key and one results.json does not have."""
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings as the site (myst_heading_anchors = 3) and a
+    repository host both make them."""
+    from myst_parser.slugs import github_slugify
+
+    headings = re.findall(r"^#{1,3} (.+)$", page.read_text(), re.M)
+    return {github_slugify(h.replace("`", "")) for h in headings}
+
+
+@pytest.mark.parametrize("page", ["README.md", *(
+    p.relative_to(ROOT).as_posix() for p in figures.hand_written_pages())])
+def test_a_pages_links_are_markdown_that_a_repository_host_follows(page):
+    """Pages link to each other as Markdown links to their files (relative, which the site
+    and a repository host both follow), never by a MyST role (raw text on a host); a link
+    names a file that is there (or that the build generates) and a heading that page has."""
+    from spmd_docs import PAGES
+
+    path = ROOT / page
+    text = path.read_text()
+    assert _RAW_ON_A_HOST.findall(text) == []
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # (another site)
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        generated = linked.is_relative_to(DOCS) and linked.relative_to(DOCS).as_posix() in PAGES
+        assert linked.exists() or generated, f"{page}: {target}"
+        if anchor and linked.suffix == ".md" and not generated:
+            assert anchor in _anchors(linked), f"{page}: {target}"
+
+
+def test_a_page_whose_figure_drifted_from_results_json_fails_the_build(tmp_path):
+    """The check the site's build makes: a Sphinx build with -W, the MyST pages and this
+    extension, of a page whose figures are results.json's, and of one with a figure written
+    otherwise and one results.json does not have."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "conf.py").write_text(
         "import sys\n"
         f"sys.path[:0] = [{str(DOCS / '_ext')!r}, {str(ROOT)!r}]\n"
         "extensions = ['myst_parser', 'spmd_docs.figures']\n"
-        "myst_enable_extensions = ['substitution']\n"
     )
     page = src / "index.md"
+    measured = figures.values()["restart_spmd"]
 
     def build(text: str) -> subprocess.CompletedProcess:
         page.write_text(f"# Figures\n\n{text}\n")
         return subprocess.run(
-            [sys.executable, "-m", "sphinx", "-W", "-q", "-E", "-b", "text", str(src),
-             str(tmp_path / "out")], capture_output=True, text=True, timeout=50)
+            [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-E", "-b", "text",
+             str(src), str(tmp_path / "out")], capture_output=True, text=True, timeout=50)
 
-    ok = build("A restart takes {{ restart_spmd }}.")
+    ok = build(f"A restart takes <!--fig:restart_spmd-->{measured}<!--/fig-->.")
     assert ok.returncode == 0, ok.stderr
     said = (tmp_path / "out" / "index.txt").read_text()
-    assert f"A restart takes {figures.substitutions()['restart_spmd']}." in said
-    missing = build("A restart takes {{ restart_spmd_n3 }}.")
-    assert missing.returncode != 0
-    assert "restart_spmd_n3" in missing.stderr and "is undefined" in missing.stderr
+    assert f"A restart takes {measured}." in said
+    drifted = build("A restart takes <!--fig:restart_spmd-->0.001 s<!--/fig-->, a start\n"
+                    "<!--fig:restart_spmd_n3-->1 s<!--/fig-->.")
+    assert drifted.returncode != 0
+    assert "index.md:3" in drifted.stderr and "written '0.001 s'" in drifted.stderr
+    assert "index.md:4" in drifted.stderr and "restart_spmd_n3 is not in" in drifted.stderr
+
+
+def test_a_link_to_a_page_that_is_a_symbolic_link_finds_that_page(tmp_path):
+    """The tutorials are symbolic links to notebooks/, which Sphinx follows when it resolves
+    a link's path: a Markdown link to one names the page, not a file outside the site."""
+    src, elsewhere = tmp_path / "src", tmp_path / "notebooks"
+    src.mkdir()
+    elsewhere.mkdir()
+    (src / "conf.py").write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(DOCS / '_ext')!r}, {str(ROOT)!r}]\n"
+        "extensions = ['myst_parser', 'spmd_docs.links']\n"
+    )
+    (elsewhere / "guide.md").write_text("# The guide\n")
+    (src / "guide.md").symlink_to(elsewhere / "guide.md")
+    (src / "index.md").write_text("# Pages\n\nRead [the guide](guide.md).\n\n"
+                                  "```{toctree}\nguide\n```\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "-q", "-E", "-b", "pseudoxml", str(src),
+         str(tmp_path / "out")], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert 'refuri="guide"' in (tmp_path / "out" / "index.pseudoxml").read_text()
 
 
 def test_a_notebook_the_site_ran_is_read_by_the_tests_only_while_its_sources_stand(

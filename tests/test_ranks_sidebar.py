@@ -93,6 +93,7 @@ def test_the_sidebar_names_the_rank_that_blocks_the_others_and_shows_its_stack()
         rows = {r["rank"]: r for r in state["ranks"]}
         assert rows[1]["line"] == "cell line 2: time.sleep(120)", rows[1]
         assert all(rows[r]["state"] == "busy" for r in range(4))
+        print(f"the blocking rank named {seconds:.2f} s after the cell was sent")
         # within 2 s of the cell (its collective was compiled before: the others wait at once)
         assert seconds < 2.0, seconds
 

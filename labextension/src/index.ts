@@ -180,7 +180,10 @@ class RanksPanel extends Widget {
       return;
     }
     if (!state.ranks.length) {
-      head.textContent = 'No cluster runs: %spmd start (or %spmd restart) starts one.';
+      head.textContent =
+        state.cluster === 'starting'
+          ? 'The kernel is starting its ranks...'
+          : 'No cluster runs: %spmd start (or %spmd restart) starts one.';
       return;
     }
     head.textContent = `${state.cluster}: ${state.cell === 'running' ? 'a cell runs' : 'idle'}`;
@@ -194,42 +197,41 @@ class RanksPanel extends Widget {
       blocking.textContent = `${who}: ${state.why}.`;
       node.appendChild(blocking);
     }
+    // (a narrow sidebar: per rank, a line of its state, then where it runs and what it is on)
     const table = document.createElement('table');
     table.className = 'jp-spmd-Ranks-table';
-    const header = table.insertRow();
-    for (const name of ['rank', 'state', 'host', 'pid', 'devices', 's', 'line']) {
-      const th = document.createElement('th');
-      th.textContent = name;
-      header.appendChild(th);
-    }
     for (const row of state.ranks) {
-      const tr = table.insertRow();
-      tr.dataset.rank = String(row.rank);
       const blocks = state.blocking.includes(row.rank);
       const colour = blocks ? '#ffc9c9' : COLOURS[row.state];
-      if (colour) {
-        tr.style.background = colour;
-        tr.style.color = '#000';
-      }
-      if (row.rank === this._chosen) {
-        tr.classList.add('jp-spmd-Ranks-chosen');
-      }
       const devices = Array.isArray(row.devices)
         ? `GPU ${row.devices.join(',')}`
-        : String(row.devices);
-      const seconds = row.seconds === null ? '' : row.seconds.toFixed(1);
-      const cells = [
-        String(row.rank),
-        blocks ? `${row.state} (blocks)` : row.state,
-        row.host,
-        String(row.pid),
-        devices,
-        seconds,
-        row.line
+        : `${row.devices} device${row.devices === 1 ? '' : 's'}`;
+      const seconds = row.seconds === null ? '' : `${row.seconds.toFixed(1)} s`;
+      const lines: [string, string[]][] = [
+        ['jp-spmd-Ranks-main', [`rank ${row.rank}`, blocks ? `${row.state} (blocks)` : row.state, seconds]],
+        ['jp-spmd-Ranks-where', [`${row.host} · pid ${row.pid} · ${devices}`]]
       ];
-      for (const text of cells) {
-        const td = tr.insertCell();
-        td.textContent = text;
+      if (row.line) {
+        lines.push(['jp-spmd-Ranks-line', [row.line]]);
+      }
+      for (const [className, texts] of lines) {
+        const tr = table.insertRow();
+        tr.dataset.rank = String(row.rank);
+        tr.className = className;
+        if (colour) {
+          tr.style.background = colour;
+          tr.style.color = '#000';
+        }
+        if (row.rank === this._chosen) {
+          tr.classList.add('jp-spmd-Ranks-chosen');
+        }
+        for (const text of texts) {
+          const td = tr.insertCell();
+          td.textContent = text;
+          if (texts.length === 1) {
+            td.colSpan = 3;
+          }
+        }
       }
     }
     node.appendChild(table);

@@ -18,11 +18,14 @@ answered while a cell runs, where a comm message would wait for the cell to end.
 Threads: comms open and close on the kernel's main thread (its shell messages), and ``tick``
 and ``cell_ended`` run there too (the cell's wait, magics/cells/render.py): ``comms`` and
 the last state sent are the main thread's. ``answer`` runs on ipykernel's control thread and
-reads only the session's records.
+reads only the session's records; so does the thread that sends a sidebar opened during the
+kernel's own start its ranks once they are up (``_when_started``: it sends on its one comm,
+which ipykernel's IOPub thread carries, and keeps nothing).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 TARGET = "spmd.ranks"
@@ -49,6 +52,20 @@ class RanksSidebar:
         self.comms[comm.comm_id] = comm
         comm.on_close(lambda _msg, cid=comm.comm_id: self.comms.pop(cid, None))
         self._send(self.state(None), force=True)
+        pending = self.magics.pending
+        if pending is not None and not pending.done:  # (the kernel's own start, under way)
+            threading.Thread(target=self._when_started, args=(comm, pending), daemon=True,
+                             name="spmd-sidebar-start").start()
+
+    def _when_started(self, comm, pending) -> None:
+        """(a thread of its own) The ranks, once the kernel's own start has them: sent to the
+        sidebar that opened before (the state is read, nothing here is kept)."""
+        while not pending.done:
+            time.sleep(0.1)
+        try:
+            comm.send(self.state(None, pending.session))
+        except Exception:  # (closed meanwhile)
+            pass
 
     # -- the cell's wait (the main thread) ----------------------------------------------------
 
@@ -82,7 +99,9 @@ class RanksSidebar:
 
         session = session or self._session()
         if session is None or not session.running:
-            return {"cluster": "none", "cell": "idle", "ranks": [], "blocking": [], "why": ""}
+            starting = self.magics.pending is not None and not self.magics.pending.done
+            return {"cluster": "starting" if starting else "none", "cell": "idle", "ranks": [],
+                    "blocking": [], "why": ""}
         rows = Panel(session).rows(run)
         records = {r.rank: r for r in session.ranks}
         for row in rows:

@@ -8,9 +8,11 @@ their only source, so they cannot drift from it. Where a page and the code disag
 command without its sentence), the generator raises ``Drift`` and the build fails with
 its message.
 
-The hand-written pages quote measured figures as MyST substitutions (``{{ restart_spmd }}``),
-which figures.py reads from benchmarks/results.json at each build (its opening comment has
-the keys' rule).
+The hand-written pages quote measured figures as plain text between two comments that name
+each (``<!--fig:restart_spmd-->0.653 s<!--/fig-->``), which figures.py checks against
+benchmarks/results.json at each build (its opening comment says why this form, and the keys'
+rule). links.py gives a Markdown link to a tutorial (a symbolic link to its notebook) the
+document it names.
 """
 
 from __future__ import annotations
@@ -65,4 +67,5 @@ def setup(app):
     app.connect("config-inited", _config_inited)
     app.setup_extension("spmd_docs.figures")
     app.setup_extension("spmd_docs.executed")
+    app.setup_extension("spmd_docs.links")
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
