@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml $(wildcard spmd/labextension/package.json)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e '.[test,torch]'
+	# (the Ranks sidebar as git keeps it built: make labextension builds it, never pip)
+	HATCH_JUPYTER_BUILDER_SKIP_NPM=1 $(BIN)/python -m pip install --quiet -e '.[test,torch]'
 	touch $(STAMP)
 
 NOTEBOOKS := quickstart 01-multi-process 02-parallel-programming 03-distributed-initialize \
@@ -38,7 +39,7 @@ demo: $(STAMP)
 DOCS_STAMP := $(VENV)/.installed-docs
 
 $(DOCS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	HATCH_JUPYTER_BUILDER_SKIP_NPM=1 $(BIN)/python -m pip install --quiet -e '.[docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
@@ -87,7 +88,7 @@ bench: $(STAMP) $(PEER_VENV)/.installed
 labextension: $(STAMP)
 	cd labextension && npm install --no-audit --no-fund --loglevel=error && \
 	  PATH="$(CURDIR)/$(BIN):$$PATH" npm run build
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	HATCH_JUPYTER_BUILDER_SKIP_NPM=1 $(BIN)/python -m pip install --quiet --no-deps -e .
 
 lint: $(STAMP)
 	$(BIN)/ruff check spmd tests benchmarks docs/conf.py docs/_ext hatch_build.py
