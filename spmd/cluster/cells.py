@@ -302,6 +302,13 @@ class CellRunner:
         paused = run.debugger_paused()
         if paused:
             control.resume_debugged(self._client, [gen.ranks[r].engine_id for r in paused])
+            # (a SIGINT that lands before debugpy has let the rank go leaves it stuck there:
+            # seen on a busy machine, with debugpy in the rank's own process)
+            until = time.monotonic() + RESUMED_SECONDS / 2
+            while time.monotonic() < until and any(
+                    s is not None and any(f.function == "_do_wait_suspend" for f in s.frames)
+                    for s in self.stacks(gen, paused).values()):
+                time.sleep(0.05)
         self.signal(gen, signal.SIGINT, busy)
         run.wait(until=time.monotonic() + grace, poll=0.02)
         # A SIGINT that lands while debugpy is still letting a paused rank go is swallowed
