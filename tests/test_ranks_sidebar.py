@@ -112,3 +112,12 @@ def test_the_sidebar_names_the_rank_that_blocks_the_others_and_shows_its_stack()
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = kc.get_shell_msg(timeout=60)
         assert reply["content"]["status"] == "error"
+
+        # a restart (a command, not a cell on the ranks): the sidebar shows the new ranks
+        kc.execute("%spmd restart")
+        for _, state in states(kc, comm_id, 120):
+            now = {r["rank"]: r["pid"] for r in state["ranks"]}
+            if len(now) == 4 and set(now.values()).isdisjoint(pids.values()):
+                break
+        else:
+            raise AssertionError("the sidebar never showed the restarted ranks")

@@ -128,6 +128,8 @@ class SpmdKernel(IPythonKernel):
             self.spmd.raw_cell = None
             if debugger is not None:
                 debugger.after_cell()
+            if self.spmd.sidebar is not None:  # (a start, stop or restart changed the ranks)
+                self.spmd.sidebar.cell_ended()
 
     # -- answered by rank 0 ----------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 state, the line it is on while a cell runs, and the ranks that block the others.
 
 JupyterLab's Ranks sidebar opens a comm of target ``spmd.ranks`` to an SPMD kernel; the kernel
-sends it the whole state (one row per rank: small) when it opens, when a cell begins and
-ends, and while a cell runs as it changes, at most every ``send_every`` seconds. The facts are
+sends it the whole state (one row per rank: small) when it opens, after every cell (a start,
+a stop or a restart among them), and while a cell runs as it changes, at most every
+``send_every`` seconds. The facts are
 the live panel's and ``%spmd where``'s: the ranks' records and the cell's run (the panel's
 rows, magics/cells/panel.py), and, once a cell has run ``look_after`` seconds, a look at its
 busy ranks' stacks every ``look_every`` seconds, asked of the ranks on their control channels
@@ -85,10 +86,12 @@ class RanksSidebar:
         if now - self._sent_at >= self.send_every:
             self._send(self.state(run, session))
 
-    def cell_ended(self, ran=None) -> None:
+    def cell_ended(self) -> None:
+        """(after every cell, and after a command that started, stopped or restarted the
+        ranks) The ranks as they are now."""
         self._stacks, self._look_at = {}, 0.0
         if self.comms:
-            self._send(self.state(ran), force=True)
+            self._send(self.state(None), force=True)
 
     # -- the state ------------------------------------------------------------------------
 

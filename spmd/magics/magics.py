@@ -243,12 +243,8 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         if not cell.strip():
             return None
         refuse_exit(cell)
-        try:
-            ran = run_on_ranks(session, self._as_sent(cell), opts, live,
-                               opts.breakpoint or self.breakpoints)
-        finally:
-            if sidebar is not None:
-                sidebar.cell_ended()
+        ran = run_on_ranks(session, self._as_sent(cell), opts, live,
+                           opts.breakpoint or self.breakpoints)
         # (print(x) of arrays over several processes: their placeholders come marked)
         # (or a rank's reply says placeholders were left out, marks and all: it says so)
         not_rebuilt = printed.rebuild(ran) if _marked(ran) or any(ran.printed.values()) else ""
