@@ -401,15 +401,23 @@ HUB_SECONDS = 30
 
 
 def _client(cluster: SpmdCluster, profile_dir: str):
-    """The notebook's client of the controller's hub."""
-    try:
-        return cluster._in_thread(cluster.connect_client, timeout=HUB_SECONDS)
-    except TimeoutError:
-        raise StartError(_controller_silent(cluster, profile_dir)) from None
-    except RuntimeError:  # (ipyparallel's "Controller stopped with ...")
-        if not _controller_ended(cluster):
-            raise
-        raise StartError(_controller_silent(cluster, profile_dir)) from None
+    """The notebook's client of the controller's hub. A controller that ended because a port
+    it picked was taken is started once more: ipyparallel's controller picks free ports and
+    binds them a moment later, and on a busy machine another process took one meanwhile; the
+    new one picks others, and the engines, which wait for its connection file, join it."""
+    for again in (True, False):
+        try:
+            return cluster._in_thread(cluster.connect_client, timeout=HUB_SECONDS)
+        except TimeoutError:
+            raise StartError(_controller_silent(cluster, profile_dir)) from None
+        except RuntimeError:  # (ipyparallel's "Controller stopped with ...")
+            if not _controller_ended(cluster):
+                raise
+            if again and "Address already in use" in _controller_silent(cluster, profile_dir):
+                cluster.controller = None
+                cluster._in_thread(cluster.start_controller)
+                continue
+            raise StartError(_controller_silent(cluster, profile_dir)) from None
 
 
 def _controller_ended(cluster: SpmdCluster) -> bool:
