@@ -21,7 +21,7 @@ import pytest
 from conftest import kernel_stream, spmd_kernel
 
 from spmd.cluster.lockstep.where import Frame, Stack
-from spmd.kernel.sidebar import RanksSidebar, blockers
+from spmd.kernel.sidebar import RanksSidebar, blockers, line_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,6 +188,17 @@ def test_a_rank_outside_jax_blocks_the_others_waiting_inside_a_call():
     assert blockers(_rows("busy", "busy"), {}) == ([], "")
     # between cells
     assert blockers(_rows("idle", "idle"), {}) == ([], "")
+
+
+def test_the_line_a_rank_is_on():
+    assert line_of(_in_cell(1)) == "cell line 2: time.sleep(120)"
+    # (in a function that a cell defined: which one, as its line is that cell's)
+    in_gather = Stack(0, [Frame(CELL, 3, "<module>", "gather()"),
+                          Frame(CELL, 4, "gather", "return process_allgather(x)"),
+                          Frame(JAX, 623, "_value")])
+    assert line_of(in_gather) == "cell line 4 in gather: return process_allgather(x)"
+    assert line_of(Stack(0, [Frame(JAX, 623, "_value")])) == "_value, line 623"
+    assert line_of(Stack(0, [])) == ""
 
 
 def test_ranks_still_in_the_cell_after_others_finished_it_block_them():

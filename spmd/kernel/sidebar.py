@@ -138,7 +138,7 @@ class RanksSidebar:
         for row in rows:
             record, stack = records[row["rank"]], self._stacks.get(row["rank"])
             row["devices"] = record.gpus if record.gpus else record.local_devices
-            row["line"] = _line_of(stack) if stack is not None else ""
+            row["line"] = line_of(stack) if stack is not None else ""
             row["seconds"] = round(row["seconds"], 1) if row["seconds"] is not None else None
         busy = [row["rank"] for row in rows if row["state"] in ("busy", "straggler")]
         blocking, why = blockers(rows, self._stacks)
@@ -248,11 +248,15 @@ def _without_clocks(state: dict | None) -> dict | None:
                                for row in state.get("ranks", [])]}
 
 
-def _line_of(stack) -> str:
-    """'cell line 3: time.sleep(30)', or the innermost frame where no cell's is."""
+def line_of(stack) -> str:
+    """'cell line 3: time.sleep(30)', 'cell line 4 in gather: return ...' (a function a cell
+    defined, maybe an earlier cell: its line is not the running cell's), or the innermost
+    frame where no cell's is."""
     at = stack.cell_line
     if at is not None:
-        return f"cell line {at.line}: {at.source}" if at.source else f"cell line {at.line}"
+        where = f"cell line {at.line}" + (f" in {at.function}" if at.function != "<module>"
+                                          else "")
+        return f"{where}: {at.source}" if at.source else where
     if stack.frames:
         f = stack.frames[-1]
         return f"{f.function}, line {f.line}"
