@@ -8,6 +8,7 @@ the ``stopped`` event of its breakpoint.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import statistics
@@ -72,55 +73,63 @@ def _to_stopped(kc) -> float:
     return took
 
 
+@contextlib.contextmanager
+def jupyter_data_in(folder: str):
+    """Jupyter's data and search path set to ``folder`` inside the block (where a benchmark's
+    own kernelspec is installed, so that the user's own kernels are never touched)."""
+    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "JUPYTER_DATA_DIR")}
+    os.environ["JUPYTER_PATH"] = os.environ["JUPYTER_DATA_DIR"] = folder
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def measure(cells: int = 100, stops: int = 10) -> dict[str, list[float]]:
     """{figure: samples} for a 4-rank SPMD kernel (its kernelspec in a temporary folder)."""
     samples: dict[str, list[float]] = {}
-    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "JUPYTER_DATA_DIR")}
-    with tempfile.TemporaryDirectory(prefix="spmd-bench-debugger-") as folder:
-        os.environ["JUPYTER_PATH"] = os.environ["JUPYTER_DATA_DIR"] = folder
+    with tempfile.TemporaryDirectory(prefix="spmd-bench-debugger-") as folder, \
+            jupyter_data_in(folder):
+        install("spmd-bench-debugger", user=True, processes=4)
+        km, kc = start_new_kernel(kernel_name="spmd-bench-debugger")
         try:
-            install("spmd-bench-debugger", user=True, processes=4)
-            km, kc = start_new_kernel(kernel_name="spmd-bench-debugger")
-            try:
-                _cell(kc, "import jax")
-                for _ in range(5):
-                    _cell(kc, "x = 1")
-                # before the debugger ever came: ranks with no debugpy loaded
-                for _ in range(cells // 5):
-                    samples.setdefault("debugger_cell_n4/never_attached", []).append(
+            _cell(kc, "import jax")
+            for _ in range(5):
+                _cell(kc, "x = 1")
+            # before the debugger ever came: ranks with no debugpy loaded
+            for _ in range(cells // 5):
+                samples.setdefault("debugger_cell_n4/never_attached", []).append(
+                    _cell(kc, "x = 1"))
+            # detached (debugpy loaded in the ranks, no client) and attached alternate in
+            # blocks, so that drift hits both alike
+            blocks = 5
+            _debug(kc, "initialize", {"clientID": "bench", "adapterID": "",
+                                      "pathFormat": "path", "linesStartAt1": True,
+                                      "columnsStartAt1": True})
+            _debug(kc, "attach", {})
+            for _ in range(blocks):
+                _debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})
+                for _ in range(cells // blocks):
+                    samples.setdefault("debugger_cell_n4/detached", []).append(
                         _cell(kc, "x = 1"))
-                # detached (debugpy loaded in the ranks, no client) and attached alternate in
-                # blocks, so that drift hits both alike
-                blocks = 5
                 _debug(kc, "initialize", {"clientID": "bench", "adapterID": "",
                                           "pathFormat": "path", "linesStartAt1": True,
                                           "columnsStartAt1": True})
                 _debug(kc, "attach", {})
-                for _ in range(blocks):
-                    _debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})
-                    for _ in range(cells // blocks):
-                        samples.setdefault("debugger_cell_n4/detached", []).append(
-                            _cell(kc, "x = 1"))
-                    _debug(kc, "initialize", {"clientID": "bench", "adapterID": "",
-                                              "pathFormat": "path", "linesStartAt1": True,
-                                              "columnsStartAt1": True})
-                    _debug(kc, "attach", {})
-                    for _ in range(cells // blocks):
-                        samples.setdefault("debugger_cell_n4/attached", []).append(
-                            _cell(kc, "x = 1"))
-                for _ in range(stops):
-                    samples.setdefault("debugger_stop_n4/execute_to_stopped", []).append(
-                        _to_stopped(kc))
-                _debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})
-            finally:
-                kc.stop_channels()
-                km.shutdown_kernel(now=False)
+                for _ in range(cells // blocks):
+                    samples.setdefault("debugger_cell_n4/attached", []).append(
+                        _cell(kc, "x = 1"))
+            for _ in range(stops):
+                samples.setdefault("debugger_stop_n4/execute_to_stopped", []).append(
+                    _to_stopped(kc))
+            _debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
     return samples
 
 

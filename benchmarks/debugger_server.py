@@ -36,6 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.debugger import jupyter_data_in
 from spmd.kernel.kernelspec import install
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,16 +258,8 @@ def measure(rounds: int = 10) -> tuple[dict[str, list[float]], str]:
     """{figure: samples}, and a line on the peer (where it ran from, or that it did not)."""
     peer = peer_python()
     with tempfile.TemporaryDirectory(prefix="spmd-bench-server-") as folder:
-        saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "JUPYTER_DATA_DIR")}
-        os.environ["JUPYTER_PATH"] = os.environ["JUPYTER_DATA_DIR"] = folder
-        try:
+        with jupyter_data_in(folder):
             install(KERNEL, user=True, processes=4)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         samples = asyncio.run(_measure(rounds, peer, folder))
     said = (f"jupyter-distributed from {peer}" if peer else
             "jupyter-distributed is not installed (make bench makes .venv-peer where pip can "
