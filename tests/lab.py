@@ -121,6 +121,17 @@ def browser_page(width: int = 1200, height: int = 1000):
             browser.close()
 
 
+def serve_checkout_extension(data: str) -> None:
+    """The checkout's own build of the extension (spmd/labextension) in the Jupyter data
+    folder ``data``, found before any other: JupyterLab takes the first of a name on its path,
+    and an environment's installed copy may be an older build."""
+    import spmd
+
+    os.makedirs(os.path.join(data, "labextensions"), exist_ok=True)
+    os.symlink(os.path.join(os.path.dirname(spmd.__file__), "labextension"),
+               os.path.join(data, "labextensions", "jupyter-spmd"))
+
+
 def kernel_stacks(lab: Lab) -> str:
     """Every thread's stack in each of the Lab's kernels (``kill -USR2``: spmd.kernel.app),
     as they wrote them to the Lab's log: for a test whose kernel seems stuck."""

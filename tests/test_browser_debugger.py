@@ -1,7 +1,9 @@
 """JupyterLab's own debugger on the ranks, in a real JupyterLab and a real (headless) chromium:
 the bug button, a breakpoint clicked in a cell's gutter, the cell run, each rank's values in
-the Variables panel, a step, and Continue. Screenshots stay in the test's folder
-(``SPMD_SCREENSHOTS=DIR`` copies them there too, for the README).
+the Variables panel, picked in the debugger's Ranks panel (the extension the wheel ships,
+spmd/labextension) and with ``%rank N`` in its console, a step, Continue all, and Pause all
+on a cell that loops. Screenshots stay in the test's folder (``SPMD_SCREENSHOTS=DIR`` copies
+them there too, for the docs).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import shutil
 import nbformat
 import pytest
 from conftest import JUPYTER_DIR, SPMD_KERNEL
-from lab import Lab, browser_page, kernel_stacks, needs_browser, save_shot
+from lab import Lab, browser_page, kernel_stacks, needs_browser, save_shot, serve_checkout_extension
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -21,6 +23,8 @@ KERNEL_NAME = "Python 3 (SPMD, 2 processes)"
 # (rank 1 reaches the breakpoint 3 s after rank 0: the first to stop is shown first)
 CELL = ("import jax, time\nrank = jax.process_index()\nx = time.sleep(3 * rank) or 1\n"
         "y = rank * 10 + 5\nprint('after', y)")
+# (no breakpoint in it: Pause all stops it wherever the ranks are)
+LOOP = "for i in range(3000):\n    time.sleep(0.01)\nprint('looped', i)"
 
 
 def _variable(page, name: str):
@@ -62,15 +66,27 @@ def _show_rank(page, rank: int) -> None:
         "treeitem", name=re.compile(rf"^rank: {rank}")).first.wait_for(timeout=30_000)
 
 
+def _pick_in_panel(page, rank: int) -> None:
+    """A click on rank N in the debugger's Ranks panel, once it is paused there: the
+    Variables panel then shows rank N's values, and the panel marks it."""
+    panel = page.locator("#jupyter-spmd-debugger-ranks")
+    panel.locator(f"li[data-rank='{rank}']").wait_for(timeout=60_000)
+    panel.locator(f"li[data-rank='{rank}']").click()
+    page.locator(".jp-DebuggerVariables").get_by_role(
+        "treeitem", name=re.compile(rf"^rank: {rank}")).first.wait_for(timeout=30_000)
+    panel.locator(f"li[data-rank='{rank}'][aria-selected='true']").wait_for(timeout=10_000)
+
+
 def test_browser_visual_debugger_on_the_ranks(tmp_path) -> None:
     needs_browser()
     data = tmp_path / ".jupyter-data"
     shutil.copytree(os.path.join(JUPYTER_DIR, "kernels", SPMD_KERNEL),
                     data / "kernels" / SPMD_KERNEL)
+    serve_checkout_extension(str(data))
     env = dict(os.environ, JUPYTER_DATA_DIR=str(data), JUPYTER_PATH=str(data))
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
         "name": SPMD_KERNEL, "display_name": KERNEL_NAME, "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell(CELL)]
+    nb.cells = [nbformat.v4.new_code_cell(CELL), nbformat.v4.new_code_cell(LOOP)]
     nbformat.write(nb, str(tmp_path / "debug.ipynb"))
     shots = str(tmp_path)
     with Lab(str(tmp_path), env=env) as lab, browser_page(width=1400, height=900) as page:
@@ -98,25 +114,47 @@ def test_browser_visual_debugger_on_the_ranks(tmp_path) -> None:
             _variable(page, "x").wait_for(timeout=60_000)
             first = _number(_variable(page, "rank").inner_text())
             save_shot(page, shots, "debugger-stopped")
-            # rank 1's values: `%rank 1` in the debugger's console shows that rank's stop
-            _show_rank(page, 1)
-            _show_rank(page, 0)  # (both ranks are paused now)
+            # the debugger's Ranks panel: both ranks paused on line 4, the first shown; a
+            # click on rank 1 shows rank 1's values
+            panel = page.locator("#jupyter-spmd-debugger-ranks")
+            panel.locator(f"li[data-rank='{first}'][aria-selected='true']").wait_for()
+            _pick_in_panel(page, 1)
+            panel.locator("li[data-rank='0']", has_text="cell line 4").wait_for(timeout=30_000)
+            assert _number(_variable(page, "x").inner_text()) == 1
+            save_shot(page, shots, "debugger-ranks-panel")
+            # `%rank 0` in the debugger's console shows that rank's stop too
+            _show_rank(page, 0)
+            panel.locator("li[data-rank='0'][aria-selected='true']").wait_for(timeout=10_000)
             # a step over line 4 (every paused rank steps): y appears
             page.locator("jp-button[title^=Next]").first.click()
             _variable(page, "y").wait_for(timeout=60_000)
             y_shown = _number(_variable(page, "y").inner_text())
             rank_shown = _number(_variable(page, "rank").inner_text())
             assert y_shown == rank_shown * 10 + 5, (rank_shown, y_shown)
-            _show_rank(page, 1)
+            _pick_in_panel(page, 1 - rank_shown)
+            _pick_in_panel(page, 1)
             page.locator(".jp-DebuggerVariables").get_by_role(
                 "treeitem", name=re.compile(r"^y: 15")).first.wait_for(timeout=30_000)
             save_shot(page, shots, "debugger-rank-1")
-            # Continue: the cell ends on every rank
-            page.locator("jp-button[title^=Continue]").first.click()
+            # Continue all: the cell ends on every rank
+            page.locator(".jp-spmd-ContinueAll").click()
             cell.get_by_text("[rank 1] after 15").wait_for(timeout=60_000)
             cell.get_by_text("[rank 0] after 5").wait_for(timeout=10_000)
             assert first == 0, f"rank {first} was shown first; rank 0 stopped first"
             save_shot(page, shots, "debugger-done")
+            # Pause all on a cell that loops: every rank pauses, in the loop; Continue all
+            loop = page.locator(".jp-Notebook .jp-Cell").nth(1)
+            loop.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+            pause = page.locator(".jp-spmd-PauseAll:not([disabled])")
+            pause.wait_for(timeout=60_000)
+            pause.click()
+            for rank in (0, 1):
+                panel.locator(f"li[data-rank='{rank}']", has_text="paused").wait_for(
+                    timeout=60_000)
+            _variable(page, "i").wait_for(timeout=60_000)
+            page.locator(".jp-spmd-ContinueAll:not([disabled])").click()
+            loop.get_by_text("looped 2999").wait_for(timeout=120_000)
         except Exception as exc:  # (what failed first, then where the kernel's threads were)
             save_shot(page, shots, "debugger-failed")
             said = str(exc).splitlines()[0] if str(exc) else ""

@@ -15,9 +15,7 @@ import time
 
 import nbformat
 import pytest
-from lab import Lab, browser_page, kernel_stacks, needs_browser, save_shot
-
-import spmd
+from lab import Lab, browser_page, kernel_stacks, needs_browser, save_shot, serve_checkout_extension
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -71,11 +69,7 @@ def test_the_ranks_sidebar_names_the_rank_that_blocks_the_others(tmp_path) -> No
 
     data = str(tmp_path / ".jupyter-data")
     _kernelspec(data)
-    # the checkout's build, found before any other (JupyterLab takes the first of a name on
-    # its path): an environment's installed copy may be an older one's
-    os.makedirs(os.path.join(data, "labextensions"))
-    os.symlink(os.path.join(os.path.dirname(spmd.__file__), "labextension"),
-               os.path.join(data, "labextensions", "jupyter-spmd"))
+    serve_checkout_extension(data)
     _notebook(str(tmp_path / "hang.ipynb"), KERNEL, CELLS)
     _notebook(str(tmp_path / "plain.ipynb"), "python3", ["1 + 1"])
     env = dict(os.environ, JUPYTER_DATA_DIR=data, JUPYTER_PATH=data)
@@ -89,6 +83,8 @@ def test_the_ranks_sidebar_names_the_rank_that_blocks_the_others(tmp_path) -> No
             save_shot(page, str(tmp_path), "sidebar-never-filled")
             raise AssertionError(f"no ranks in the sidebar:\n{kernel_stacks(lab)}") from None
         assert sidebar.locator(".jp-spmd-Ranks-head").inner_text().startswith("4 ranks (jax)")
+        # the debugger's Ranks panel is in the debugger's sidebar for this kernel only
+        assert page.locator("#jupyter-spmd-debugger-ranks").count() == 1
         where = sidebar.locator(".jp-spmd-Ranks-where").all_inner_texts()
         assert len(where) == 4 and all(re.search(r" · pid \d+ · 1 device$", w) for w in where), where
 
@@ -125,3 +121,4 @@ def test_the_ranks_sidebar_names_the_rank_that_blocks_the_others(tmp_path) -> No
         sidebar = _open_sidebar(page)
         sidebar.locator(".jp-spmd-Ranks-head", has_text="Not an SPMD kernel").wait_for(
             timeout=60_000)
+        assert page.locator("#jupyter-spmd-debugger-ranks").count() == 0

@@ -124,11 +124,13 @@ def stop_at(kc, code: str, line: int) -> tuple[str, str, dict]:
     return path, msg_id, event(kc, "stopped")
 
 
-def show(kc, rank: int, timeout: float = 30) -> dict:
-    """``%rank N`` in the Evaluate box, once rank N has stopped: its ``stopped`` event."""
+def show(kc, rank: int, timeout: float = 30, panel: bool = False) -> dict:
+    """``%rank N`` in the Evaluate box (``panel``: a click on rank N in the extension's Ranks
+    panel, its ``spmdShowRank``), once rank N has stopped: its ``stopped`` event."""
     deadline = time.monotonic() + timeout
     while True:
-        said = debug(kc, "evaluate", {"expression": f"%rank {rank}", "context": "repl"})
+        said = (debug(kc, "spmdShowRank", {"rank": rank}) if panel else
+                debug(kc, "evaluate", {"expression": f"%rank {rank}", "context": "repl"}))
         assert said["success"], said
         if said["body"]["result"] == f"showing rank {rank}":
             return event(kc, "stopped")
@@ -188,8 +190,9 @@ def test_breakpoints_stop_every_rank_and_show_each_ranks_values():
         values = {rank_of(kc, again["body"]["threadId"]):
                   value_of(kc, again["body"]["threadId"], "y")}
         other = 1 - next(iter(values))
-        thread = show(kc, other)["body"]["threadId"]
-        assert rank_of(kc, thread) == other
+        shown = show(kc, other, panel=True)["body"]
+        thread = shown["threadId"]
+        assert rank_of(kc, thread) == other and shown["spmdRank"] == other
         values[other] = value_of(kc, thread, "y")
         assert values == {0: "5", 1: "15"}
         frames = debug(kc, "stackTrace", {"threadId": mains[1]})["body"]["stackFrames"]

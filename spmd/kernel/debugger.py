@@ -12,7 +12,8 @@ whose threads are the ranks' threads:
 - to the rank that a thread, frame or variable names: stackTrace, scopes, variables,
   evaluate, setVariable, source, richInspectVariables, copyToGlobals; where none is named,
   to the rank shown (the last to stop, or the one picked with ``%rank N`` in the debugger's
-  Evaluate box), and inspectVariables and modules the same way;
+  Evaluate box or in the extension's Ranks panel: ``spmdShowRank``), and inspectVariables
+  and modules the same way;
 - answered here: debugInfo (one cell folder for every rank: this kernel's), threads (every
   rank's, named ``rank 1: MainThread``).
 
@@ -48,7 +49,7 @@ from IPython.core.inputtransformer2 import leading_empty_lines
 from spmd.engine.shell import debugging
 from spmd.kernel.dap import reply, with_arguments
 from spmd.kernel.references import References
-from spmd.kernel.shown import PICK, Shown, rank_of
+from spmd.kernel.shown import PICK, SHOW, Shown, rank_of
 
 BROADCAST = ("initialize", "attach", "configurationDone", "setBreakpoints",
              "setExceptionBreakpoints", "setFunctionBreakpoints", "dumpCell", "disconnect")
@@ -119,7 +120,7 @@ class RankDebugger(Shown):
         if command == "threads":
             return await self._threads(session, request)
         expression = (request.get("arguments") or {}).get("expression", "")
-        if command == "evaluate" and PICK.match(expression):
+        if command == SHOW or command == "evaluate" and PICK.match(expression):
             return self._pick(session, request)
         if command == "pause":
             return await self._pause(session, request)

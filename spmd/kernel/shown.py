@@ -3,7 +3,8 @@
 JupyterLab shows one stopped thread at a time, the one its last ``stopped`` event named, and
 never asks for ``threads``. So every rank's stop is kept here, and JupyterLab is told of one
 at a time: the first to stop, another when none is shown, or the one ``%rank N`` picks in
-the debugger's console; and that a rank went on when it went on without being asked (an
+the debugger's console or a click picks in the debugger's Ranks panel (``spmdShowRank``,
+labextension/src/debugger.ts); and that a rank went on when it went on without being asked (an
 interrupt) or is gone (a restart).
 
 A mixin of RankDebugger (debugger.py), whose state it uses; the threads' rules are there:
@@ -17,6 +18,7 @@ import re
 from spmd.kernel.dap import reply
 
 PICK = re.compile(r"^\s*%rank\s+(\d+)\s*$")
+SHOW = "spmdShowRank"  # the Ranks panel's click (its reply: as %rank N's)
 
 
 class Shown:
@@ -54,17 +56,21 @@ class Shown:
             self._prune()
 
     def _pick(self, session, request: dict) -> dict:
-        """``%rank N`` in the Evaluate box: JupyterLab shows rank N's stop."""
-        rank = int(PICK.match(request["arguments"]["expression"]).group(1))
+        """``%rank N`` in the Evaluate box, or a click on rank N in the debugger's Ranks
+        panel (``spmdShowRank``, labextension/src/index.ts): JupyterLab shows rank N's stop."""
+        if request["command"] == SHOW:
+            rank = int((request.get("arguments") or {}).get("rank", -1))
+        else:
+            rank = int(PICK.match(request["arguments"]["expression"]).group(1))
         with self._lock:
             stop = self._stopped.get(rank)
+            paused = sorted(self._stopped)
         if stop is None:
-            with self._lock:
-                paused = sorted(self._stopped)
             said = (f"rank {rank} is not paused; paused: {', '.join(map(str, paused))}"
                     if paused else f"rank {rank} is not paused, and no rank is")
-            return reply(request, {"result": said, "variablesReference": 0})
-        said = f"showing rank {rank}" if self._show(rank) else f"rank {rank} went on meanwhile"
+        else:
+            said = (f"showing rank {rank}" if self._show(rank)
+                    else f"rank {rank} went on meanwhile")
         return reply(request, {"result": said, "variablesReference": 0})
 
     def _event(self, engine_id: int, event: dict) -> None:
@@ -122,6 +128,7 @@ class Shown:
         body["description"] = f"rank {rank}: " + str(body.get("description") or body.get(
             "reason", "paused"))
         body["allThreadsStopped"] = False
+        body["spmdRank"] = rank  # (the Ranks panel marks the rank shown)
         self.kernel._publish_debug_event({**event, "body": body})
         return True
 
