@@ -209,6 +209,8 @@ INTERNALS = [
         ("debugpy", "pydevd", "PyDB._WaitForConnectionThread._server_socket"),
         ("debugpy", "pydevd", "PyDB._WaitForConnectionThread._kill_received"),
         ("debugpy", "pydevd", "PyDB._WaitForConnectionThread.do_kill_pydev_thread"),
+        # (the main thread traced in a cell's code only, untraced between cells)
+        ("debugpy", "pydevd_tracing", "TracingFunctionHolder._original_tracing"),
     )],
     # ipykernel, in the SPMD kernel
     Internal("ipykernel", "ipykernel.kernelbase", "Kernel._publish_debug_event", "notebook",

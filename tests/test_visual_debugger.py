@@ -399,3 +399,42 @@ def test_after_a_restart_a_request_and_the_first_cell_wait_for_the_debuggers_set
         assert debug(kc, "disconnect", {"restart": False, "terminateDebuggee": False})["success"]
         reply, text = reply_to(kc, msg_id)
         assert reply["content"]["status"] == "ok", reply["content"]
+
+
+# (in the kernel's own process: each rank's main thread's trace function between two cells,
+# asked by the kernel with an apply, which runs there between cells)
+TRACES_BETWEEN_CELLS = (
+    "%%local\nimport sys\n_magics = get_ipython().kernel.spmd\n"
+    "_session = _magics.session or _magics.pending.session\n"
+    "print([_session.call(r.rank, sys.gettrace, timeout=30) for r in _session.ranks])")
+
+
+def test_the_ranks_trace_the_cells_code_not_their_way_to_it():
+    """While the debugger is on, a rank's main thread runs debugpy's tracing in a cell's code
+    (breakpoints, and a function an earlier cell defined, stop there), and not between cells:
+    the rank's own way to a cell and back is not traced."""
+    with debugged_kernel() as (km, kc):
+        reply, text = kernel_stream(kc, "import sys\ndef f():\n    return 7\n"
+                                        "print(sys.gettrace() is not None)")
+        assert text == "[ranks 0-1] True\n", text
+        reply, text = kernel_stream(kc, TRACES_BETWEEN_CELLS)
+        assert text == "[None, None]\n", text
+        # a breakpoint in a function an earlier cell defined stops a later cell's call
+        code = "import sys\ndef g(x):\n    y = x + 1\n    return y\n"
+        assert kernel_stream(kc, code)[0]["content"]["status"] == "ok"
+        path = debug(kc, "dumpCell", {"code": code})["body"]["sourcePath"]
+        assert debug(kc, "setBreakpoints", {"source": {"path": path},
+                                            "breakpoints": [{"line": 4}]})["success"]
+        msg_id = kc.execute("print(g(1))")
+        stopped = event(kc, "stopped")
+        frames = debug(kc, "stackTrace", {"threadId": stopped["body"]["threadId"]})[
+            "body"]["stackFrames"]
+        assert frames[0]["line"] == 4 and frames[0]["source"]["path"] == path, frames[0]
+        paused(kc, 2)
+        debug(kc, "setBreakpoints", {"source": {"path": path}, "breakpoints": []})
+        for thread in debug(kc, "debugInfo")["body"]["stoppedThreads"]:
+            debug(kc, "continue", {"threadId": thread})
+        reply, text = reply_to(kc, msg_id)
+        assert reply["content"]["status"] == "ok" and text == "[ranks 0-1] 2\n", text
+        reply, text = kernel_stream(kc, TRACES_BETWEEN_CELLS)
+        assert text == "[None, None]\n", text

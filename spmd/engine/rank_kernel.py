@@ -84,6 +84,11 @@ class RankShell(ZMQInteractiveShell):
     system = commands.system
     displayhook_class = Type(ResultHook)
 
+    async def run_code(self, code_obj, result=None, *, async_=False):
+        # (JupyterLab's debugger traces the cell's code, not the rank's way to it: debugging.py)
+        with self.kernel.debugging.traced():
+            return await super().run_code(code_obj, result, async_=async_)
+
 
 # Libraries tell a notebook from a terminal by the shell's class name: rich's Console (and so
 # jax.debug.visualize_array_sharding) draws HTML only under "ZMQInteractiveShell", and ANSI
@@ -194,7 +199,7 @@ class RankKernel(IPythonParallelKernel):
     async def execute_request(self, stream, ident, parent):
         # (jax imported by a cell of a --backend none rank: installed once, cheap after)
         self.print_marks.install()
-        self.debugging.untrace_main_thread()  # (the debugger was turned off since)
+        self.debugging.untrace_main_thread()  # (traced in the cell's code only: debugging.py)
         streams.mark_with(self.print_marks)  # (the rank's streams, made after the kernel)
         unattended.cell_began()  # (a cell that runs when a notebook attaches: unattended.py)
         request = self.quiet.start_counting(parent)

@@ -32,7 +32,7 @@ Debugger, its socket and its queues are the control thread's from then on. ``clo
 the control thread, after the Debugger's own ``disconnect``, and ``listen`` on the main thread
 only between cells once the notebook has its reply: they never run at once. ``listening`` is
 theirs; ``untrace`` (the main thread's tracing, ended at its next cell) is set by ``close``
-and read on the main thread. ``attached`` is read by ``breakpoint()`` on the thread that calls
+and read on the main thread; ``trace`` is the main thread's alone. ``attached`` is read by ``breakpoint()`` on the thread that calls
 it (the main thread, where cells run).
 """
 
@@ -80,6 +80,7 @@ class Debugging:
         self.debugger = None  # ipykernel's Debugger, once listen ran
         self.listening = False  # debugpy listens here (between listen and close)
         self.untrace = False  # the main thread's tracing is to end before its next cell
+        self.trace = None  # debugpy's trace function of the main thread, on in cells only
         self.folder = ""  # the notebook's cell folder, once listen ran
 
     def attached(self) -> bool:
@@ -171,11 +172,38 @@ class Debugging:
         self.remove_cells()
 
     def untrace_main_thread(self) -> None:
-        """(main thread, before a cell) Tracing ends here too once the debugger is off: the
-        control thread, which closed it, can end only its own."""
+        """(main thread, as a request begins) The main thread is traced only while it runs a
+        cell's own code (``traced``): debugpy (settrace mode) meets every code object again
+        after its breakpoints change, and the rank's path to a cell and back (ipyparallel,
+        ipykernel, IPython, this package) is long, so tracing it cost a cell a few hundred
+        milliseconds and a paused rank's way back after Continue as much. Once the debugger
+        is off, tracing ends for good: the control thread, which closed it, can end only its
+        own."""
         if self.untrace:
-            self.untrace = False
+            self.untrace, self.trace = False, None
             sys.settrace(None)
+            return
+        found = sys.gettrace()
+        if found is not None and self.listening and "pydev" in str(
+                getattr(found, "__module__", None) or type(found).__module__):
+            self.trace = found
+            _set_trace(None)
+
+    @contextlib.contextmanager
+    def traced(self):
+        """(main thread) Around a cell's code: debugpy's tracing on, while the debugger
+        listens; what tracing the cell left (``breakpoint()`` starts it anew) is kept for the
+        next cell's code, and the thread is untraced again."""
+        trace = self.trace if self.listening and not self.untrace else None
+        if trace is None:
+            yield
+            return
+        _set_trace(trace)
+        try:
+            yield
+        finally:
+            self.trace = sys.gettrace() or trace
+            _set_trace(None)
 
     def remove_cells(self) -> None:
         """The cells' files in the notebook's cell folder (dumpCell's: every rank of this host
@@ -188,6 +216,15 @@ class Debugging:
                 os.remove(path)
         with contextlib.suppress(OSError):  # (not empty: files this rank did not write)
             os.rmdir(self.folder)
+
+
+def _set_trace(trace) -> None:
+    """``sys.settrace`` as it was before pydevd replaced it with one that warns, in the cell's
+    output, that the debugger is in use. (Not pydevd's own SetTrace, which reaches the thread
+    from C: that took longer, at every cell, than the tracing it saves.)"""
+    import pydevd_tracing
+
+    (pydevd_tracing.TracingFunctionHolder._original_tracing or sys.settrace)(trace)
 
 
 def _stop_debugpy() -> None:
