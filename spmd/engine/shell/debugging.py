@@ -150,7 +150,7 @@ class Debugging:
         """(main thread) debugpy listens here, with its adapter in this process."""
         import debugpy
 
-        self.untrace = False
+        self.untrace, self.trace = False, None  # (debugpy.listen traces this thread anew)
         own_folder(self.folder)  # (removed when the debugger was turned off)
         # debugpy picks its own free port: one found free here first (ipykernel binds and
         # unbinds a socket) could be taken by another rank before debugpy bound it (seen at
