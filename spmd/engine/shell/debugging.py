@@ -158,6 +158,7 @@ class Debugging:
         client = self.debugger.debugpy_client
         client.debugpy_host, client.debugpy_port = debugpy.listen(
             (client.debugpy_host, 0), in_process_debug_adapter=True)
+        _no_delay()
         self.debugger.debugpy_initialized = True  # (Debugger.start then only connects)
         self.listening = True
 
@@ -216,6 +217,22 @@ class Debugging:
                 os.remove(path)
         with contextlib.suppress(OSError):  # (not empty: files this rank did not write)
             os.rmdir(self.folder)
+
+
+def _no_delay() -> None:
+    """Each of pydevd's messages leaves at once: its listening socket gets TCP_NODELAY, which
+    the connection it accepts (ipykernel's, at attach) takes from it on Linux. pydevd writes a
+    message's header and its body apart, and without it the body waited for the ACK of the
+    header, which the other side delays: some 40 ms per request and per event (measured: a
+    ``threads`` request to a rank took 46 ms, a request ipykernel answers itself 2 ms)."""
+    import pydevd
+
+    py_db = pydevd.get_global_debugger()
+    waiting = py_db._waiting_for_connection_thread if py_db is not None else None
+    server = getattr(waiting, "_server_socket", None)
+    if server is not None:
+        with contextlib.suppress(OSError):
+            server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _set_trace(trace) -> None:
