@@ -1,7 +1,8 @@
 """``python -m spmd list`` and ``python -m spmd stop ID`` (or ``--all``): this user's clusters
 from a terminal, as ``ipcluster list`` and ``ipcluster stop`` show and end ipyparallel's. A
 cluster listed is one that runs: held by a notebook, or lingering after its notebook process
-ended (spmd/cluster/linger.py)."""
+ended (spmd/cluster/linger.py). ``python -m spmd mcp``: the MCP server for agents, over stdio
+(spmd/agents/mcp_server.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = commands.add_parser("stop", help="end a cluster and everything it runs")
     stop.add_argument("id", nargs="?", default="")
     stop.add_argument("--all", action="store_true", help="every cluster of this user")
+    commands.add_parser("mcp", help="the MCP server for agents, over stdin and stdout")
     args = parser.parse_args(argv)
+    if args.command == "mcp":
+        from spmd.agents import mcp_server
+
+        return mcp_server.main()
     records = linger.every()
     if args.command == "list":
         print(linger.table(records) if records else "No cluster of this user runs.")

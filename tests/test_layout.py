@@ -23,6 +23,7 @@ BENCHMARKS = ROOT.parent / "benchmarks"  # (make bench: its parts, and run.py th
 # floor. engine/ runs inside every rank, with none of the notebook's code; the controller's
 # process imports from engine/ only.
 LAYERS = [
+    ("spmd.agents", "for agents: the MCP server, a process of its own beside the kernels"),
     ("spmd.kernel", "the Jupyter kernel"),
     ("spmd.magics", "the notebook surface: %spmd's table of commands, %%spmd, %%local"),
     ("spmd.magics.commands", "the %spmd commands by what they do"),

@@ -1,7 +1,7 @@
 // jupyter-spmd's JupyterLab extension: the Ranks sidebar (sidebar.ts) and, where JupyterLab's
 // debugger is there, the Ranks panel in the debugger's sidebar (debugger.ts). Both follow the
 // current notebook's kernel, and show nothing of their own for a kernel that is not an SPMD
-// kernel.
+// kernel. And a renderer that hides a cell's per-rank data (ranksdata.ts).
 
 import {
   JupyterFrontEnd,
@@ -9,8 +9,10 @@ import {
 } from '@jupyterlab/application';
 import { IDebugger, IDebuggerSidebar } from '@jupyterlab/debugger';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 
 import { DebuggerRanks } from './debugger';
+import { ranksDataFactory } from './ranksdata';
 import { RanksPanel } from './sidebar';
 
 const plugin: JupyterFrontEndPlugin<void> = {
@@ -18,13 +20,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: "The SPMD kernel's Ranks sidebar, and its Ranks panel in the debugger.",
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [IDebugger, IDebuggerSidebar],
+  optional: [IDebugger, IDebuggerSidebar, IRenderMimeRegistry],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
     service: IDebugger | null,
-    debuggerSidebar: IDebugger.ISidebar | null
+    debuggerSidebar: IDebugger.ISidebar | null,
+    rendermime: IRenderMimeRegistry | null
   ) => {
+    // (first: preferred to the empty text/plain beside it)
+    rendermime?.addFactory(ranksDataFactory, 0);
     const panel = new RanksPanel();
     app.shell.add(panel, 'right', { rank: 900 });
     if (service && debuggerSidebar) {

@@ -27,7 +27,7 @@ from traitlets import Enum, Float, Integer, Unicode
 from spmd import __version__
 from spmd.cluster.session import Settings
 from spmd.engine.shell import introspect
-from spmd.kernel import dap
+from spmd.kernel import agents, dap
 from spmd.kernel.debugger import RankDebugger
 from spmd.kernel.sidebar import COMMANDS as SIDEBAR_COMMANDS
 from spmd.kernel.sidebar import RanksSidebar
@@ -105,6 +105,9 @@ class SpmdKernel(IPythonKernel):
 
     async def do_debug_request(self, msg):
         sidebar = getattr(self.spmd, "sidebar", None) if hasattr(self, "spmd") else None
+        if sidebar is not None and msg.get("command") in agents.COMMANDS:
+            # (a program's questions, the MCP server's: answered while a cell runs)
+            return dap.reply(msg, agents.answer(self, msg["command"], msg.get("arguments") or {}))
         if sidebar is not None and msg.get("command") in SIDEBAR_COMMANDS:
             # (the Ranks sidebar's clicks: answered on this control thread while a cell runs)
             return dap.reply(msg, {"result": sidebar.answer(msg["command"],

@@ -58,6 +58,9 @@ class RanksSidebar:
         self._failed: set[str] = set()  # the kinds of error logged already
         self._look_at = 0.0  # when the next look may come (monotonic)
         self._stacks: dict = {}  # rank -> its Stack at the last look (this cell's)
+        # the cell running now (its lockstep run), set at each tick of its wait, None between
+        # cells: agents.py reads it, as one reference, on the control thread
+        self.run = None
         kernel.comm_manager.register_target(TARGET, self._opened)
 
     def _opened(self, comm, msg) -> None:
@@ -84,6 +87,7 @@ class RanksSidebar:
 
     def tick(self, session, run) -> None:
         """A cell runs: its rows, and its busy ranks' lines once it has run a while."""
+        self.run = run
         if self.comms:
             self._safely("tick", self._tick, session, run)
 
@@ -104,7 +108,7 @@ class RanksSidebar:
     def cell_ended(self) -> None:
         """(after every cell, and after a command that started, stopped or restarted the
         ranks) The ranks as they are now."""
-        self._stacks, self._look_at = {}, 0.0
+        self._stacks, self._look_at, self.run = {}, 0.0, None
         if self.comms:
             self._safely("cell_ended", lambda: self._send(self.state(None), force=True))
 
@@ -128,7 +132,7 @@ class RanksSidebar:
         """What the sidebar shows: {"ranks": [row], "blocking": [ranks], "why": str,
         "cell": "running" | "idle", "cluster": str}. ``panel``: the panel.Panel of
         ``session`` to read the rows from (the main thread's own where not given)."""
-        session = session or self._session()
+        session = session or self.session()
         if session is None or not session.running:
             starting = self.magics.pending is not None and not self.magics.pending.done
             return {"cluster": "starting" if starting else "none", "cell": "idle", "ranks": [],
@@ -146,7 +150,9 @@ class RanksSidebar:
                 "cell": "running" if run is not None and busy else "idle",
                 "ranks": rows, "blocking": blocking, "why": why}
 
-    def _session(self):
+    def session(self):
+        """The session whose ranks run cells: the kernel's own start's until a cell takes it
+        (any thread: a read)."""
         magics = self.magics
         if magics.pending is not None:  # (the kernel's own start, not yet taken by a cell)
             return magics.pending.session if magics.pending.done else None
@@ -188,7 +194,7 @@ class RanksSidebar:
             return f"The rank's {what} could not be read ({type(exc).__name__}: {exc})."
 
     def _answer(self, command: str, arguments: dict) -> str:
-        session = self._session()
+        session = self.session()
         if session is None or not session.running:
             return "No cluster runs."
         rank = int(arguments.get("rank", -1))
@@ -196,7 +202,8 @@ class RanksSidebar:
             return f"This cluster has ranks 0-{session.settings.n - 1}."
         if command == "spmdRankLog":
             # (a buffered file's flush and writes take its own lock: any thread)
-            return session.logs.read(rank, 40)[0] or f"Rank {rank} wrote nothing."
+            lines = max(1, int(arguments.get("lines", 40)))
+            return session.logs.read(rank, lines)[0] or f"Rank {rank} wrote nothing."
         stack = session.stacks([rank]).get(rank)
         if stack is None:
             return f"Rank {rank} did not answer."

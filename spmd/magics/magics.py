@@ -8,6 +8,7 @@ dispatches them (from its one table of commands) and runs cells through those st
 from __future__ import annotations
 
 import ast
+import collections
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
@@ -16,6 +17,7 @@ from spmd.cluster.records import CellResult
 from spmd.cluster.session import Ran, Session
 from spmd.engine.watch.launches import KEPT_CELLS
 from spmd.magics.arrays import printed
+from spmd.magics.cells import ranks_data
 from spmd.magics.cells.automode import AutoMode
 from spmd.magics.cells.cell import (
     cell_failure,
@@ -60,6 +62,9 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         self._fresh = False
         self.panel = False  # the live panel for every cell (%spmd start --panel)
         self.sidebar = None  # the SPMD kernel's Ranks sidebar (kernel/sidebar.py), if any
+        # the per-rank data of the last cells (cells/ranks_data.py), newest last: the main
+        # thread appends, kernel/agents.py copies it on the control thread
+        self.cells_data: collections.deque = collections.deque(maxlen=KEPT_CELLS)
         self.tabs = False  # outputs that differ per rank as tabs (%spmd start --tabs)
         self.breakpoints = "lowest"  # which ranks stop at breakpoint() (--breakpoint)
         self.failed_ranks: list[int] = []  # ranks that raised in the last cell (%spmd debug)
@@ -254,7 +259,14 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         results = group_results(ran.cells)
         # (recorded first: the cell ran on the ranks, whatever showing it may raise)
         self._record(session, cell, count, opts.ranks, debugging, ran, errors, results)
+        data = ranks_data.bundle(ran, count)  # (each rank's outputs as data, for programs)
+        self.cells_data.append(data)
+        first = ranks_data.goes_first(ran)
+        if first:
+            ranks_data.show(data)
         show_cell(session, ran, live, panel, tabs=self.tabs or opts.tabs)
+        if not first:
+            ranks_data.show(data)
         if not_rebuilt:
             write("stderr", not_rebuilt + "\n")
         warn_if_launches_differ(session, ran, raised=bool(errors))
