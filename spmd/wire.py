@@ -98,5 +98,5 @@ PROMPT_MIME = "application/vnd.spmd.prompt+json"
 # rank holds. Sent by the rank (engine/arrays/results.py), read by the notebook (lockstep/run.py,
 # magics/arrays/values.py), which prints the array once.
 GLOBAL_ARRAY_MIME = "application/vnd.spmd.global-array+json"
-# A cell's outputs rank by rank, in the notebook, for programs (magics/cells/ranks_data.py)
+# A cell's outputs rank by rank, in the notebook, for programs (magics/cells/cell.py)
 RANKS_DATA_MIME = "application/vnd.spmd.ranks+json"

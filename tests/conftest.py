@@ -20,6 +20,8 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
+from spmd.wire import RANKS_DATA_MIME
+
 # A ^C reaches what the tests start, as it would from a terminal: a test run launched in the
 # background of a shell, and each of pytest-xdist's workers, begins with SIGINT ignored, which
 # every process it starts inherits (and bash cannot trap a signal ignored at its start: an
@@ -47,7 +49,8 @@ def run(shell: InteractiveShell, code: str) -> CellResult:
     """
     with capture_output() as cap:
         result = shell.run_cell(code, store_history=True)
-        shown = [o.data for o in cap.outputs]
+        # (what a person sees: a cell's per-rank data shows nothing; tests/test_ranks_data.py)
+        shown = [o.data for o in cap.outputs if RANKS_DATA_MIME not in o.data]
         if result.result is not None:
             shown.append(shell.display_formatter.format(result.result)[0])
     error = result.error_before_exec or result.error_in_exec
@@ -69,7 +72,8 @@ def displays():
     original = CapturingDisplayPublisher.publish
 
     def publish(self, data, metadata=None, source=None, *, transient=None, update=False):
-        seen.append(data)
+        if RANKS_DATA_MIME not in data:  # (a cell's per-rank data: for programs)
+            seen.append(data)
         return original(
             self, data, metadata=metadata, source=source, transient=transient, update=update
         )
@@ -176,12 +180,16 @@ def kernel_stream(
         display_id = content.get("transient", {}).get("display_id")
         if kind == "stream":
             shown.append(content["text"])
-        elif kind == "update_display_data" and display_id in displays:
-            shown[displays[display_id]] = content["data"].get("text/plain", "") + "\n"
         else:
-            if display_id:
-                displays[display_id] = len(shown)
-            shown.append(content["data"].get("text/plain", "") + "\n")
+            # (an empty text shows nothing: a cell's per-rank data, an emptied live view)
+            text = content["data"].get("text/plain", "")
+            text = text + "\n" if text else ""
+            if kind == "update_display_data" and display_id in displays:
+                shown[displays[display_id]] = text
+            else:
+                if display_id:
+                    displays[display_id] = len(shown)
+                shown.append(text)
 
     reply = kc.execute_interactive(
         code,

@@ -33,7 +33,7 @@ async def _call(session, tool: str, **arguments) -> dict:
     return said.get("result", said) if set(said) == {"result"} else said
 
 
-async def _drive(runtime: str, kc) -> None:
+async def _drive(runtime: str) -> None:
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
@@ -61,10 +61,10 @@ async def _drive(runtime: str, kc) -> None:
         last = await _call(session, "last_cells")
         assert last["cells"][-1]["ranks"][1]["error"]["evalue"] == "only rank 1"
 
-        # a hang, sent by the notebook's own client: rank 1 sleeps, rank 0 waits in a gather
-        reply = kc.execute_interactive(HANG[0], timeout=120)
-        assert reply["content"]["status"] == "ok", reply["content"]
-        hang = kc.execute(HANG[1])
+        # a hang, sent by the agent too: rank 1 sleeps, rank 0 waits in a gather; where and
+        # interrupt answer while the agent's run_cell waits for it
+        assert (await _call(session, "run_cell", code=HANG[0]))["status"] == "ok"
+        hang = asyncio.ensure_future(_call(session, "run_cell", code=HANG[1], timeout=120))
         for _ in range(120):
             where = await _call(session, "where")
             if where.get("blocking"):
@@ -77,11 +77,10 @@ async def _drive(runtime: str, kc) -> None:
         assert busy["status"] == "busy", busy
 
         assert (await _call(session, "interrupt"))["status"] == "interrupted"
-        while True:  # (the hang's reply: interrupted)
-            msg = kc.get_shell_msg(timeout=60)
-            if msg["parent_header"].get("msg_id") == hang:
-                break
-        assert msg["content"]["status"] == "error", msg["content"]
+        hung = await asyncio.wait_for(hang, 120)
+        assert hung["status"] == "error" and hung["cell_error"]["ename"] == "RankErrors", hung
+        assert {r["ended"] for r in hung["ranks"]} == {"interrupted"}, hung
+        assert hung["stall"]["reason"] == "interrupted", hung
 
         restarted = await _call(session, "restart")
         assert restarted["status"] == "ok", restarted
@@ -106,7 +105,7 @@ def test_an_agent_lists_runs_finds_the_blocking_rank_interrupts_and_restarts(tmp
         kc.wait_for_ready(timeout=120)
         reply = kc.execute_interactive("import jax", timeout=120)  # (the ranks are up)
         assert reply["content"]["status"] == "ok", reply["content"]
-        asyncio.run(_drive(runtime, kc))
+        asyncio.run(_drive(runtime))
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)

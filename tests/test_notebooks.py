@@ -16,6 +16,7 @@ from jupyter_client.manager import start_new_kernel
 from nbclient.exceptions import CellExecutionError
 
 from spmd.demo import cell_text, execute
+from spmd.wire import RANKS_DATA_MIME
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -41,6 +42,11 @@ def new_notebook(tmp_path: Path, *cells: str) -> Path:
     path = tmp_path / "test.ipynb"
     nbformat.write(nb, str(path))
     return path
+
+
+def seen(outputs) -> list:
+    """The outputs a person sees: not a cell's per-rank data (tests/test_ranks_data.py)."""
+    return [o for o in outputs if RANKS_DATA_MIME not in o.get("data", {})]
 
 
 def started(text: str) -> str:
@@ -149,7 +155,7 @@ def test_the_parallel_programming_guide_gives_one_picture_per_array_and_the_guid
     assert cell_text(code["jax.debug.visualize_array_sharding(arr_sharded)"]).startswith(
         "[ranks 0-3]\n"
     )
-    assert sum(o.output_type == "display_data" for o in builtin) == 1
+    assert sum(o.output_type == "display_data" for o in seen(builtin)) == 1
     traced = next(v for k, v in shown.items() if k.startswith("x = jnp.arange(32)"))
     assert traced == (
         "[ranks 0-3]\nglobal shape: x.shape=(32,)\ndevice local shape: x.shape=(4,)\n"
@@ -292,7 +298,7 @@ def test_figures_are_saved_with_png_and_text(tmp_path):
     )
     nb = execute(path)
     outputs = nb.cells[1].outputs
-    pictures = [o for o in outputs if o.output_type == "display_data"]
+    pictures = [o for o in seen(outputs) if o.output_type == "display_data"]
     assert len(pictures) == 2
     assert all({"image/png", "text/plain"} <= set(o.data) for o in pictures)
     assert cell_text(nb.cells[1]).startswith("[rank 0]\n<Figure")
@@ -309,7 +315,7 @@ def test_a_long_cell_streams_live_and_is_saved_grouped_with_nothing_empty(tmp_pa
     nb = execute(path)
     assert_saved_without_empty_outputs(nb)
     long, subset = nb.cells[1], nb.cells[2]
-    assert [o.output_type for o in long.outputs] == ["stream"]
+    assert [o.output_type for o in seen(long.outputs)] == ["stream"]
     assert cell_text(long) == "[ranks 0-1]\nworking\ndone\n"
     # a line printed before the live view (the subset warning) is printed again after it
     assert cell_text(subset) == (

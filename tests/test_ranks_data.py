@@ -10,7 +10,7 @@ import pytest
 from conftest import SPMD_KERNEL
 
 from spmd.demo import cell_text, execute
-from spmd.magics.cells.ranks_data import MIME
+from spmd.wire import RANKS_DATA_MIME as MIME
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("spmd_kernelspec")]
 

@@ -1,4 +1,4 @@
-// The per-rank data of a cell (application/vnd.spmd.ranks+json, spmd/magics/cells/ranks_data.py):
+// The per-rank data of a cell (application/vnd.spmd.ranks+json, spmd/magics/cells/cell.py):
 // for programs that read a notebook, not for people, who read the grouped outputs beside it.
 // Its renderer shows nothing, and the output that holds it takes no room.
 

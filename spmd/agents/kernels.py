@@ -6,8 +6,8 @@ A kernel is asked on its control channel (``kernel_info``, and the questions of
 spmd/kernel/agents.py), which it answers while a cell runs; a cell is sent on its shell
 channel, and what it shows is read from IOPub, by its request's id.
 
-Threads: each ``Kernel`` is used by one thread at a time (the MCP server's calls run one by
-one in a worker thread); its client's channels are its own.
+Threads: each ``Kernel`` is used by the one thread that opened it (each of the MCP server's
+tools opens its own, in a worker thread of its own); its client's channels are its own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spmd.magics.cells.ranks_data import MIME
+from spmd.wire import RANKS_DATA_MIME as MIME
 
 ASK_SECONDS = 10.0  # a control request's answer (a kernel stuck outside Python: no answer)
 FIND_SECONDS = 1.5  # kernel_info while listing (a connection file left by a kernel gone)
@@ -112,7 +112,7 @@ class Kernel:
 
     def run(self, code: str, seconds: float) -> dict:
         """``code`` as a cell: {"status", "text" (what a person sees, as text), "data" (the
-        per-rank data, cells/ranks_data.py), "error"}; "status" is "running" where it had
+        per-rank data, magics/cells/cell.py), "error"}; "status" is "running" where it had
         not ended after ``seconds`` (it goes on in the kernel)."""
         msg_id = self.client.execute(code, store_history=True, allow_stdin=False,
                                      stop_on_error=False)

@@ -7,21 +7,18 @@ kernels by their connection files (kernels.py) and lingering clusters as ``pytho
 list`` does. Every answer is short by default (each rank's text cut to its first and last
 lines, a traceback to its last lines) and says how to ask for more (``full=true``).
 
-Threads: the SDK runs the tools on its event loop; each tool does its blocking work (a
-kernel's channels) in a worker thread, one tool at a time (``_one``), so that the loop keeps
-reading the agent's messages.
+Threads: the SDK runs the tools on its event loop; each tool does its blocking work in a
+worker thread, so that the loop keeps reading the agent's messages (an ``interrupt`` while a
+``run_cell`` waits), with a client of its own to the kernel: tools share nothing.
 """
 
 from __future__ import annotations
-
-import threading
 
 from spmd.agents import kernels
 
 SHORT = 600  # characters of a rank's text shown by default
 TRACEBACK_LINES = 6  # the last lines of a traceback shown by default
 MORE = "full=true shows each rank's whole text and traceback"
-_one = threading.Lock()
 
 
 def short(text: str, full: bool, limit: int = SHORT) -> str:
@@ -33,7 +30,7 @@ def short(text: str, full: bool, limit: int = SHORT) -> str:
 
 
 def per_rank(data: dict | None, full: bool) -> dict:
-    """A cell's per-rank data (cells/ranks_data.py), short unless ``full``."""
+    """A cell's per-rank data (magics/cells/cell.py), short unless ``full``."""
     if data is None:
         return {"ranks": [], "note": "this cell ran nothing on the ranks"}
     ranks, cut = [], False
@@ -66,18 +63,17 @@ def per_rank(data: dict | None, full: bool) -> dict:
 
 def _with(kernel: str | None, work):
     """``work(k)`` for the SPMD kernel ``kernel`` (its id, or its first characters; None: the
-    only one), one tool at a time; a kernel that is not there is a sentence, not an error."""
-    with _one:
-        try:
-            k = kernels.find(kernel)
-        except kernels.NoKernel as exc:
-            return {"error": str(exc)}
-        try:
-            return {"kernel": k.id, **work(k)}
-        except kernels.NoKernel as exc:
-            return {"kernel": k.id, "error": str(exc)}
-        finally:
-            k.close()
+    only one); a kernel that is not there is a sentence, not an error."""
+    try:
+        k = kernels.find(kernel)
+    except kernels.NoKernel as exc:
+        return {"error": str(exc)}
+    try:
+        return {"kernel": k.id, **work(k)}
+    except kernels.NoKernel as exc:
+        return {"kernel": k.id, "error": str(exc)}
+    finally:
+        k.close()
 
 
 def _idle(k: kernels.Kernel) -> dict | None:
@@ -96,8 +92,7 @@ def list_kernels() -> dict:
     the clusters that linger after their notebook ended."""
     from spmd.cluster import linger
 
-    with _one:
-        found = [k for k in kernels.every() if k.pop("spmd")]
+    found = [k for k in kernels.every() if k.pop("spmd")]
     clusters = [{"id": r.id, "ranks": r.n(), "lingering": True} for r in linger.every()]
     return {"kernels": found, "clusters": clusters}
 

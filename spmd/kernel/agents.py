@@ -10,7 +10,7 @@ kernel can ask.
   whether a cell runs;
 - ``spmdWhere``: where every rank is now, the rank that blocks the others and why (the live
   panel's and ``%spmd where``'s facts: the cell's rows, and a look at the busy ranks' stacks);
-- ``spmdLastCells``: the per-rank data of the last cells (cells/ranks_data.py), newest last.
+- ``spmdLastCells``: the per-rank data of the last cells (magics/cells/cell.py), newest last.
 
 Threads: these run on ipykernel's control thread. They read the magics' session and the
 cell's run, which the main thread owns: the run is the sidebar's (``RanksSidebar.run``, set at

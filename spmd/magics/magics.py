@@ -17,7 +17,6 @@ from spmd.cluster.records import CellResult
 from spmd.cluster.session import Ran, Session
 from spmd.engine.watch.launches import KEPT_CELLS
 from spmd.magics.arrays import printed
-from spmd.magics.cells import ranks_data
 from spmd.magics.cells.automode import AutoMode
 from spmd.magics.cells.cell import (
     cell_failure,
@@ -26,11 +25,14 @@ from spmd.magics.cells.cell import (
     hint_placeholders,
     how_it_failed,
     interrupted_by_us,
+    ranks_data,
+    ranks_data_first,
     refusal,
     refuse_exit,
     run_on_ranks,
     show_before,
     show_cell,
+    show_ranks_data,
     warn_if_launches_differ,
 )
 from spmd.magics.cells.panel import Panel
@@ -62,7 +64,7 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         self._fresh = False
         self.panel = False  # the live panel for every cell (%spmd start --panel)
         self.sidebar = None  # the SPMD kernel's Ranks sidebar (kernel/sidebar.py), if any
-        # the per-rank data of the last cells (cells/ranks_data.py), newest last: the main
+        # the per-rank data of the last cells (cells/cell.py), newest last: the main
         # thread appends, kernel/agents.py copies it on the control thread
         self.cells_data: collections.deque = collections.deque(maxlen=KEPT_CELLS)
         self.tabs = False  # outputs that differ per rank as tabs (%spmd start --tabs)
@@ -259,14 +261,14 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         results = group_results(ran.cells)
         # (recorded first: the cell ran on the ranks, whatever showing it may raise)
         self._record(session, cell, count, opts.ranks, debugging, ran, errors, results)
-        data = ranks_data.bundle(ran, count)  # (each rank's outputs as data, for programs)
+        data = ranks_data(ran, count)  # (each rank's outputs as data, for programs)
         self.cells_data.append(data)
-        first = ranks_data.goes_first(ran)
+        first = ranks_data_first(ran)
         if first:
-            ranks_data.show(data)
+            show_ranks_data(data)
         show_cell(session, ran, live, panel, tabs=self.tabs or opts.tabs)
         if not first:
-            ranks_data.show(data)
+            show_ranks_data(data)
         if not_rebuilt:
             write("stderr", not_rebuilt + "\n")
         warn_if_launches_differ(session, ran, raised=bool(errors))

@@ -8,9 +8,11 @@ runs on the notebook's main thread, and ipykernel routes output by that thread's
 
 from __future__ import annotations
 
+import re
 import time
 
 from IPython.core.error import UsageError
+from IPython.display import display
 
 from spmd.cluster import interrupts
 from spmd.cluster.records import DIED, DIVERGED, INTERRUPTED, CellResult
@@ -29,7 +31,7 @@ from spmd.magics.cells.render import (
     show_outputs,
     write,
 )
-from spmd.wire import GLOBAL_ARRAY_MIME
+from spmd.wire import GLOBAL_ARRAY_MIME, RANKS_DATA_MIME
 from spmd.words import rank_set, rank_words
 
 # -- before the run ---------------------------------------------------------------------------
@@ -264,3 +266,79 @@ def refusal(session: Session, text: str) -> str:
     if session.death is not None:
         text += "\n" + "\n".join(report.describe(session.death))
     return text
+
+# -- each rank's outputs as data --------------------------------------------------------------
+#
+# The notebook groups what the ranks printed so that a person sees what is the same on every
+# rank; a program (nbclient, papermill, an agent's tool) would have to parse the [rank 1]
+# labels back. So every cell that ran on the ranks also shows one display output of MIME type
+# application/vnd.spmd.ranks+json: for each rank, its text, its value, its error with the
+# traceback and how the cell ended on it (docs/reference/ranks-json.md has the schema). Beside
+# it is an empty text/plain: a front end that does not know the type shows nothing, and
+# JupyterLab's extension (labextension/src/ranksdata.ts) hides it. It is saved with the
+# notebook. Bounded as the text is: each rank's streams are the lines its RankCell kept
+# (--max-output), with the count left out; a display or value is its text/plain and the names
+# of its MIME types, never a picture's bytes.
+
+RANKS_DATA_VERSION = 1  # (docs/reference/ranks-json.md: its schema)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def ranks_data(ran, count: int | None) -> dict:
+    """The cell ``ran`` (records.CellResult) rank by rank; ``count``: its ``In[n]``."""
+    stall = ran.stall
+    dead = {d.rank for d in stall.deaths} if stall is not None else set()
+    busy = set(stall.busy) if stall is not None else set()
+    paused = set(stall.in_debugger) if stall is not None else set()
+    ranks = []
+    for rank in sorted(ran.engine_ids):  # (the ranks it ran on)
+        cell = ran.cells.get(rank)
+        outputs = cell.outputs if cell is not None else []
+        error = cell.error if cell is not None else None
+        if rank in dead:
+            ended = "died"
+        elif rank in busy:  # (in the cell when the notebook stopped waiting for it)
+            ended = ("paused" if rank in paused else
+                     "interrupted" if stall.reason == INTERRUPTED else "running")
+        elif error is not None:
+            ended = "interrupted" if error.ename == "KeyboardInterrupt" else "error"
+        else:
+            ended = "ok"
+        value = next((o for o in outputs if o.kind == "result"), None)
+        ranks.append({
+            "rank": rank,
+            "ended": ended,
+            "seconds": round(cell.seconds, 3) if cell is not None and cell.seconds else None,
+            "stdout": "".join(o.text for o in outputs if o.kind == "stdout"),
+            "stderr": "".join(o.text for o in outputs if o.kind == "stderr"),
+            "lines_left_out": cell.left_out if cell is not None else 0,
+            "displays": [_shown(o) for o in outputs if o.kind == "display"],
+            "value": _shown(value) if value is not None else None,
+            "error": None if error is None else {
+                "ename": error.ename, "evalue": error.evalue,
+                "traceback": [_ANSI.sub("", line) for line in error.traceback]},
+        })
+    return {
+        "version": RANKS_DATA_VERSION,
+        "execution_count": count,
+        "stall": None if stall is None else {"reason": stall.reason, "ranks": sorted(busy)},
+        "ranks": ranks,
+    }
+
+
+def _shown(out) -> dict:
+    """A display or value as its text, and the names of its MIME types."""
+    return {"text": str(out.data.get("text/plain", "")), "mime": sorted(out.data)}
+
+
+def show_ranks_data(data: dict) -> None:
+    """A cell's ``ranks_data``, as one display output (empty text: nothing is seen)."""
+    display({RANKS_DATA_MIME: data, "text/plain": ""}, raw=True)
+
+
+def ranks_data_first(ran) -> bool:
+    """Where a rank's last output clears the cell's at the next output (``clear_output(
+    wait=True)``), the bundle is shown before the outputs, not after: it would clear them."""
+    return any(kept and kept[-1].kind == "clear" for kept in (
+        [o for o in c.outputs if o.kind not in ("result", "error")]
+        for c in ran.cells.values()))
