@@ -39,6 +39,8 @@ const WORDS: { [state: string]: string } = {
 export class DebuggerRanks extends Widget {
   private _shown: number | null = null; // the rank whose stop JupyterLab shows
   private _says = '';
+  private _kernel: unknown = null; // the kernel whose ranks were shown last
+  private _drawn = ''; // what the rows showed last (a tick that changed none redraws none)
   // (in the section's header, as the Call Stack's own buttons: always in sight)
   readonly toolbar = new Toolbar();
   private readonly _pauseAll: ToolbarButton;
@@ -94,6 +96,12 @@ export class DebuggerRanks extends Widget {
   /** In the debugger's sidebar (first) for an SPMD kernel, out of it for any other. */
   private _update(): void {
     const wanted = this._ranks.isSpmd;
+    if (this._ranks.kernel !== this._kernel) {
+      // (another notebook's kernel: its relay shows its own rank, told at its next stop)
+      this._kernel = this._ranks.kernel;
+      this._shown = null;
+      this._says = '';
+    }
     if (wanted && !this.parent) {
       this._sidebar.insertWidget(0, this);
     } else if (!wanted && this.parent) {
@@ -141,9 +149,10 @@ export class DebuggerRanks extends Widget {
 
   private _render(): void {
     const node = this.node;
-    node.textContent = '';
     const state = this._ranks.state;
     if (!state || !state.ranks.length) {
+      node.textContent = '';
+      this._drawn = '';
       this._pauseAll.enabled = this._continueAll.enabled = false;
       const head = document.createElement('div');
       head.className = 'jp-spmd-DebugRanks-says';
@@ -154,8 +163,22 @@ export class DebuggerRanks extends Widget {
     const paused = this._paused();
     const shown = paused.some(row => row.rank === this._shown) ? this._shown : null;
     const running = state.ranks.some(row => row.state === 'busy' || row.state === 'straggler');
-    this._pauseAll.enabled = this._service.isStarted && running;
-    this._continueAll.enabled = this._service.isStarted && paused.length > 0;
+    // (the debugger's session follows the focused kernel: a console's may be another one)
+    const ours =
+      this._service.isStarted &&
+      this._service.session?.connection?.kernel?.id === this._ranks.kernel?.id;
+    this._pauseAll.enabled = ours && running;
+    this._continueAll.enabled = ours && paused.length > 0;
+    const drawn = JSON.stringify([
+      state.ranks.map(row => [row.rank, row.state, row.line]),
+      shown,
+      this._says
+    ]);
+    if (drawn === this._drawn) {
+      return; // (only the seconds changed, which this panel does not show: clicks stay)
+    }
+    this._drawn = drawn;
+    node.textContent = '';
     const list = document.createElement('ul');
     list.className = 'jp-spmd-DebugRanks-list';
     list.setAttribute('role', 'listbox');

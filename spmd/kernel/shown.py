@@ -57,7 +57,7 @@ class Shown:
 
     def _pick(self, session, request: dict) -> dict:
         """``%rank N`` in the Evaluate box, or a click on rank N in the debugger's Ranks
-        panel (``spmdShowRank``, labextension/src/index.ts): JupyterLab shows rank N's stop."""
+        panel (``spmdShowRank``, labextension/src/debugger.ts): JupyterLab shows rank N's stop."""
         if request["command"] == SHOW:
             rank = int((request.get("arguments") or {}).get("rank", -1))
         else:

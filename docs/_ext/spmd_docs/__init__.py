@@ -63,7 +63,28 @@ def _config_inited(app, config) -> None:
         raise PagesDrifted(str(exc)) from None
 
 
+def _hide_ranks_data() -> None:
+    """A cell's per-rank data (application/vnd.spmd.ranks+json, beside an empty text/plain:
+    spmd/magics/cells/cell.py) is for programs that read a notebook: the site, as JupyterLab,
+    shows nothing of it, where myst-nb would warn that it knows no such type."""
+    from myst_nb.core.render import NbElementRenderer
+
+    from spmd.wire import RANKS_DATA_MIME
+
+    for name in ("render_mime_type", "render_mime_type_inline"):
+        original = getattr(NbElementRenderer, name)
+        if getattr(original, "hides_ranks_data", False):
+            continue
+
+        def render(self, data, _original=original):
+            return [] if data.mime_type == RANKS_DATA_MIME else _original(self, data)
+
+        render.hides_ranks_data = True
+        setattr(NbElementRenderer, name, render)
+
+
 def setup(app):
+    _hide_ranks_data()
     app.connect("config-inited", _config_inited)
     app.setup_extension("spmd_docs.figures")
     app.setup_extension("spmd_docs.executed")

@@ -199,12 +199,13 @@ class Debugging:
         if trace is None:
             yield
             return
+        before = sys.gettrace()  # (a cell inside a cell, %run: the outer one's, kept)
         _set_trace(trace)
         try:
             yield
         finally:
             self.trace = sys.gettrace() or trace
-            _set_trace(None)
+            _set_trace(before)
 
     def remove_cells(self) -> None:
         """The cells' files in the notebook's cell folder (dumpCell's: every rank of this host
