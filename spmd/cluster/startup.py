@@ -408,10 +408,12 @@ def _client(cluster: SpmdCluster, profile_dir: str):
     for again in (True, False):
         try:
             return cluster._in_thread(cluster.connect_client, timeout=HUB_SECONDS)
-        except TimeoutError:
-            raise StartError(_controller_silent(cluster, profile_dir)) from None
-        except RuntimeError:  # (ipyparallel's "Controller stopped with ...")
+        except (TimeoutError, RuntimeError) as exc:
+            # (RuntimeError: ipyparallel's "Controller stopped with ..."; TimeoutError: the
+            # wait for a connection file that a controller ended at its bind never wrote)
             if not _controller_ended(cluster):
+                if isinstance(exc, TimeoutError):
+                    raise StartError(_controller_silent(cluster, profile_dir)) from None
                 raise
             if again and "Address already in use" in _controller_silent(cluster, profile_dir):
                 cluster.controller = None
