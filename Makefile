@@ -50,7 +50,7 @@ docs: $(DOCS_STAMP)
 
 # (the docs extra too: tests/test_docs.py builds a one-page site)
 test: $(DOCS_STAMP) system
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 system:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

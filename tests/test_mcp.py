@@ -1,7 +1,8 @@
 """``python -m spmd mcp``, driven by the MCP SDK's own client over stdio, against a real SPMD
 kernel with 2 ranks (started here as Jupyter starts one, its connection file in a runtime
-folder of the test's own): list, run a cell where rank 1 raises, where during a hang (the rank
-that blocks the other, and its line), the hang interrupted, restart."""
+folder of the test's own): list, run a cell where rank 1 raises and one on rank 1 only, the
+census, where during a hang (the rank that blocks the other, and its line), the hang
+interrupted, restart."""
 
 from __future__ import annotations
 
@@ -60,10 +61,17 @@ async def _drive(runtime: str) -> None:
         assert one["error"]["ename"] == "ValueError" and one["error"]["evalue"] == "only rank 1"
         last = await _call(session, "last_cells")
         assert last["cells"][-1]["ranks"][1]["error"]["evalue"] == "only rank 1"
+        some = await _call(session, "run_cell", code="print('only here', r)", ranks="1")
+        assert some["status"] == "ok" and [r["rank"] for r in some["ranks"]] == [1], some
+        assert some["ranks"][0]["stdout"] == "only here 1\n", some
+        missing = await _call(session, "where", kernel="no-such-kernel")
+        assert "no-such-kernel" in missing["error"], missing
 
         # a hang, sent by the agent too: rank 1 sleeps, rank 0 waits in a gather; where and
         # interrupt answer while the agent's run_cell waits for it
         assert (await _call(session, "run_cell", code=HANG[0]))["status"] == "ok"
+        census = (await _call(session, "census"))["text"]
+        assert "Ranks 0-1: 1 cross-process launch" in census, census
         hang = asyncio.ensure_future(_call(session, "run_cell", code=HANG[1], timeout=120))
         for _ in range(120):
             where = await _call(session, "where")

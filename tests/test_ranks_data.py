@@ -1,13 +1,19 @@
 """A cell's outputs rank by rank as data (``application/vnd.spmd.ranks+json``), read back by
 nbclient from a notebook it executed in the SPMD kernel with 2 real ranks: each rank's text is
 what that rank printed, its value, its error with the traceback, how the cell ended on it; the
-text a person reads is as before, and the data's own output shows nothing."""
+text a person reads is as before, and the data's own output shows nothing: the saved notebook
+opened in JupyterLab and in the classic notebook (in chromium) shows the same text as without
+the data."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import nbformat
 import pytest
 from conftest import SPMD_KERNEL
+from lab import Lab, browser_page, needs_browser, serve_checkout_extension
 
 from spmd.demo import cell_text, execute
 from spmd.wire import RANKS_DATA_MIME as MIME
@@ -35,12 +41,17 @@ def _data(cell) -> dict:
     return found[0].data[MIME]
 
 
-def test_nbclient_reads_each_ranks_outputs_from_the_saved_notebook(tmp_path):
-    path = tmp_path / "ranks.ipynb"
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """The notebook executed by nbclient in the SPMD kernel, saved (once for this module)."""
+    path = tmp_path_factory.mktemp("saved") / "ranks.ipynb"
     _notebook(path)
-    nb = execute(path, allow_errors=True)
-    nbformat.write(nb, str(path))
-    nb = nbformat.read(str(path), as_version=4)  # (saved with the notebook)
+    nbformat.write(execute(path, allow_errors=True), str(path))
+    return str(path)
+
+
+def test_nbclient_reads_each_ranks_outputs_from_the_saved_notebook(saved):
+    nb = nbformat.read(saved, as_version=4)
 
     printed = _data(nb.cells[0])
     assert printed["version"] == 1 and printed["stall"] is None
@@ -65,3 +76,50 @@ def test_nbclient_reads_each_ranks_outputs_from_the_saved_notebook(tmp_path):
     assert any("raise ValueError" in line for line in one["error"]["traceback"])
     assert not any("\x1b[" in line for line in one["error"]["traceback"])
     assert [r["stdout"] for r in failed["ranks"]] == ["before 0\n", "before 1\n"]
+
+
+def _without_data(nb):
+    for cell in nb.cells:
+        cell.outputs = [o for o in cell.outputs
+                        if not (o.output_type == "display_data" and MIME in o.data)]
+    return nb
+
+
+@pytest.mark.slow
+def test_the_saved_notebook_shows_the_same_text_in_jupyterlab_and_the_classic_notebook(
+        saved, tmp_path):
+    needs_browser()
+    pytest.importorskip("nbclassic", reason="the classic notebook: pip install -e '.[test]'")
+    nb = nbformat.read(saved, as_version=4)
+    assert sum(MIME in o.get("data", {}) for c in nb.cells for o in c.outputs) == 3
+    # (opened with a plain Python kernel: what is saved is read, nothing runs again)
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(tmp_path / "with.ipynb"))
+    nbformat.write(_without_data(nb), str(tmp_path / "without.ipynb"))
+    data = str(tmp_path / ".jupyter-data")
+    serve_checkout_extension(data)  # (JupyterLab with this checkout's renderer of the data)
+    env = dict(os.environ, JUPYTER_DATA_DIR=data, JUPYTER_PATH=data)
+
+    def lab_text(page, name: str) -> list[str]:
+        page.goto(lab.url(f"lab/tree/{name}"))
+        page.locator(".jp-Notebook .jp-OutputArea-output").first.wait_for()
+        page.get_by_text("only rank 1").first.wait_for()
+        return page.locator(".jp-Notebook .jp-Cell-outputArea").all_inner_texts()
+
+    def classic_text(page, name: str) -> list[str]:
+        page.goto(lab.url(f"notebooks/{name}"))
+        page.locator("#notebook .output_area").first.wait_for()
+        page.get_by_text("only rank 1").first.wait_for()
+        return page.locator("#notebook .output_wrapper .output").all_inner_texts()
+
+    def lines(texts: list[str]) -> list[str]:
+        # (without the data between them, two stream outputs are one, as a front end merges
+        # them: one line break between the lines, not two)
+        return [re.sub(r"\n+", "\n", text).strip() for text in texts]
+
+    with Lab(str(tmp_path), env=env) as lab, browser_page() as page:
+        for shown in (lab_text, classic_text):
+            texts = lines(shown(page, "with.ipynb"))
+            assert len(texts) == 3 and "[rank 1] rank 1" in texts[0], (shown, texts)
+            assert "ValueError: only rank 1" in texts[2], (shown, texts)
+            assert texts == lines(shown(page, "without.ipynb")), shown

@@ -207,5 +207,8 @@ def main() -> int:
         print("python -m spmd mcp needs the MCP SDK: pip install 'jupyter-spmd[agents]'.",
               file=sys.stderr)
         return 1
-    made.run("stdio")
+    try:
+        made.run("stdio")
+    except KeyboardInterrupt:  # (^C where a person started it in a terminal: no traceback)
+        return 130
     return 0

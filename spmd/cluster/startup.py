@@ -304,6 +304,7 @@ class Launch:
             if pending and time.monotonic() > deadline:
                 raise StartError(
                     f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
+                    + self._last_lines(min(pending))
                 )
             time.sleep(0.005)
 
@@ -372,19 +373,22 @@ class Launch:
         s = self.settings
         hosts = remote.hosts_of(s.where, missing)
         where_ = f" (on {', '.join(hosts)})" if hosts else ""
-        said = ""
-        if self.cluster is not None:  # (what the first of them wrote: why it waited, often)
-            output = _within(2.0, self.cluster.output_of, missing[0])  # (a slow host: skip)
-            lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()][-6:]
-            if lines:
-                said = f"\nThe last lines rank {missing[0]} wrote:\n" + "\n".join(
-                    "  " + ln[:300] for ln in lines)
         return (
             f"Only {s.n - len(missing)} of {s.n} engines registered within "
             f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
             "engines' Python environment there, or give them more time with --start-timeout."
-            + said
+            + self._last_lines(missing[0])
         )
+
+    def _last_lines(self, rank: int) -> str:
+        """What ``rank`` wrote last, for a start's error about it: why it waited, often."""
+        if self.cluster is None:
+            return ""
+        output = _within(2.0, self.cluster.output_of, rank)  # (a slow host: skip)
+        lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()][-6:]
+        if not lines:
+            return ""
+        return f"\nThe last lines rank {rank} wrote:\n" + "\n".join("  " + ln[:300] for ln in lines)
 
     def tell_coordinator(self, coordinators: dict[str, str]) -> None:
         if coordinators:
