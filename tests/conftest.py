@@ -331,9 +331,18 @@ def started_since(before: set[int]) -> list[psutil.Process]:
 
 
 def wait_until_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
-    """The processes of ``procs`` still running after ``timeout`` seconds."""
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    """The processes of ``procs`` still running after up to ``timeout`` seconds (a zombie
+    has ended: psutil.wait_procs waits on for one that nothing here reaps)."""
+    def running(proc: psutil.Process) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in procs if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def described(proc: psutil.Process) -> str:

@@ -84,6 +84,9 @@ class Slurm:
                 "SchedulerType=sched/builtin\nReturnToService=2\nMpiDefault=none\n"
                 # a step that ignores SIGTERM is killed 2 s later, not 30
                 "KillWait=2\n"
+                # sbatch --wait looks at its job every 2 s, not after 2, 8, then 32 s (it waits
+                # less than MinJobAge / 2); 0 also keeps every record of an ended job
+                "MinJobAge=0\n"
                 "JobAcctGatherType=jobacct_gather/none\n"
                 "AccountingStorageType=accounting_storage/none\n"
                 + "".join(f"NodeName={name} NodeAddr={address} CPUs={cpus} State=UNKNOWN\n"

@@ -476,7 +476,7 @@ def test_ssh_a_kernelspec_for_the_hosts_starts_its_ranks_there(hosts):
 def test_ssh_blocked_rank_shows_where_it_is_and_takes_the_interrupt(fresh, hosts):
     assert run(fresh, ssh_start(hosts)).error is None
     assert run(fresh, SETUP).error is None
-    out = run(fresh, "%%spmd --timeout 2\nif rank == 1:\n    time.sleep(60)\n")
+    out = run(fresh, "%%spmd --timeout 1\nif rank == 1:\n    time.sleep(60)\n")
     text = report(out)
     # rank 1's stack came over its control channel, from node2
     assert "[rank 1] was running at cell line 2: time.sleep(60)" in text
@@ -743,7 +743,7 @@ def test_mpi_where_and_interrupt_reach_ranks_without_handles(fresh):
     before = {p.pid for p in spmd_processes()}
     assert run(fresh, "%spmd start -n 2 --launcher mpi").error is None
     assert run(fresh, SETUP).error is None
-    text = report(run(fresh, "%%spmd --timeout 2\nif rank == 0:\n    time.sleep(60)\n"))
+    text = report(run(fresh, "%%spmd --timeout 1\nif rank == 0:\n    time.sleep(60)\n"))
     assert "[rank 0] was running at cell line 2: time.sleep(60)" in text
     assert magics(fresh).session.busy_ranks() == []
     run(fresh, "%spmd stop")

@@ -50,9 +50,10 @@ class Person:
 def test_input_on_one_rank_and_on_two_in_rank_order(kernel):
     km, kc = kernel
     # rank 0 is done at once; rank 1 waits for the person longer than the watchdog's grace
-    person = Person("ada", think=3.0)
+    person = Person("ada", think=1.5)
     reply, text = kernel_stream(
-        kc, "name = input('your name? ') if rank == 1 else 'none'\nprint('hello', name)",
+        kc, "%%spmd --grace 0.5\nname = input('your name? ') if rank == 1 else 'none'\n"
+            "print('hello', name)",
         stdin=person(kc),
     )
     assert reply["content"]["status"] == "ok", text

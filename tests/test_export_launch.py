@@ -201,8 +201,10 @@ def test_a_job_that_ends_at_its_stop_leaves_no_timer(tmp_path):
     _rank_1_fails(tmp_path, "local", "", then=no_timer_left)
 
 
-@pytest.mark.parametrize("launcher", ["local", "mpi"])
-@pytest.mark.parametrize(("fails", "status"), [("sys.exit(3)", 3), ("exit(3)", 3), ("1 / 0", 1)])
+@pytest.mark.parametrize(("fails", "status", "launcher"), [
+    ("sys.exit(3)", 3, "local"), ("1 / 0", 1, "local"),
+    # (site's exit() is sys.exit's own path under the local launch: mpiexec's only)
+    ("sys.exit(3)", 3, "mpi"), ("exit(3)", 3, "mpi"), ("1 / 0", 1, "mpi")])
 def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, launcher, tmp_path):
     """Rank 1 of a jax job exits with code 3 (or raises) while rank 0 waits for it in a
     collective: rank 1 leaves at once, not after jax's exit barrier (which waits for rank 0),

@@ -21,7 +21,7 @@ import psutil
 
 from spmd.cluster import linger, stopping
 from spmd.cluster.adopted import Adopted
-from spmd.cluster.launchers import profiles
+from spmd.cluster.launchers import processes, profiles
 from spmd.cluster.linger import AttachError, Record, check, give_back, remove, take, taken
 from spmd.engine.life.orphans import started_at
 
@@ -160,11 +160,11 @@ def end(record: Record) -> None:
     for process in handles:
         with contextlib.suppress(psutil.Error):
             process.terminate()
-    _, alive = psutil.wait_procs(handles, timeout=5)
+    alive = processes.wait_gone(handles, 5)
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()
-    psutil.wait_procs(alive, timeout=5)
+    processes.wait_gone(alive, 5)
     own_cache = record.cache_dir if record.cache_dir != record.settings.get("cache_dir") else None
     for folder in (record.profile_dir, own_cache):  # (only folders the cluster made)
         if folder and os.path.isfile(os.path.join(folder, profiles.OWNER_FILE)):

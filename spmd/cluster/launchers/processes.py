@@ -3,7 +3,9 @@ how one ended."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import psutil
 
@@ -78,10 +80,37 @@ def started_by_ranks(cluster: SpmdCluster) -> list[psutil.Process]:
     return found
 
 
+def wait_gone(processes: list, seconds: float) -> list:
+    """Those of these processes still running after up to ``seconds`` (a zombie has ended).
+
+    Not psutil.wait_procs, which waits for a zombie as for a running process: where the
+    machine's first process reaps nothing (a container started without an init), what a
+    rank started and outlived it stays a zombie for good, and each stop would wait its whole
+    timeout."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [p for p in processes if not exited(p)]
+        if not alive or time.monotonic() >= deadline:
+            _reap([p for p in processes if p not in alive])
+            return alive
+        time.sleep(0.02)
+
+
+def _reap(ended: list) -> None:
+    """Those of ``ended`` that are this process's children: reaped, as psutil.wait_procs
+    reaps them."""
+    me = os.getpid()
+    for process in ended:
+        try:
+            if isinstance(process, psutil.Process) and process.ppid() == me:
+                process.wait(0)
+        except psutil.Error:
+            continue
+
+
 def end_within(processes: list[psutil.Process], seconds: float) -> None:
     """Kill those of these processes that have not ended ``seconds`` from now (by handle)."""
-    _, alive = psutil.wait_procs(processes, timeout=seconds)
-    end(alive)
+    end(wait_gone(processes, seconds))
 
 
 def end(processes: list[psutil.Process]) -> None:
@@ -91,7 +120,7 @@ def end(processes: list[psutil.Process]) -> None:
             process.kill()
         except psutil.Error:
             continue
-    psutil.wait_procs(processes, timeout=2)
+    wait_gone(processes, 2)
 
 
 class Ended:
@@ -126,7 +155,7 @@ def kill_now(launchers, after: float = 0.0) -> None:
     procs = [ln.process for ln in launchers if getattr(ln, "process", None) is not None]
     alive = [p for p in procs if not exited(p)]
     if after and alive:
-        _, alive = psutil.wait_procs(alive, timeout=after)
+        alive = wait_gone(alive, after)
     end(alive)
 
 
