@@ -8,6 +8,7 @@ need them skip, saying why, where either is missing. Lab's own news and update c
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -71,10 +72,23 @@ class Lab:
         with open(os.path.join(settings, "notification.jupyterlab-settings"), "w") as f:
             json.dump({"fetchNews": "false", "checkForUpdates": False}, f)
         self.log = open(os.path.join(self.home, "lab.log"), "w")  # noqa: SIM115
+        for attempt in range(3):
+            if attempt:  # (its port was taken between our choice and its bind: another)
+                self.port = _free_port()
+            self._start()
+            if self._ready():
+                return self
+        self.__exit__()
+        raise AssertionError(f"JupyterLab did not start: see {self.log.name}")
+
+    def _start(self) -> None:
         self.process = subprocess.Popen(
             [
                 sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
                 "--ip=127.0.0.1", f"--port={self.port}",
+                # (a port taken: it ends, rather than serve on the next, where another
+                # process, a rank's scheduler say, would answer our requests)
+                "--ServerApp.port_retries=0",
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={self.root}",
                 f"--LabApp.user_settings_dir={os.path.join(self.home, 'settings')}",
@@ -84,13 +98,18 @@ class Lab:
             stderr=subprocess.STDOUT,
             env=self.env,
         )
+
+    def _ready(self) -> bool:
+        """Until it answers (True), or its process has ended (False)."""
         deadline = time.monotonic() + 60
         while True:
             try:
                 urllib.request.urlopen(self.url("api/status"), timeout=2).close()
-                return self
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                return True
+            except (OSError, http.client.HTTPException):  # (not yet; or another's port)
+                if self.process.poll() is not None:
+                    return False
+                if time.monotonic() > deadline:
                     self.__exit__()
                     raise AssertionError(f"JupyterLab did not start: see {self.log.name}") from None
                 time.sleep(0.2)

@@ -24,7 +24,9 @@ KERNEL_NAME = "Python 3 (SPMD, 2 processes)"
 CELL = ("import jax, time\nrank = jax.process_index()\nx = time.sleep(3 * rank) or 1\n"
         "y = rank * 10 + 5\nprint('after', y)")
 # (no breakpoint in it: Pause all stops it wherever the ranks are)
-LOOP = "for i in range(3000):\n    time.sleep(0.01)\nprint('looped', i)"
+# (until the test says stop: as long as the pause and the continue take, and no longer)
+LOOP = ("import os\ni = 0\nwhile not os.path.exists({stop!r}):\n    time.sleep(0.01)\n"
+        "    i += 1\nprint('looped')")
 
 
 def _variable(page, name: str):
@@ -86,7 +88,9 @@ def test_browser_visual_debugger_on_the_ranks(tmp_path) -> None:
     env = dict(os.environ, JUPYTER_DATA_DIR=str(data), JUPYTER_PATH=str(data))
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
         "name": SPMD_KERNEL, "display_name": KERNEL_NAME, "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell(CELL), nbformat.v4.new_code_cell(LOOP)]
+    stop = tmp_path / "stop-looping"
+    nb.cells = [nbformat.v4.new_code_cell(CELL),
+                nbformat.v4.new_code_cell(LOOP.format(stop=str(stop)))]
     nbformat.write(nb, str(tmp_path / "debug.ipynb"))
     shots = str(tmp_path)
     with Lab(str(tmp_path), env=env) as lab, browser_page(width=1400, height=900) as page:
@@ -153,8 +157,9 @@ def test_browser_visual_debugger_on_the_ranks(tmp_path) -> None:
                 panel.locator(f"li[data-rank='{rank}']", has_text="paused").wait_for(
                     timeout=60_000)
             _variable(page, "i").wait_for(timeout=60_000)
+            stop.touch()  # (seen by the ranks once they go on: the loop ends, and says so)
             page.locator(".jp-spmd-ContinueAll:not([disabled])").click()
-            loop.get_by_text("looped 2999").wait_for(timeout=120_000)
+            loop.get_by_text("[ranks 0-1] looped").wait_for(timeout=120_000)
         except Exception as exc:  # (what failed first, then where the kernel's threads were)
             save_shot(page, shots, "debugger-failed")
             said = str(exc).splitlines()[0] if str(exc) else ""

@@ -89,6 +89,10 @@ async def _drive(runtime: str) -> None:
         assert hung["status"] == "error" and hung["cell_error"]["ename"] == "RankErrors", hung
         assert {r["ended"] for r in hung["ranks"]} == {"interrupted"}, hung
         assert hung["stall"]["reason"] == "interrupted", hung
+        # rank 0 stays in the gather rank 1 never joins (the interrupt does not reach into
+        # it): the kernel says so, and restart is the way out
+        stuck = (await _call(session, "list_kernels"))["kernels"][0]
+        assert stuck["cell"] == "idle" and stuck.get("still_in_a_cell") == [0], stuck
 
         restarted = await _call(session, "restart")
         assert restarted["status"] == "ok", restarted

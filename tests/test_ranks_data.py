@@ -24,6 +24,11 @@ CELLS = [
     "import jax\nrank = jax.process_index()\nprint('same on every rank')\nprint('rank', rank)",
     "rank * 10 + 1",
     "print('before', rank)\nif rank == 1:\n    raise ValueError(f'only rank {rank}')\nrank",
+    # a progress line rewritten in place: what stays is its last state, and the data
+    "from IPython.display import clear_output\n"
+    "for step in range(3):\n    print('step', step)\n    clear_output(wait=True)",
+    # ... and cleared by the cell's value, as in one process
+    "for step in range(3):\n    print('step', step)\n    clear_output(wait=True)\n7",
 ]
 
 
@@ -77,6 +82,12 @@ def test_nbclient_reads_each_ranks_outputs_from_the_saved_notebook(saved):
     assert not any("\x1b[" in line for line in one["error"]["traceback"])
     assert [r["stdout"] for r in failed["ranks"]] == ["before 0\n", "before 1\n"]
 
+    # (what one process shows of these two: 'step 2', and the value alone)
+    assert cell_text(nb.cells[3]) == "[ranks 0-1] step 2\n"
+    assert [r["ended"] for r in _data(nb.cells[3])["ranks"]] == ["ok", "ok"]
+    assert cell_text(nb.cells[4]).strip() == "7"
+    assert [r["value"]["text"] for r in _data(nb.cells[4])["ranks"]] == ["7", "7"]
+
 
 def _without_data(nb):
     for cell in nb.cells:
@@ -91,7 +102,7 @@ def test_the_saved_notebook_shows_the_same_text_in_jupyterlab_and_the_classic_no
     needs_browser()
     pytest.importorskip("nbclassic", reason="the classic notebook: pip install -e '.[test]'")
     nb = nbformat.read(saved, as_version=4)
-    assert sum(MIME in o.get("data", {}) for c in nb.cells for o in c.outputs) == 3
+    assert sum(MIME in o.get("data", {}) for c in nb.cells for o in c.outputs) == 5
     # (opened with a plain Python kernel: what is saved is read, nothing runs again)
     nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(tmp_path / "with.ipynb"))
@@ -120,6 +131,6 @@ def test_the_saved_notebook_shows_the_same_text_in_jupyterlab_and_the_classic_no
     with Lab(str(tmp_path), env=env) as lab, browser_page() as page:
         for shown in (lab_text, classic_text):
             texts = lines(shown(page, "with.ipynb"))
-            assert len(texts) == 3 and "[rank 1] rank 1" in texts[0], (shown, texts)
+            assert len(texts) == 5 and "[rank 1] rank 1" in texts[0], (shown, texts)
             assert "ValueError: only rank 1" in texts[2], (shown, texts)
             assert texts == lines(shown(page, "without.ipynb")), shown

@@ -40,7 +40,14 @@ def connection_files() -> list[Path]:
                 found.append(Path(name))
         except OSError:  # (removed meanwhile: its kernel ended)
             continue
-    return sorted(found, key=lambda p: p.stat().st_mtime if p.exists() else 0, reverse=True)
+    return sorted(found, key=_modified, reverse=True)
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # (removed meanwhile)
+        return 0.0
 
 
 def kernel_id(path: Path) -> str:
@@ -147,11 +154,18 @@ class Kernel:
 def find(kernel: str | None) -> Kernel:
     """The SPMD kernel of id ``kernel`` (or its first characters), or the only one; NoKernel
     says which there are where none or several match."""
+    kernel = kernel or None  # ('' names no kernel: as if left out)
     files = [p for p in connection_files() if kernel_id(p).startswith(kernel or "")]
     if not files:
         raise NoKernel(f"No kernel of this user has an id beginning {kernel!r}: list_kernels "
                        "shows the SPMD kernels that run." if kernel else
                        "No kernel of this user runs: open a notebook with the SPMD kernel.")
+    if kernel is not None and len(files) > 1:
+        exact = [p for p in files if kernel_id(p) == kernel]
+        if not exact:  # (never the newest of several: an interrupt would reach another's)
+            raise NoKernel(f"{len(files)} kernels have an id beginning {kernel!r} ("
+                           f"{', '.join(kernel_id(p) for p in files)}): give more of it.")
+        files = exact
     if kernel is None and len(files) > 1:
         spmd = [k for k in every() if k["spmd"]]
         if len(spmd) != 1:
@@ -173,15 +187,22 @@ def every() -> list[dict]:
     kernel what it says of its cluster (spmdAbout)."""
     found = []
     for path in connection_files():
-        kernel = Kernel.open(path)
+        try:
+            kernel = Kernel.open(path)
+        except (OSError, ValueError):  # (removed, or half written, as its kernel ends or starts)
+            continue
         try:
             info = kernel.info(FIND_SECONDS)
-            row = {"id": kernel.id, "spmd": info.get("implementation") == "spmd"}
+        except NoKernel:  # (a file left by a kernel that ended: not listed)
+            kernel.close()
+            continue
+        row = {"id": kernel.id, "spmd": info.get("implementation") == "spmd"}
+        try:
             if row["spmd"]:
                 row.update(kernel.ask("spmdAbout"))
-            found.append(row)
-        except NoKernel:  # (a file left by a kernel that ended: not listed)
-            pass
+        except NoKernel as exc:  # (it answers, but not this: say so, rather than hide it)
+            row["error"] = str(exc)
         finally:
             kernel.close()
+        found.append(row)
     return found

@@ -14,11 +14,16 @@ worker thread, so that the loop keeps reading the agent's messages (an ``interru
 
 from __future__ import annotations
 
+import re
+
 from spmd.agents import kernels
 
 SHORT = 600  # characters of a rank's text shown by default
+MAX_TIMEOUT = 600.0  # seconds a tool may wait for a cell (the server outlives no agent longer)
+RANKS = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")  # '0,2', '1-3' (%%spmd --ranks)
 TRACEBACK_LINES = 6  # the last lines of a traceback shown by default
-MORE = "full=true shows each rank's whole text and traceback"
+MORE = ("full=true shows each rank's whole text and traceback, and the cell as the notebook "
+        "shows it (its notes, a global array's values)")
 
 
 def short(text: str, full: bool, limit: int = SHORT) -> str:
@@ -44,6 +49,7 @@ def per_rank(data: dict | None, full: bool) -> dict:
             row["lines_left_out"] = r["lines_left_out"]
         if r["value"] is not None:
             row["value"] = short(r["value"]["text"], full)
+            cut |= row["value"] != r["value"]["text"]
         if r["displays"]:
             row["displays"] = [d["text"] or ", ".join(d["mime"]) for d in r["displays"]]
         if r["error"] is not None:
@@ -77,7 +83,9 @@ def _with(kernel: str | None, work):
 
 
 def _idle(k: kernels.Kernel) -> dict | None:
-    """None where no cell runs in kernel ``k``; else what to say instead of sending one."""
+    """None where no cell runs in kernel ``k``; else what to say instead of sending one.
+    (Ranks still in a cell the notebook stopped waiting for are not a cell that runs: a cell
+    sent then gets the kernel's own answer, and restart is the way out.)"""
     if k.ask("spmdAbout").get("cell") == "running":
         return {"status": "busy", "say": "A cell runs in this kernel now (the notebook's, or "
                 "one sent before): where shows where each rank is, interrupt stops it."}
@@ -93,16 +101,23 @@ def list_kernels() -> dict:
     from spmd.cluster import linger
 
     found = [k for k in kernels.every() if k.pop("spmd")]
-    clusters = [{"id": r.id, "ranks": r.n(), "lingering": True} for r in linger.every()]
+    clusters = [{"id": r.id, "notebook": r.notebook, "ranks": r.n(),
+                 "ends_in": linger.ends_in(r)} for r in linger.lingering()]
     return {"kernels": found, "clusters": clusters}
 
 
 def run_cell(code: str, kernel: str | None = None, ranks: str | None = None,
              timeout: float = 60.0, full: bool = False) -> dict:
     """Run ``code`` as a cell on the ranks of one SPMD kernel (``ranks``: some of them, as
-    '0,2'); each rank's text, value, error and how the cell ended on it."""
+    '0,2' or '1-3'); each rank's text, value, error and how the cell ended on it (``timeout``:
+    seconds to wait for it, up to 600; it goes on after)."""
+    if ranks and not RANKS.fullmatch(ranks.replace(" ", "")):
+        return {"error": f"ranks={ranks!r} is not a list of ranks: give them as '0,2' or '1-3'."}
+    if not 0 < timeout <= MAX_TIMEOUT:
+        return {"error": f"timeout={timeout:g} is out of range: give 0 < timeout <= "
+                         f"{MAX_TIMEOUT:g} seconds (the cell goes on after it)."}
     if ranks:
-        code = f"%%spmd --ranks {ranks}\n{code}"
+        code = f"%%spmd --ranks {ranks.replace(' ', '')}\n{code}"
 
     def work(k):
         busy = _idle(k)
@@ -114,8 +129,10 @@ def run_cell(code: str, kernel: str | None = None, ranks: str | None = None,
                     "it goes on: where shows where each rank is, interrupt stops it, "
                     "last_cells reads it once it ended."}
         said = {"status": ran["status"], **per_rank(ran["data"], full)}
-        if ran["data"] is None:  # (a cell of the kernel itself: a magic, %%local)
+        if ran["data"] is None or full:  # (a cell of the kernel itself: a magic, %%local)
             said["text"] = short(ran["text"], full)
+        elif ran["text"].strip():  # (the notebook's own notes, a global array's values)
+            said["more"] = MORE
         if ran["error"] is not None:
             said["cell_error"] = ran["error"]
         return said
@@ -125,14 +142,26 @@ def run_cell(code: str, kernel: str | None = None, ranks: str | None = None,
 
 def last_cells(kernel: str | None = None, cells: int = 1, full: bool = False) -> dict:
     """Each rank's outputs of the last ``cells`` cells that ran on the ranks, newest last."""
-    return _with(kernel, lambda k: {"cells": [
-        per_rank(c, full) for c in k.ask("spmdLastCells", {"cells": cells})["cells"]]})
+    def work(k):
+        kept = k.ask("spmdLastCells", {"cells": cells})["cells"]
+        said = {"cells": [per_rank(c, full) for c in kept]}
+        if len(kept) < cells:
+            said["note"] = f"the kernel keeps the last {len(kept)} cells that ran on the ranks"
+        return said
+
+    return _with(kernel, work)
 
 
 def where(kernel: str | None = None, full: bool = False) -> dict:
     """Where every rank is now: its state and line, the ranks that block the others and why;
     ``full``: each busy rank's stack."""
-    return _with(kernel, lambda k: k.ask("spmdWhere", {"full": full}, seconds=30))
+    def work(k):
+        said = k.ask("spmdWhere", {"full": full}, seconds=30)
+        if not full and any(r.get("line") for r in said.get("ranks", [])):
+            said["more"] = "full=true shows each busy rank's stack"
+        return said
+
+    return _with(kernel, work)
 
 
 def census(kernel: str | None = None) -> dict:
@@ -148,7 +177,8 @@ def census(kernel: str | None = None) -> dict:
 def rank_log(rank: int, kernel: str | None = None, lines: int = 40) -> dict:
     """The last ``lines`` lines rank ``rank`` wrote (its log keeps every line)."""
     return _with(kernel, lambda k: {"rank": rank, "log": k.ask(
-        "spmdRankLog", {"rank": rank, "lines": lines})["result"]})
+        "spmdRankLog", {"rank": rank, "lines": lines})["result"],
+        "more": "lines=N shows its last N lines"})
 
 
 def interrupt(kernel: str | None = None) -> dict:

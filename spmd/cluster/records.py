@@ -109,6 +109,12 @@ class Ran:
 
 # -- what a cell was ---------------------------------------------------------------------------
 
+def left_out_line(lines: int) -> str:
+    """The line a rank's bounded text has where lines were left out: the same on every rank
+    that left out as many, so that it groups (and the per-rank data leaves it out)."""
+    return f"... {lines:,} lines left out here (%spmd log RANK shows a rank's whole output) ...\n"
+
+
 @dataclass
 class Output:
     """One output of one rank: a stream chunk, a display, a result or an error.

@@ -397,3 +397,15 @@ class Session:
             return []  # (most cells: nothing came after the last one)
         self.collect_late()
         return self.late.take(self.settings.max_output)
+
+
+def unfinished(session: Session):
+    """The cell some of ``session``'s ranks still run after the notebook stopped waiting for
+    it (a timeout, a divergence), or None. (Any thread; never waits: while something holds
+    the cluster, as it was last seen.)"""
+    if session.gen.unfinished is not None and session.life.acquire(blocking=False):
+        try:
+            session.cells.busy_ranks(session.gen)  # (looks: a run that has ended is let go)
+        finally:
+            session.life.release()
+    return session.gen.unfinished

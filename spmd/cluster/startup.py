@@ -70,6 +70,17 @@ def _within(seconds: float, fn, *args) -> str:
     return found[0] if found else ""
 
 
+def _last_lines(cluster, rank: int) -> str:
+    """What ``rank`` wrote last, for a start's error about it: why it waited, often."""
+    if cluster is None:
+        return ""
+    output = _within(2.0, cluster.output_of, rank)  # (a slow host: skip)
+    lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()][-6:]
+    if not lines:
+        return ""
+    return f"\nThe last lines rank {rank} wrote:\n" + "\n".join("  " + ln[:300] for ln in lines)
+
+
 def _init_failure(rank: int, exc: Exception) -> StartError:
     ename = getattr(exc, "ename", type(exc).__name__)
     evalue = getattr(exc, "evalue", str(exc))
@@ -304,7 +315,7 @@ class Launch:
             if pending and time.monotonic() > deadline:
                 raise StartError(
                     f"Ranks {sorted(pending)} did not initialize within {s.start_timeout:.0f} s."
-                    + self._last_lines(min(pending))
+                    + _last_lines(self.cluster, min(pending))
                 )
             time.sleep(0.005)
 
@@ -377,18 +388,8 @@ class Launch:
             f"Only {s.n - len(missing)} of {s.n} engines registered within "
             f"{s.start_timeout:.0f} s; {rank_words(missing)}{where_} did not: check the "
             "engines' Python environment there, or give them more time with --start-timeout."
-            + self._last_lines(missing[0])
+            + _last_lines(self.cluster, missing[0])
         )
-
-    def _last_lines(self, rank: int) -> str:
-        """What ``rank`` wrote last, for a start's error about it: why it waited, often."""
-        if self.cluster is None:
-            return ""
-        output = _within(2.0, self.cluster.output_of, rank)  # (a slow host: skip)
-        lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()][-6:]
-        if not lines:
-            return ""
-        return f"\nThe last lines rank {rank} wrote:\n" + "\n".join("  " + ln[:300] for ln in lines)
 
     def tell_coordinator(self, coordinators: dict[str, str]) -> None:
         if coordinators:

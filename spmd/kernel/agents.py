@@ -6,17 +6,20 @@ Each is a ``debug_request`` of a command of its own, as the Ranks sidebar's clic
 are signed with the connection file's key like every message, so only the user who owns the
 kernel can ask.
 
-- ``spmdAbout``: the notebook, the cluster (ranks, hosts, backend), each rank's state, and
-  whether a cell runs;
+- ``spmdAbout``: the notebook, the cluster (ranks, hosts, backend), each rank's state,
+  whether a cell runs, and the ranks still in one the notebook stopped waiting for;
 - ``spmdWhere``: where every rank is now, the rank that blocks the others and why (the live
   panel's and ``%spmd where``'s facts: the cell's rows, and a look at the busy ranks' stacks);
 - ``spmdLastCells``: the per-rank data of the last cells (magics/cells/cell.py), newest last.
 
 Threads: these run on ipykernel's control thread. They read the magics' session and the
 cell's run, which the main thread owns: the run is the sidebar's (``RanksSidebar.run``, set at
-each tick of a cell's wait, None between cells), read as one reference; the kept cells'
-data is copied in one step (a deque's copy is one C call). They never raise: a sentence says
-what went wrong (the asker waits for a reply).
+each tick of a cell's wait, None between cells) or, once the notebook gave up waiting for
+some ranks, the session's unfinished one (``session.unfinished``, which never waits), each
+read as one reference; whether the kernel
+runs a cell at all (``SpmdKernel.executing``: a %%local cell, a start) is one bool. The kept
+cells' data is copied in one step (a deque's copy is one C call). They never raise: a
+sentence says what went wrong (the asker waits for a reply).
 """
 
 from __future__ import annotations
@@ -48,11 +51,14 @@ def _about(kernel) -> dict:
     if session is None or not session.running:
         starting = magics.pending is not None and not magics.pending.done
         return {**about, "cluster": "starting" if starting else "none", "ranks": [],
-                "cell": "idle"}
-    run = sidebar.run
+                "cell": "running" if kernel.executing else "idle"}
+    run = _run(sidebar, session)
+    stuck = sorted(run.busy_ranks) if run is not None and not kernel.executing else []
+    if stuck:  # (the notebook stopped waiting for them: a timeout, a divergence)
+        about["still_in_a_cell"] = stuck
     return {**about, "cluster": "running", "backend": session.settings.backend,
             "hosts": sorted({r.host for r in session.ranks}),
-            "cell": "running" if run is not None and run.busy_ranks else "idle",
+            "cell": "running" if kernel.executing else "idle",
             "ranks": [{"rank": r.rank, "host": r.host, "pid": r.pid, "state": r.state}
                       for r in session.ranks]}
 
@@ -65,8 +71,7 @@ def _where(kernel, full: bool) -> dict:
 
     sidebar = kernel.spmd.sidebar
     session = sidebar.session()
-    run = sidebar.run
-    rows = Panel(session).rows(run)
+    rows = Panel(session).rows(_run(sidebar, session))
     busy = [row["rank"] for row in rows if row["state"] in ("busy", "straggler", "debugger",
                                                             "input")]
     stacks = {r: s for r, s in session.stacks(busy).items() if s is not None} if busy else {}
@@ -82,3 +87,11 @@ def _where(kernel, full: bool) -> dict:
         ranks.append(shown)
     return {"ranks": ranks, "blocking": blocking, "why": why,
             "silent": [r for r in busy if r not in stacks]}
+
+
+def _run(sidebar, session):
+    """The cell the ranks run now: the one the notebook waits for, else one it gave up
+    waiting for (a timeout, a divergence) that some ranks still run."""
+    from spmd.cluster.session import unfinished
+
+    return sidebar.run or unfinished(session)

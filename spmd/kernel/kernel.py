@@ -118,6 +118,10 @@ class SpmdKernel(IPythonKernel):
                                        "the debugger on again in a moment.")
         return await debugger.process(msg)
 
+    # Whether a cell (any: a %%local one, a start) runs now: the main thread sets it, the
+    # control thread's answers to programs read it (agents.py).
+    executing = False
+
     async def do_execute(self, code, silent, *args, **kwargs):
         debugger = getattr(self, "rank_debugger", None)
         if debugger is not None and debugger.started and not silent:
@@ -125,9 +129,11 @@ class SpmdKernel(IPythonKernel):
             # (JupyterLab names a cell by a hash of its text as typed: the ranks compile that
             # text, not IPython's cleaned-up copy, while the debugger is on)
             self.spmd.raw_cell = code
+        self.executing = True
         try:
             return await super().do_execute(code, silent, *args, **kwargs)
         finally:
+            self.executing = False
             self.spmd.raw_cell = None
             if debugger is not None:
                 debugger.after_cell()

@@ -26,7 +26,6 @@ from spmd.magics.cells.cell import (
     how_it_failed,
     interrupted_by_us,
     ranks_data,
-    ranks_data_first,
     refusal,
     refuse_exit,
     run_on_ranks,
@@ -263,12 +262,9 @@ class SpmdMagics(Lifecycle, Inspection, Sharing, Exporting, Magics):
         self._record(session, cell, count, opts.ranks, debugging, ran, errors, results)
         data = ranks_data(ran, count)  # (each rank's outputs as data, for programs)
         self.cells_data.append(data)
-        first = ranks_data_first(ran)
-        if first:
-            show_ranks_data(data)
-        show_cell(session, ran, live, panel, tabs=self.tabs or opts.tabs)
-        if not first:
-            show_ranks_data(data)
+        show_cell(session, ran, live, panel, tabs=self.tabs or opts.tabs,
+                  then=bool(errors or results or ran.stall is not None))
+        show_ranks_data(data)
         if not_rebuilt:
             write("stderr", not_rebuilt + "\n")
         warn_if_launches_differ(session, ran, raised=bool(errors))

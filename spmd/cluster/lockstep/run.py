@@ -27,7 +27,7 @@ from types import MappingProxyType
 from spmd import wire
 from spmd.cluster.channel import control
 from spmd.cluster.channel.client import DONE
-from spmd.cluster.records import CellObserver, CellResult, Output
+from spmd.cluster.records import CellObserver, CellResult, Output, left_out_line
 
 # -- one rank's part of a cell -----------------------------------------------------------------
 
@@ -159,11 +159,6 @@ def pieces(text: str) -> list[str]:
             line = line[LINE_WIDTH:]
         found.append(line)
     return found
-
-
-def left_out_line(lines: int) -> str:
-    """The same on every rank that left out as many lines, so that it groups."""
-    return f"... {lines:,} lines left out here (%spmd log RANK shows a rank's whole output) ...\n"
 
 
 # ipykernel names each cell's code after the process's pid (/tmp/ipykernel_4242/31337.py), so

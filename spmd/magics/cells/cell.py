@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from spmd.cluster import interrupts
-from spmd.cluster.records import DIED, DIVERGED, INTERRUPTED, CellResult
+from spmd.cluster.records import DIED, DIVERGED, INTERRUPTED, CellResult, left_out_line
 from spmd.cluster.session import OutOfStep, Session
 from spmd.magics.arrays import meshes, transfers, values
 from spmd.magics.arrays.transfers import PLACEHOLDER_BEGINS
@@ -141,16 +141,17 @@ def run_on_ranks(
 
 
 def show_cell(
-    session: Session, ran: CellResult, live: LiveView, panel: Panel | None, tabs: bool
+    session: Session, ran: CellResult, live: LiveView, panel: Panel | None, tabs: bool,
+    then: bool,
 ) -> None:
     """The panel's summary, then the cell's outputs grouped (widgets with the text they read
-    now, of the ranks that finished)."""
+    now, of the ranks that finished); ``then``: the cell's value or error follows."""
     if live.widgets_shown:
         busy = set(ran.stall.busy) if ran.stall is not None else set()
         widgets.refresh_texts(session, ran.cells, [r for r in ran.cells if r not in busy])
     if panel is not None:
         panel.freeze(ran)
-    show_outputs(ran.cells, tabs=tabs)
+    show_outputs(ran.cells, tabs=tabs, then=then)
 
 
 def warn_if_launches_differ(session: Session, ran: CellResult, raised: bool) -> None:
@@ -305,13 +306,17 @@ def ranks_data(ran, count: int | None) -> dict:
         else:
             ended = "ok"
         value = next((o for o in outputs if o.kind == "result"), None)
+        left_out = cell.left_out if cell is not None else 0
+        stderr = "".join(o.text for o in outputs if o.kind == "stderr")
+        if left_out:  # (the notebook's line that says so, which the rank did not write)
+            stderr = stderr.replace(left_out_line(left_out), "", 1)
         ranks.append({
             "rank": rank,
             "ended": ended,
             "seconds": round(cell.seconds, 3) if cell is not None and cell.seconds else None,
             "stdout": "".join(o.text for o in outputs if o.kind == "stdout"),
-            "stderr": "".join(o.text for o in outputs if o.kind == "stderr"),
-            "lines_left_out": cell.left_out if cell is not None else 0,
+            "stderr": stderr,
+            "lines_left_out": left_out,
             "displays": [_shown(o) for o in outputs if o.kind == "display"],
             "value": _shown(value) if value is not None else None,
             "error": None if error is None else {
@@ -335,10 +340,3 @@ def show_ranks_data(data: dict) -> None:
     """A cell's ``ranks_data``, as one display output (empty text: nothing is seen)."""
     display({RANKS_DATA_MIME: data, "text/plain": ""}, raw=True)
 
-
-def ranks_data_first(ran) -> bool:
-    """Where a rank's last output clears the cell's at the next output (``clear_output(
-    wait=True)``), the bundle is shown before the outputs, not after: it would clear them."""
-    return any(kept and kept[-1].kind == "clear" for kept in (
-        [o for o in c.outputs if o.kind not in ("result", "error")]
-        for c in ran.cells.values()))

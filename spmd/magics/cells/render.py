@@ -209,10 +209,19 @@ def widget_id(out: Output) -> str | None:
     return view.get("model_id") if isinstance(view, dict) else None
 
 
-def show_outputs(cells: dict[int, RankCell], tabs: bool = False) -> None:
+def show_outputs(cells: dict[int, RankCell], tabs: bool = False, then: bool = False) -> None:
     """The cell's outputs, grouped; with ``tabs``, ranks whose outputs differ get a tab each
-    (one per group of ranks with the same outputs), under the text form of the stacked view."""
+    (one per group of ranks with the same outputs), under the text form of the stacked view.
+
+    A last ``clear_output(wait=True)`` clears at the next output: in one process, at the
+    cell's value or error, if ``then`` one follows, and never otherwise. So it is a clear now
+    where ``then``, and nothing where not: what the notebook shows next of its own (the
+    cell's per-rank data, a note) neither clears the outputs nor is cleared by what follows."""
     groups = group_outputs(cells)
+    last = groups[-1][1] if groups else None
+    pending = last is not None and last.kind == "clear" and last.data["wait"]
+    if pending:
+        groups = groups[:-1]
     if tabs:
         per_rank = _shown_outputs(cells)
         by_outputs: dict[object, list[int]] = {}
@@ -223,6 +232,8 @@ def show_outputs(cells: dict[int, RankCell], tabs: bool = False) -> None:
             return
     for group in groups:
         show_group(*group)
+    if pending and then:
+        clear_output()
 
 
 def _tabs_bundle(rank_groups: list[list[int]], per_rank: dict, groups: list[Group]) -> dict:
