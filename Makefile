@@ -49,7 +49,10 @@ docs: $(DOCS_STAMP)
 	echo "The site is in docs/_build/html (built in $$(( $$(date +%s) - start )) s)."
 
 # (the docs extra too: tests/test_docs.py builds a one-page site)
+# (spmd's bytecode first: where PYTHONDONTWRITEBYTECODE is set, as on CI's machine, every rank
+# server, kernel and notebook the tests start would compile spmd's modules again)
 test: $(DOCS_STAMP) system
+	$(BIN)/python -m compileall -q spmd
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 system:

@@ -239,11 +239,14 @@ def shell():
     ip.run_line_magic("unload_ext", "spmd")
 
 
-def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> InteractiveShell:
+def ready_cluster(shell: InteractiveShell, start: str, setup: str = "",
+                  once: bool = False) -> InteractiveShell:
     """``shell`` with a running, in-step cluster from ``%spmd {start}``, auto mode on, and
     ``setup`` run on it. Whatever an earlier test left (a stopped cluster, ranks out of step or
     still busy, another size, auto mode off) is repaired first, so that every test passes alone
-    and in any order, and one failure does not spread to the tests after it."""
+    and in any order, and one failure does not spread to the tests after it. ``once``: the
+    setup is not run again on the same rank processes (for a module whose tests only read
+    what it defines; a restart gives new processes, and it runs again)."""
     magics = shell.magics_manager.registry["SpmdMagics"]
     s = magics.session
     healthy = (
@@ -269,9 +272,12 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "") -> Inter
         assert out.error is None, out.stdout + out.stderr
         magics.session.started_by = start
     magics.auto.on = True
-    if setup:
+    seeded = (setup, tuple(r.pid for r in magics.session.ranks))
+    if setup and not (once and getattr(magics.session, "seeded", None) == seeded):
+        magics.session.seeded = None
         out = run(shell, setup)
         assert out.error is None, out.stdout + out.stderr
+        magics.session.seeded = seeded
     return shell
 
 

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 @pytest.fixture
 def cluster(module_shell):
-    return ready_cluster(module_shell, "start -n 4 -d 2", SEED)
+    # (its tests read SEED's names and never change them: it runs once per set of ranks)
+    return ready_cluster(module_shell, "start -n 4 -d 2", SEED, once=True)
 
 
 def held_by_each_process(shell, expr: str) -> set[tuple[str, int, int]]:

@@ -17,17 +17,28 @@ pytestmark = pytest.mark.timeout(180)
 SETUP = "import os\nrank = int(os.environ['SPMD_RANK'])"
 
 
-@pytest.fixture(params=["magic", "kernel"])
-def kernel(request):
-    """A kernel with 2 ranks: python3 with %spmd start, or the SPMD kernel."""
+@pytest.fixture(scope="module", params=["magic", "kernel"])
+def started(request):
+    """A kernel with 2 ranks: python3 with %spmd start, or the SPMD kernel (one of each for
+    the module: each test gets its ranks anew, below)."""
     name = "python3" if request.param == "magic" else SPMD_KERNEL
     with spmd_kernel(name) as (km, kc):
         if request.param == "magic":
             reply, text = kernel_stream(kc, "%load_ext spmd\n%spmd start -n 2 --backend none")
             assert reply["content"]["status"] == "ok", text
-        reply, text = kernel_stream(kc, SETUP)
-        assert reply["content"]["status"] == "ok", text
         yield km, kc
+
+
+@pytest.fixture
+def kernel(started):
+    """The module's kernel with new ranks (%spmd restart: nothing an earlier test left, a
+    failed rank's exception, a prompt, a pause, reaches this one), and SETUP run."""
+    km, kc = started
+    reply, text = kernel_stream(kc, "%spmd restart")
+    assert reply["content"]["status"] == "ok", text
+    reply, text = kernel_stream(kc, SETUP)
+    assert reply["content"]["status"] == "ok", text
+    return km, kc
 
 
 class Person:
