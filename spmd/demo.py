@@ -7,14 +7,13 @@ The executed copy is written beside the original as ``NAME.executed.ipynb``. Thi
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+from spmd.words import uncoloured
 
 
 def execute(path: str | Path, timeout: int = 300, allow_errors: bool = False):
@@ -40,7 +39,7 @@ def output_text(output) -> str:
         text = output.get("data", {}).get("text/plain", "")
         return text + "\n" if text else ""  # an emptied live view shows nothing
     if kind == "error":
-        return _ANSI.sub("", "\n".join(output.get("traceback", []))) + "\n"
+        return uncoloured("\n".join(output.get("traceback", []))) + "\n"
     return ""
 
 

@@ -3,12 +3,20 @@
 
 A floor below every layer, beside wire.py: the cluster's own messages (a start that timed out,
 a restart on some ranks, a death's out-of-step sentence) and the magics' reports and outputs
-use them alike. Plain functions of their arguments, on whichever thread calls them.
+use them alike; and a traceback's text without its colours. Plain functions of their arguments, on whichever thread calls them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+
+_COLOURS = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # (a terminal's escape sequences: IPython's)
+
+
+def uncoloured(text: str) -> str:
+    """``text`` without the colour codes of a traceback or a prompt."""
+    return _COLOURS.sub("", text)
 
 
 def rank_set(ranks: Iterable[int]) -> str:

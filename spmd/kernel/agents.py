@@ -16,9 +16,9 @@ Threads: these run on ipykernel's control thread. They read the magics' session 
 cell's run, which the main thread owns: the run is the sidebar's (``RanksSidebar.run``, set at
 each tick of a cell's wait, None between cells) or, once the notebook gave up waiting for
 some ranks, the session's unfinished one (``session.unfinished``, which never waits), each
-read as one reference; whether the kernel
-runs a cell at all (``SpmdKernel.executing``: a %%local cell, a start) is one bool. The kept
-cells' data is copied in one step (a deque's copy is one C call). They never raise: a
+read as one reference; whether the kernel runs a cell at all (``SpmdKernel.executing``: a
+%%local cell, a start) is one bool. The kept cells' data is copied in one step (a deque's copy
+is one C call). They never raise: a
 sentence says what went wrong (the asker waits for a reply).
 """
 
@@ -66,14 +66,13 @@ def _about(kernel) -> dict:
 def _where(kernel, full: bool) -> dict:
     """Every rank's state and line now, the ranks that block the others, and (``full``) each
     busy rank's stack."""
-    from spmd.kernel.sidebar import blockers, line_of
+    from spmd.kernel.sidebar import IN_THE_CELL, blockers, line_of
     from spmd.magics.cells.panel import Panel
 
     sidebar = kernel.spmd.sidebar
     session = sidebar.session()
     rows = Panel(session).rows(_run(sidebar, session))
-    busy = [row["rank"] for row in rows if row["state"] in ("busy", "straggler", "debugger",
-                                                            "input")]
+    busy = [row["rank"] for row in rows if row["state"] in IN_THE_CELL]
     stacks = {r: s for r, s in session.stacks(busy).items() if s is not None} if busy else {}
     blocking, why = blockers(rows, stacks)
     ranks = []

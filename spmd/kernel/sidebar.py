@@ -220,7 +220,7 @@ def blockers(rows: list[dict], stacks: dict) -> tuple[list[int], str]:
     from spmd.words import rank_words
 
     finished = [row for row in rows if row["state"] in ("done", "error")]
-    unfinished = [row["rank"] for row in rows if row["state"] in _IN_THE_CELL]
+    unfinished = [row["rank"] for row in rows if row["state"] in IN_THE_CELL]
     if finished and unfinished:
         # (the seconds since the first finished: a cell's ranks finish within moments of
         # each other, which is no one waiting)
@@ -244,7 +244,7 @@ def blockers(rows: list[dict], stacks: dict) -> tuple[list[int], str]:
 # How long after the first rank finished the cell the ranks still in it are said to block it.
 STRAGGLER_SECONDS = 0.5
 # The panel's states of a rank that has not finished the cell (panel.Panel.rows).
-_IN_THE_CELL = ("busy", "straggler", "input", "debugger")
+IN_THE_CELL = ("busy", "straggler", "input", "debugger")
 
 
 def _without_clocks(state: dict | None) -> dict | None:

@@ -18,7 +18,7 @@ from spmd import picture
 from spmd.cluster.session import Session
 from spmd.engine.arrays import shards
 from spmd.magics.arrays.values import numpy_dtype
-from spmd.words import process_words, rank_words
+from spmd.words import process_words, rank_words, uncoloured
 
 ANSWER_SECONDS = 30.0
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -177,7 +177,6 @@ def _assemble(expr: str, layout: dict, answers: dict[int, list]) -> np.ndarray:
 
 # jax's words when a process is asked for values it does not hold
 _NOT_ADDRESSABLE = "spans non-addressable (non process local) devices"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CELL_LINE = re.compile(r"^Cell In\[\d+\], line (\d+)")
 
 
@@ -190,7 +189,7 @@ def gather_hint(session: Session, cell: str, errors: list) -> str:
     names: list[str] = []
     lines = cell.splitlines()
     for text in errs[0][1].traceback:
-        m = _CELL_LINE.match(_ANSI.sub("", text))
+        m = _CELL_LINE.match(uncoloured(text))
         if m and 0 < int(m.group(1)) <= len(lines):
             names = _names_in(lines[int(m.group(1)) - 1])
     return _ways_out(*_spanning(session, errs[0][0][0], names))

@@ -8,7 +8,6 @@ runs on the notebook's main thread, and ipykernel routes output by that thread's
 
 from __future__ import annotations
 
-import re
 import time
 
 from IPython.core.error import UsageError
@@ -32,7 +31,7 @@ from spmd.magics.cells.render import (
     write,
 )
 from spmd.wire import GLOBAL_ARRAY_MIME, RANKS_DATA_MIME
-from spmd.words import rank_set, rank_words
+from spmd.words import rank_set, rank_words, uncoloured
 
 # -- before the run ---------------------------------------------------------------------------
 
@@ -282,7 +281,6 @@ def refusal(session: Session, text: str) -> str:
 # of its MIME types, never a picture's bytes.
 
 RANKS_DATA_VERSION = 1  # (docs/reference/ranks-json.md: its schema)
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def ranks_data(ran, count: int | None) -> dict:
@@ -321,7 +319,7 @@ def ranks_data(ran, count: int | None) -> dict:
             "value": _shown(value) if value is not None else None,
             "error": None if error is None else {
                 "ename": error.ename, "evalue": error.evalue,
-                "traceback": [_ANSI.sub("", line) for line in error.traceback]},
+                "traceback": [uncoloured(line) for line in error.traceback]},
         })
     return {
         "version": RANKS_DATA_VERSION,
