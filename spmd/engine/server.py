@@ -282,9 +282,13 @@ class Server:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if not isinstance(exc.code, int | None):  # (as Python says it at its own exit)
+                print(exc.code, file=sys.stderr)
         except BaseException:
             import traceback
 
+            # (before its output was its own file, this is the server's log: say whose)
+            print(f"The fork for {request.get('fork')} failed:", file=sys.stderr)
             traceback.print_exc()
         finally:
             import atexit

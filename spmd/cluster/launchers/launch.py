@@ -277,7 +277,7 @@ class SpmdCluster(Cluster):
         showed the lines from before it; and a log is as long as the rank printed.)"""
         launchers = self.rank_launchers()
         if rank in launchers:
-            text = _tail(launchers[rank].output_file, tail)
+            text = file_tail(launchers[rank].output_file, tail)
             # (a stop read and removed the file: ipyparallel's copy)
             return text if text is not None else launchers[rank].get_output()[-tail:]
         if rank in self.ssh_launchers():
@@ -317,7 +317,7 @@ def cluster_log() -> logging.Logger:
     return log
 
 
-def _tail(path: str, size: int) -> str | None:
+def file_tail(path: str, size: int) -> str | None:
     """The last ``size`` bytes of a file, as text (None where it cannot be read)."""
     try:
         with open(path, "rb") as f:
