@@ -117,7 +117,7 @@ READY = [f"import time\nfrom jax.experimental import multihost_utils\n"
 @pytest.mark.parametrize("launcher", ["local", "mpi"])
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_ends_every_process_of_a_jax_job(presses, launcher, tmp_path):
-    """^C (SIGINT to the job's process group, as a terminal sends it) one second after every
+    """^C (SIGINT to the job's process group, as a terminal sends it) half a second after every
     rank said ready: no process of the job is left 10 s later, though jax's ranks ignore
     SIGTERM; a second ^C at once kills them at once, before the first one's 3 s grace is
     over. The status is ^C's."""
@@ -128,7 +128,7 @@ def test_ctrl_c_ends_every_process_of_a_jax_job(presses, launcher, tmp_path):
     launch = write_job(str(tmp_path), READY, launcher=launcher)
     with _running(launch, str(tmp_path)) as (job, procs):
         assert len([p for p in procs if _named(p, "python")]) == 2
-        time.sleep(1)
+        time.sleep(0.5)  # (rank 0 into its collective)
         pressed = time.monotonic()
         for press in range(presses):
             if press:
@@ -169,7 +169,7 @@ def _rank_1_fails(tmp_path, launcher: str, setup: str, then=lambda: None) -> Non
     test's clean-up kills what the launch's process group still holds."""
     cells = ["import sys, time\n" + setup
              + f"print('{TAG} ready', rank, flush=True)\n"
-             "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n"
+             "if rank == 1:\n    time.sleep(0.5)\n    sys.exit(3)\n"
              "time.sleep(120)"]
     launch = write_job(str(tmp_path), cells, backend="none", launcher=launcher)
     with _running(launch, str(tmp_path)) as (job, procs):
@@ -211,7 +211,7 @@ def test_a_failed_jax_rank_leaves_at_once_and_ends_the_job(fails, status, launch
     and the launch ends within 10 s with rank 1's status, with no process left."""
     cells = ["import sys, time\nfrom jax.experimental import multihost_utils\n"
              f"print('{TAG} ready', rank, flush=True)\n"
-             f"if rank == 1:\n    time.sleep(1)\n    {fails}\n"
+             f"if rank == 1:\n    time.sleep(0.5)\n    {fails}\n"
              "multihost_utils.sync_global_devices('wait for rank 1')"]
     if launcher == "mpi" and not shutil.which("mpiexec"):
         pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
@@ -226,7 +226,7 @@ def test_a_jax_job_that_ends_normally_exits_0(tmp_path):
     the others at jax's exit barrier, and the job's status is 0."""
     cells = ["import time\n"
              f"print('{TAG} ready', rank, flush=True)\n"
-             "time.sleep(rank)  # (rank 0 done first, 1 s before rank 1)"]
+             "time.sleep(rank / 2)  # (rank 0 done first, 0.5 s before rank 1)"]
     with _running(write_job(str(tmp_path), cells), str(tmp_path)) as (job, procs):
         assert job.wait(timeout=60) == 0
         _none_left(procs)
@@ -269,7 +269,7 @@ def test_the_end_of_a_job_ends_what_its_ranks_started(ends, launcher, tmp_path):
     a rank ran on)."""
     import psutil
 
-    fails = "if rank == 1:\n    time.sleep(1)\n    sys.exit(3)\n" if ends != "ctrl-c" else ""
+    fails = "if rank == 1:\n    time.sleep(0.5)\n    sys.exit(3)\n" if ends != "ctrl-c" else ""
     if launcher == "mpi" and not shutil.which("mpiexec"):
         pytest.skip("MPICH's mpiexec is not installed (apt-get install mpich)")
     launch = write_job(str(tmp_path), [CHILD + fails + "time.sleep(120)"], backend="none",

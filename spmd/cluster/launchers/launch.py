@@ -27,6 +27,11 @@ from spmd.engine.life.orphans import PARENT_ENV
 from spmd.engine.watch.stacks import STACK_FILE_ENV
 
 LOOPBACK = remote.LOOPBACK
+# A rank whose controller is gone (the notebook was killed: its controller ends with it)
+# exits after this many missed checks (~12-16 s), not ipyparallel's 50: a batch job or an
+# mpiexec whose ranks nothing watches then ends instead of holding its nodes.
+RANK_HEARTBEAT_MISSES = 20
+
 # How much of a rank's output ``output_of`` reads by default (the death reports' last lines
 # come from its end), as a rank server reads another host's (servers.RankServer.read).
 OUTPUT_TAIL = 1 << 16
@@ -175,10 +180,7 @@ def cluster_config(
         # The nanny is one more process per engine, for signals sent through the controller;
         # ranks take signals on their own control channel instead (spmd.engine.watch.answers).
         "--IPEngine.enable_nanny=False",
-        # A rank whose controller is gone (the notebook was killed: its controller ends with
-        # it) exits after 20 missed checks (~12-16 s), not ipyparallel's 50: a batch job or
-        # an mpiexec whose ranks nothing watches then ends instead of holding its nodes.
-        "--IPEngine.max_heartbeat_misses=20",
+        f"--IPEngine.max_heartbeat_misses={RANK_HEARTBEAT_MISSES}",
         "--IPEngine.out_stream_factory=spmd.engine.shell.streams.OutStream",
     ]
     python = where.python or sys.executable
