@@ -268,7 +268,9 @@ def ready_cluster(shell: InteractiveShell, start: str, setup: str = "",
     if not healthy:
         if s is not None:  # (stop is idempotent; a died cluster may keep its controller and rank server)
             s.stop()
-        out = run(shell, f"%spmd {start}")
+        # (within the test's timeout: a rank that hangs in its join then says where it is)
+        timeout = "" if "--start-timeout" in start else " --start-timeout 60"
+        out = run(shell, f"%spmd {start}{timeout}")
         assert out.error is None, out.stdout + out.stderr
         magics.session.started_by = start
     magics.auto.on = True

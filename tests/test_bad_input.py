@@ -125,6 +125,23 @@ def test_jax_missing_in_the_engines_environment(shell, tmp_path, monkeypatch):
     assert message.endswith("install it there, or start with --backend none.")
 
 
+def test_a_rank_whose_join_hangs_is_named_with_where_it_waits(shell, tmp_path, monkeypatch):
+    """A rank that is still joining when the start's time is nearly over says where it is (as
+    a hang in jax.distributed.initialize would), instead of a bare "did not initialize"; and
+    nothing of the start is left."""
+    fake = tmp_path / "jax"  # (a jax whose import never ends, on every rank's join thread)
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    t0 = time.monotonic()
+    message = usage_error(shell, "%spmd start -n 2 --rank-server off --start-timeout 6")
+    assert time.monotonic() - t0 < 30
+    assert message.startswith("Rank ") and (" failed to initialize: StillJoining: still "
+                                            "joining after 3 s, at:\n") in message, message
+    assert f'File "{fake}/__init__.py", line 2, in <module>' in message, message
+    assert "time.sleep(60)" in message and "<frozen" not in message, message
+
+
 def test_jax_initialized_in_the_notebook_warns(shell):
     import jax
 

@@ -89,10 +89,12 @@ def test_sleeping_past_the_timeout_reports_the_line_and_needs_a_restart(cluster)
 
 
 @pytest.mark.parametrize("late", ["time.sleep(0.5)", "time.sleep(1.5)", "busy(1.25)"])
-def test_a_rank_that_is_only_slower_is_waited_for_and_the_cluster_stays_in_step(cluster, late):
+def test_a_rank_that_is_only_slower_is_waited_for_and_the_cluster_stays_in_step(cluster, late,
+                                                                                monkeypatch):
     """Late is not diverged: rank 1 runs plain Python past the grace (0.5 s here, as the
     default's 2 s), launches nothing rank 0 did not, and the cell waits for it; the live view
     says whom it waits for."""
+    monkeypatch.setattr(LiveView, "delay", 0.25)  # (shown from the grace on, not from 1 s)
     busy = "def busy(s):\n    end = time.monotonic() + s\n    while time.monotonic() < end:\n" \
            "        pass"
     assert run(cluster, busy).error is None
@@ -182,6 +184,7 @@ def test_a_rank_inside_an_eager_jax_operation_the_others_skipped_is_reported(clu
     patience = 1.5
     for module in (cells, reports):  # (the notebook's: its watchdog, and the report's words)
         monkeypatch.setattr(module, "INSIDE_PATIENCE", patience)
+    monkeypatch.setattr(LiveView, "delay", 0.25)  # (shown from the grace on, not from 1 s)
     assert run(cluster, GLOBAL_X).error is None
     t0 = time.monotonic()
     with displays() as shown:

@@ -181,8 +181,8 @@ def test_spmd_start_with_the_kernelspecs_settings_reuses_its_cluster():
 
 def test_exit_asks_the_front_end_to_shut_the_kernel_down_and_spares_the_ranks():
     with spmd_kernel() as (km, kc):
-        reply, _ = kernel_stream(kc, "import jax")
-        assert reply["content"]["status"] == "ok"
+        reply, said = kernel_stream(kc, "import jax")
+        assert reply["content"]["status"] == "ok", said
         engines = rank_engines(spmd_processes(km.provisioner.process.pid))
         assert len(engines) == 2
         for word in ("exit", "quit()"):
@@ -198,8 +198,8 @@ def test_exit_asks_the_front_end_to_shut_the_kernel_down_and_spares_the_ranks():
 
 def test_interrupt_reaches_every_rank_and_restart_recovers(tmp_path):
     with spmd_kernel() as (km, kc):
-        reply, _ = kernel_stream(kc, "import jax, time")
-        assert reply["content"]["status"] == "ok"
+        reply, said = kernel_stream(kc, "import jax, time")
+        assert reply["content"]["status"] == "ok", said
         # (each rank says it runs the cell with a file, the line before its sleep)
         msg_id = kc.execute(f"open({str(tmp_path)!r} + '/began-' + str(jax.process_index()), "
                             "'w').close()\ntime.sleep(120)")
@@ -246,8 +246,8 @@ def test_restart_and_shutdown_of_the_kernel_leave_no_process():
         assert not wait_until_gone(first)
         kc.wait_for_ready(timeout=60)
         second_pid = km.provisioner.process.pid
-        reply, _ = kernel_stream(kc, "x = 2")
-        assert reply["content"]["status"] == "ok"
+        reply, said = kernel_stream(kc, "x = 2")
+        assert reply["content"]["status"] == "ok", said
         second = spmd_processes(second_pid)
         assert second
     finally:
@@ -265,8 +265,8 @@ def test_a_killed_spmd_kernel_restarted_by_jupyter_attaches_to_its_lingering_ran
     km, kc = start_new_kernel(kernel_name=SPMD_KERNEL, env=env)
     started = []
     try:
-        reply, _ = kernel_stream(kc, "import jax\nx = 10 + jax.process_index()")
-        assert reply["content"]["status"] == "ok"
+        reply, said = kernel_stream(kc, "import jax\nx = 10 + jax.process_index()")
+        assert reply["content"]["status"] == "ok", said
         started = spmd_processes(km.provisioner.process.pid)
         assert len(rank_engines(started)) == 2
         km.restart_kernel(now=True)  # (SIGKILL, then the same command: the restarter's way)

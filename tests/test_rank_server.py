@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 import psutil
@@ -469,3 +470,31 @@ def test_128_forked_ranks_have_room_run_a_cell_and_are_told_in_groups(fresh, tmp
     out = run(fresh, "%spmd start -n 100000 --backend none")
     assert isinstance(out.error, UsageError)
     assert "each needs about 64 MiB (none, forked by the rank server)" in str(out.error)
+
+
+def test_a_fork_that_fails_before_its_output_is_its_own_is_told_from_the_servers_log(tmp_path):
+    """A rank whose fork fails before its output file is open writes nothing of its own: the
+    server's log names the fork, and the start's error shows that part of the log only, not
+    another rank's."""
+    from types import SimpleNamespace
+
+    from spmd.cluster.launchers import forks, servers
+
+    (tmp_path / "a folder").mkdir()  # (no file can be opened there for writing)
+    server = servers.local_server(sys.executable, [], str(tmp_path / "server.log"))
+    try:
+        assert server.wait_ready(60)
+        for key in ("3/0", "3/1"):
+            pid = server.fork(key, dict(os.environ), ["spmd"], str(tmp_path / "a folder"), "")
+            assert server.exit_code(pid, timeout=30) == (True, 1)
+    finally:
+        server.close()
+    for key in ("3/0", "3/1"):
+        said = forks.ForkedEngineLauncher.fork_failure(SimpleNamespace(fork_key=key,
+                                                                       server=server))
+        lines = said.splitlines()
+        assert lines[0] == f"The fork for {key} failed:" and len(lines) <= 5, said
+        assert lines[-1].startswith("IsADirectoryError: "), said
+        assert "The fork for" not in "\n".join(lines[1:]), said
+    assert forks.ForkedEngineLauncher.fork_failure(
+        SimpleNamespace(fork_key="3/2", server=server)) == ""

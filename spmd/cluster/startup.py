@@ -20,7 +20,7 @@ import time
 
 from spmd import internals
 from spmd.cluster import linger
-from spmd.cluster.launchers import forks, launch, processes, remote, servers, ssh
+from spmd.cluster.launchers import forks, processes, remote, servers, ssh
 from spmd.cluster.launchers.launch import LOOPBACK, SpmdCluster, cluster_config, cluster_log
 from spmd.cluster.launchers.profiles import new_profile_dir, owned_folder
 from spmd.cluster.lockstep.logs import last_lines
@@ -473,14 +473,13 @@ def _exited_engines(cluster: SpmdCluster) -> str:
         who = " ".join(launcher.find_args()[:1])
     code = _exit_code(launcher)
     how = "" if code is None else f", {processes.how_it_ended(code)}"
-    tail = "\n".join(last_lines(launcher.get_output(), count=5))
-    server = getattr(cluster, "rank_server", None)
-    log_path = getattr(server, "log_path", "")
-    if not tail and log_path:  # (a fork that failed before its output was its file's)
-        tail = "\n".join(last_lines(launch.file_tail(log_path, 20000) or "", count=5))
-        if tail:
-            return f" ({who}{how}); the last lines its rank server wrote:\n{tail}"
-    return f" ({who}{how}); the last lines it wrote:\n{tail or '(nothing)'}"
+    written = launcher.get_output()
+    forked = isinstance(launcher, forks.ForkedEngineLauncher) and not written.strip()
+    failed = launcher.fork_failure() if forked else ""
+    if failed:
+        return f" ({who}{how}); its rank server wrote:\n{failed}"
+    tail = "\n".join(last_lines(written, count=5)) or "(nothing)"
+    return f" ({who}{how}); the last lines it wrote:\n{tail}"
 
 
 def _exit_code(launcher, wait: float = 1.0) -> int | None:

@@ -55,6 +55,10 @@ class BackendMissing(RuntimeError):
     """The engine's Python cannot import the requested backend."""
 
 
+class StillJoining(RuntimeError):
+    """The rank's join did not end in the start's time; its text says where it was."""
+
+
 class _Join:
     """Imports the backend and joins the distributed job, on a thread, once."""
 
@@ -88,9 +92,19 @@ class _Join:
     def start(self) -> None:
         self._thread.start()
 
-    def wait(self) -> None:
-        if self._thread.ident is not None:
-            self._thread.join()
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the join ended; StillJoining, with where it is, after ``timeout`` seconds."""
+        if self._thread.ident is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            import traceback
+
+            frame = sys._current_frames().get(self._thread.ident)
+            frames = [f for f in traceback.extract_stack(frame) if not f.filename.startswith(
+                "<frozen")] if frame else []  # (importlib's own frames say nothing)
+            where = "".join(traceback.format_list(frames[-6:])) or "(gone)\n"
+            raise StillJoining(f"still joining after {timeout:.0f} s, at:\n{where.rstrip()}")
 
     def give_coordinators(self, addresses: dict[str, str]) -> None:
         if not self._coordinator_given.is_set():
@@ -251,7 +265,8 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     (remote ranks)."""
     if coordinators:
         _join.give_coordinators(coordinators)
-    _join.wait()
+    # (a join that hangs says where, a little before the start gives up on this rank)
+    _join.wait(max(1.0, float(os.environ.get(INIT_TIMEOUT_ENV) or 120) - 3))
     if _join.error is not None:
         raise _join.error
     internals.check("rank")  # (what the rank's kernel replaces is there, or one sentence)

@@ -282,12 +282,14 @@ class Server:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-            if not isinstance(exc.code, int | None):  # (as Python says it at its own exit)
-                print(exc.code, file=sys.stderr)
+            if not isinstance(exc.code, int | None):  # (as Python says it at its own exit;
+                # on fd 2: the engine's sys.stderr is a cell's stream by now)
+                os.write(2, f"{exc.code}\n".encode(errors="replace"))
         except BaseException:
             import traceback
 
-            # (before its output was its own file, this is the server's log: say whose)
+            # (before its output was its own file, this is the server's log: say whose, as
+            # startup.py looks for it)
             print(f"The fork for {request.get('fork')} failed:", file=sys.stderr)
             traceback.print_exc()
         finally:

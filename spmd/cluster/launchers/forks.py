@@ -16,7 +16,11 @@ import time
 import psutil
 
 from spmd.cluster.launchers import ssh
-from spmd.cluster.launchers.launch import RankedEngineLauncher, RankedEngineSetLauncher
+from spmd.cluster.launchers.launch import (
+    RankedEngineLauncher,
+    RankedEngineSetLauncher,
+    file_tail,
+)
 from spmd.cluster.launchers.processes import Ended
 from spmd.cluster.launchers.servers import RankServer, ServerUnavailable, SSHRankServers
 
@@ -37,14 +41,25 @@ class ForkedEngineLauncher(RankedEngineLauncher):
         # which it changes to (ipyparallel read the folder when the server imported it).
         folder = os.path.abspath(self.work_dir)
         argv = [*_engine_argv(self.args), f"--IPEngine.work_dir={folder}"]
-        self.server.ask_fork(self._key, env, argv, self.output_file, folder)
+        self.server.ask_fork(self.fork_key, env, argv, self.output_file, folder)
 
     @property
-    def _key(self) -> str:
+    def fork_key(self) -> str:
+        """This rank's name in its server's replies and log (engine set/rank)."""
         return f"{self.parent.engine_set_id}/{self.identifier}"
 
+    def fork_failure(self) -> str:
+        """What the server wrote of this rank's fork failing before the rank's output was its
+        own file (server.py: a line naming the fork, then the traceback's end); ''."""
+        marker = f"The fork for {self.fork_key} failed:"
+        text = file_tail(getattr(self.server, "log_path", ""), 20000) or ""
+        if marker not in text:
+            return ""
+        section = text[text.rindex(marker):].split("\nThe fork for ")[0].splitlines()
+        return "\n".join([section[0], *section[1:][-4:]])
+
     def started(self) -> None:
-        self.pid = self.server.forked(self._key)
+        self.pid = self.server.forked(self.fork_key)
         try:
             self.process = psutil.Process(self.pid)
         except psutil.NoSuchProcess:  # (it ended at once: the start or restart says so)

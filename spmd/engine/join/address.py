@@ -11,6 +11,10 @@ import time
 # connection takes an ephemeral one (Linux: 32768-60999); a port below both is not taken by
 # this start itself. A collision with another program is still possible, hence the retry.
 _COORDINATOR_PORTS = (20000, 32768)
+# The draw's own randomness, from the system: the process's global generator is the user's
+# (a notebook's random.seed(0), pytest-randomly's seed per test), and two notebooks seeded
+# alike would draw the same ports in the same order.
+_draw = random.SystemRandom()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     outgoing connection of the ranks (gloo's, gRPC's) also draws from, so one of those can
     take the coordinator's port before rank 0 binds it (the start then tries once more)."""
     for _ in range(100):
-        port = random.randrange(*_COORDINATOR_PORTS)
+        port = _draw.randrange(*_COORDINATOR_PORTS)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

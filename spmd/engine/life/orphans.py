@@ -304,7 +304,8 @@ def _remove_what_was_kept() -> None:
 
 
 def _say(line: str) -> None:
-    """A line in the rank's own output file (its fd 2: sys.stderr is the cell's stream)."""
+    """A line in this process's output file (its fd 2: a rank's sys.stderr is a cell's
+    stream)."""
     try:
         os.write(2, (line + "\n").encode())
     except OSError:
@@ -327,7 +328,7 @@ def watch_parent(period: float = 1.0, linger: Linger | None = None) -> Linger | 
             if os.getppid() != parent_pid and (
                 linger is None or parent_pid != linger.notebook_pid
             ):  # (no linger, or the parent was a rank server, which lingers in our stead)
-                _say(f"spmd: this rank's parent (pid {parent_pid}) ended: the rank ends too.")
+                _say(f"spmd: the parent process (pid {parent_pid}) ended; this one ends too.")
                 end_children()
                 os._exit(1)
             if linger is not None and linger.over() and linger.confirm_over():
