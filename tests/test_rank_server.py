@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ready_cluster, report, run, session, spmd_processes
+from conftest import report, run, session, spmd_processes
 from IPython.core.error import UsageError
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,15 +63,8 @@ def restart_forks(shell) -> None:
     assert run(shell, PSUM).stdout == "[ranks 0-1] [2.]\n"
 
 
-@pytest.fixture
-def two_ranks(module_shell):
-    """A running 2-rank cluster with the rank server, shared by the module's tests that only
-    run cells and restart it (a restart gives new ranks: nothing one test defined is left)."""
-    return ready_cluster(module_shell, "start -n 2", SETUP)
-
-
-def test_the_rank_server_forks_the_ranks(two_ranks):
-    fresh = two_ranks
+def test_the_rank_server_forks_the_ranks(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
     forked_by_the_server(fresh)
     status = run(fresh, "%spmd status").stdout
     assert f"rank server: pid {server_of(fresh).pid} " in status, status
@@ -82,21 +75,24 @@ def test_the_rank_server_forks_the_ranks(two_ranks):
     assert out.error is None and "[rank 0]" in out.stdout and "[rank 1]" in out.stdout, out.stdout
 
 
-def test_restart_forks_new_ranks(two_ranks):
-    restart_forks(two_ranks)
-    restart_forks(two_ranks)  # twice: the server forks as often as asked
+def test_restart_forks_new_ranks(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    restart_forks(fresh)
+    restart_forks(fresh)  # twice: the server forks as often as asked
 
 
-def test_restart_after_a_divergence_ends_the_blocked_rank(two_ranks):
-    fresh = two_ranks
+def test_restart_after_a_divergence_ends_the_blocked_rank(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    assert run(fresh, SETUP).error is None
     out = run(fresh, "%%spmd --grace 0.5\nif rank == 0:\n    raise ValueError('diverge')\n"
               + PSUM)
     assert "The ranks diverged" in report(out)
     restart_forks(fresh)
 
 
-def test_restart_after_a_death(two_ranks):
-    fresh = two_ranks
+def test_restart_after_a_death(fresh):
+    assert run(fresh, "%spmd start -n 2").error is None
+    assert run(fresh, SETUP).error is None
     out = run(fresh, "if rank == 1:\n    os.kill(os.getpid(), 9)\n" + PSUM)
     text = report(out)
     assert text.startswith("Rank 1 died: killed by SIGKILL"), text
