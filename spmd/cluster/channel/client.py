@@ -359,7 +359,11 @@ class CellRoutes:
         cell_id = msg["header"]["msg_id"]
         ids = {rank: f"{cell_id}_{rank}" for rank in ranks}
         msg["content"] = {
-            "request": {"code": code, "silent": False, "user_expressions": {}},
+            # (stop_on_error: ipykernel's default skips the requests that reach a rank just
+            # after an error there, and that rank would skip the next cell; the notebook
+            # decides what runs next, and a rank runs every cell it is sent)
+            "request": {"code": code, "silent": False, "user_expressions": {},
+                        "stop_on_error": False},
             "metadata": metadata,
             "targets": [[idents[rank], ids[rank]] for rank in ranks],
         }
