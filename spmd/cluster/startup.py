@@ -98,6 +98,7 @@ def _init_failure(rank: int, exc: Exception) -> StartError:
 # While ranks are missing, the controller is asked this often which engines it has: the
 # client can miss one's announcement (SpmdClient.sync_engines).
 SYNC_ENGINES_S = 1.0
+ASK_AGAIN_S = 5.0  # (a rank not joined this long after it was asked is asked again)
 
 # How rank 0 says its coordinator's port was taken: jax raises the first when the join fails
 # on its thread; the second is gRPC's own line when the engine exits before it registered.
@@ -285,16 +286,20 @@ class Launch:
         self.tell_coordinator(coordinators or {})
         self._tell("joined", 0, s.n)
         # (every rank at once: the others wait for rank 0's coordinator to listen on their
-        # side, see bootstrap._join_jax)
-        pending = {
-            r.rank: self.client[r.engine_id].apply_async(engine.joined, coordinators)
-            for r in ranks
-        }
-        deadline = time.monotonic() + s.start_timeout
+        # side, see bootstrap._join_jax; asked again at 5 s and 15 s: a rank that registered
+        # a moment before its requests' connection was up loses the first, which the
+        # controller cannot route; a second waits behind a first that runs)
+        pending = {r.rank: [] for r in ranks}
+        asked, deadline = time.monotonic(), time.monotonic() + s.start_timeout
         while pending:
             self.check_cancelled()
-            for rank, ar in list(pending.items()):
-                if not ar.ready():
+            for rank, ars in pending.items():
+                if len(ars) < 3 and time.monotonic() - asked >= ASK_AGAIN_S * (2**len(ars) - 1):
+                    ars.append(self.client[ranks[rank].engine_id].apply_async(
+                        engine.joined, coordinators))
+            for rank, ars in list(pending.items()):
+                ar = next((a for a in ars if a.ready()), None)
+                if ar is None:
                     continue
                 del pending[rank]
                 try:

@@ -258,11 +258,18 @@ def propose_coordinators(toward: str) -> dict[str, str]:
     return coordinator_addresses(address_toward(toward), _join.backends)
 
 
+# What joined() returned, for a second request (the notebook sends one again to a rank whose
+# answer is late: its first may have been lost on the way).
+_JOINED: dict[str, Any] = {}
+
+
 def joined(coordinators: dict[str, str] | None = None) -> dict:
     """Wait until this rank has joined the distributed job; return this process's facts.
 
     ``coordinators``: rank 0's addresses by backend, where they were not known at launch
     (remote ranks)."""
+    if _JOINED:
+        return _JOINED
     if coordinators:
         _join.give_coordinators(coordinators)
     # (a join that hangs says where, a little before the start gives up on this rank)
@@ -288,7 +295,8 @@ def joined(coordinators: dict[str, str] | None = None) -> dict:
     # faulthandler names threads by this id; the notebook picks the main thread's stack.
     main_thread = threading.main_thread().ident
     kernel.rank_joined(_join.backends, main_thread)
-    return dict(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
+    _JOINED.update(_join.facts, main_thread=main_thread, timeline=dict(TIMELINE))
+    return _JOINED
 
 
 def main() -> None:
